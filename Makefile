@@ -1,0 +1,23 @@
+# The two commands of the README. Both create or reuse .venv and install what they need.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lightning_gh-installed
+DEMO_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: demo test clean
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	bash scripts/bootstrap.sh $(VENV)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m lightning_gh demo $(DEMO_ARGS)
+
+# pytest exits 5 when it collects no test: say so and fail, since this suite is never empty.
+test: $(STAMP)
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)"; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) runs bench_out .pytest_cache

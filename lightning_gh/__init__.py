@@ -1,0 +1,12 @@
+"""lightning-gh: drop-in PyTorch Lightning callbacks and plugins for fast, observable LLM training on
+NVIDIA Hopper (H100, H200) and Grace Hopper (GH200).
+
+Optional packages (nvtx, torchao, Transformer Engine) are imported only by the parts that use them.
+"""
+
+from lightning_gh import hardware
+from lightning_gh.hardware import HardwareInfo
+
+__version__ = "0.1.0.dev0"
+
+__all__ = ["HardwareInfo", "__version__", "hardware"]

@@ -1,0 +1,30 @@
+"""The benchmark runner works end to end on the CPU (functional run; timings are not asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_baseline_suite_runs_on_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--suite", "baseline", "--preset", "tiny", "--iters", "2",
+         "--warmup", "1", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_baseline.json").read_text())
+    variants = [r["variant"] for r in data["results"]]
+    assert variants == ["eager step", "compiled step", "eager fwd+bwd", "compiled fwd+bwd", "lightning bf16-mixed"]
+    for r in data["results"]:
+        assert r["error"] is None and r["median_ms"] > 0 and len(r["samples_ms"]) == 2
+    assert data["results"][0]["speedup_vs_first"] == 1.0
+    assert "| tiny   | eager step" in proc.stdout
+
+
+def test_runner_rejects_unknown_suite():
+    proc = subprocess.run([sys.executable, "benchmarks/run.py", "--suite", "nope"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr

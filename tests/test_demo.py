@@ -1,0 +1,28 @@
+"""The main job, as `make demo` runs it, end to end on the CPU."""
+
+import json
+import subprocess
+import sys
+
+
+def test_demo_runs_and_reports(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_gh", "demo", "--preset", "tiny", "--steps", "40", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lightning_gh demo: trained the 'tiny'" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 40
+    assert summary["loss_last"] < summary["loss_first"]
+    for key in ("metrics", "loss_plot", "checkpoint"):
+        assert (tmp_path / summary["outputs"][key]).exists() or __import__("pathlib").Path(summary["outputs"][key]).exists()
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "lightning_gh", "demo", "--steps", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--steps=0 must be a positive number" in proc.stderr

@@ -1,0 +1,47 @@
+"""hardware.py on the CPU; its GPU fields are checked by the GPU test at the end (skipped without CUDA)."""
+
+import pytest
+import torch
+
+from lightning_gh import hardware
+
+
+def test_detect_on_this_machine():
+    hw = hardware.detect()
+    assert hw is hardware.detect()  # cached
+    assert hw.cpu_count >= 1 and hw.host_arch
+    if not torch.cuda.is_available():
+        assert (hw.cuda_available, hw.gpu_name, hw.compute_capability, hw.fp8_capable, hw.link) == (False, None, None, False, None)
+        assert "CPU only" in hw.describe()
+        assert "no CUDA GPU" in hw.fp8_unsupported_reason()
+        assert hardware.link_bandwidth() is None
+
+
+@pytest.mark.parametrize(
+    "arch, cc, fp8, hopper, gh, link",
+    [
+        ("x86_64", (9, 0), True, True, False, "pcie"),  # H100 / H200 on PCIe
+        ("aarch64", (9, 0), True, True, True, "nvlink-c2c"),  # GH200
+        ("x86_64", (8, 9), True, False, False, "pcie"),  # L40S / RTX 4090
+        ("x86_64", (8, 0), False, False, False, "pcie"),  # A100
+        ("aarch64", (8, 0), False, False, False, "pcie"),  # Arm host with an Ampere card is not Grace Hopper
+        ("x86_64", None, False, False, False, None),
+    ],
+)
+def test_classify(arch, cc, fp8, hopper, gh, link):
+    assert hardware.classify(arch, cc) == {"fp8_capable": fp8, "is_hopper": hopper, "is_grace_hopper": gh, "link": link}
+
+
+def test_fp8_reason_names_the_gpu_and_capability():
+    hw = hardware.HardwareInfo(True, 0, "NVIDIA A100-SXM4-80GB", (8, 0), 80 * 2**30, 1, False, False, False, "pcie",
+                               "x86_64", 16, "2.11", "13.0")
+    assert hw.fp8_unsupported_reason() == "NVIDIA A100-SXM4-80GB has compute capability 8.0; fp8 needs >= 8.9 (Ada, Hopper or newer)"
+    assert "sm_80" in hw.describe()
+
+
+@pytest.mark.gpu
+def test_gpu_fields_and_bandwidth():
+    hw = hardware.detect()
+    assert hw.cuda_available and hw.gpu_name and hw.compute_capability and hw.gpu_memory_bytes > 0
+    bw = hardware.link_bandwidth(nbytes=64 * 2**20, repeats=3)
+    assert bw.h2d_gbps > 1 and bw.d2h_gbps > 1

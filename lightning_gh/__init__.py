@@ -6,7 +6,8 @@ Optional packages (nvtx, torchao, Transformer Engine) are imported only by the p
 
 from lightning_gh import hardware
 from lightning_gh.hardware import HardwareInfo
+from lightning_gh.profiling.nvtx import NVTXRangeCallback
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["HardwareInfo", "__version__", "hardware"]
+__all__ = ["HardwareInfo", "NVTXRangeCallback", "__version__", "hardware"]

@@ -1,0 +1,808 @@
+"""NVTX ranges for every phase of a Lightning training step, for reading Nsight Systems timelines.
+
+One callback annotates the step the way an engineer would by hand: ``train_step`` (one per
+optimizer step, the step number as payload) holding ``dataloader``, ``forward``, ``zero_grad``,
+``backward`` and ``optimizer_step``; then ``validation`` and ``checkpoint`` where they happen;
+optionally a range per module and per Python garbage collection. Ranges go to a dedicated NVTX
+domain with registered strings, a colour and a category per phase, so a tool pays no string copy
+per event. Unlike ``torch.autograd.profiler.emit_nvtx`` it does not annotate every operator: about
+ten ranges per step.
+
+How the ranges map onto Lightning 2.6 (``lightning/pytorch/loops``)::
+
+    train_step      opens when the first micro-batch of an optimizer step is fetched (Lightning's
+                    profiler action "[_TrainingEpochLoop].train_dataloader_next"; on_train_batch_start
+                    if that action is not seen) and closes at on_train_batch_end of the batch whose
+                    optimizer step advanced trainer.global_step. Payload: the step (global_step
+                    before the update, the number the `steps` argument selects).
+    dataloader      fetch start .. on_train_batch_start: next(loader) plus the host-to-device copy
+                    (batch_to_device). One per micro-batch. Payload: the step.
+    forward         on_train_batch_start .. on_before_zero_grad / on_before_backward: the
+                    training_step. Payload: tokens in the micro-batch when the batch holds integer
+                    token ids, else the step.
+    zero_grad       on_before_zero_grad .. on_before_backward. Lightning zeroes the gradients inside
+                    its closure, after training_step and before backward, on the first micro-batch
+                    of each optimizer step only.
+    backward        on_before_backward .. on_after_backward (includes DDP's gradient all-reduce).
+    optimizer_step  on_before_optimizer_step .. the optimizer's step post-hook
+                    (torch.optim.Optimizer.register_step_post_hook). Gradient clipping, which
+                    Lightning runs after on_before_optimizer_step, is inside. When the step is
+                    skipped (a GradScaler that found inf), it closes at on_train_batch_end.
+    validation      on_validation_start .. on_validation_end. Payload: trainer.global_step.
+    checkpoint      the whole Trainer.save_checkpoint (Lightning's profiler action
+                    "save_checkpoint": gathering the state, writing it, the barrier), whether
+                    ModelCheckpoint or the user asked for it. Payload: trainer.global_step.
+
+With gradient accumulation ``dataloader``/``forward``/``backward`` repeat inside one
+``train_step``. With manual optimization ``backward``/``optimizer_step``/``zero_grad`` nest inside
+``forward`` (they happen inside training_step). Validation and checkpoints that follow step N
+belong to step N: they are annotated when step N is selected.
+
+The two profiler actions are watched by wrapping ``trainer.profiler.start``/``stop`` on the
+instance for the duration of the run (any Lightning profiler, including the default pass-through
+one, keeps working); Lightning has no callback hook at the start of a fetch or around a save.
+
+Example::
+
+    import lightning as L
+    from lightning_gh.profiling.nvtx import NVTXRangeCallback
+
+    trainer = L.Trainer(callbacks=[NVTXRangeCallback(steps="20-24", ranks="0")])
+    trainer.fit(model, datamodule)
+    # nsys profile --trace=cuda,nvtx -o run python train.py
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import gc
+import os
+import threading
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_gh.profiling._nvtx_backend import Backend, select_backend
+from lightning_gh.profiling.windows import RankSelection, StepSchedule
+
+if TYPE_CHECKING:
+    from lightning_gh.demo.run import DemoConfig, Part
+    from lightning_gh.hardware import HardwareInfo
+
+__all__ = ["NVTXRangeCallback", "PHASES", "STEPS_ENV", "demo_part"]
+
+#: Overrides the ``steps`` argument when set (same grammar), like ``LGH_PROFILE_START_STOP`` for the profiler.
+STEPS_ENV = "LGH_NVTX_STEPS"
+
+_FETCH_SUFFIX = "].train_dataloader_next"
+_SAVE_ACTION = "save_checkpoint"
+
+
+@dataclass(frozen=True)
+class RangeStyle:
+    """How a range looks in Nsight Systems: an ARGB colour and a named category."""
+
+    color: int
+    category: str
+
+
+#: Every range the callback emits by default, in the order they usually appear, with its style.
+PHASES: dict[str, RangeStyle] = {
+    "train_step": RangeStyle(0xFF76B900, "step"),
+    "dataloader": RangeStyle(0xFFF39C12, "data"),
+    "forward": RangeStyle(0xFF3498DB, "compute"),
+    "zero_grad": RangeStyle(0xFF95A5A6, "optimizer"),
+    "backward": RangeStyle(0xFF9B59B6, "compute"),
+    "optimizer_step": RangeStyle(0xFFE74C3C, "optimizer"),
+    "validation": RangeStyle(0xFF1ABC9C, "eval"),
+    "checkpoint": RangeStyle(0xFFF1C40F, "io"),
+}
+_GC_STYLE = RangeStyle(0xFF7F8C8D, "gc")
+_MODULE_STYLE = RangeStyle(0xFF5DADE2, "module")
+_MODULE_BACKWARD_STYLE = RangeStyle(0xFFAF7AC5, "module")
+_USER_STYLE = RangeStyle(0xFFBDC3C7, "user")
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _count_tokens(batch: Any) -> int | None:
+    """Tokens in an LLM micro-batch: the size of its first integer tensor (token ids), if any."""
+    for _ in range(4):  # tuples / dicts of tensors, a few levels deep at most
+        if isinstance(batch, torch.Tensor):
+            return batch.numel() if not batch.is_floating_point() and not batch.is_complex() else None
+        if isinstance(batch, dict):
+            batch = batch.get("input_ids", batch.get("tokens", next(iter(batch.values()), None)))
+        elif isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        else:
+            return None
+    return None
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _default_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Two levels below the LightningModule, looking through ModuleList/ModuleDict containers.
+
+    For a typical LLM module that is the network itself and its embedding, each transformer block,
+    the final norm and the head: readable in a timeline, and a handful of hooks per block.
+    """
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module, depth: int) -> None:
+        for name, child in module.named_children():
+            qual = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, _CONTAINERS):
+                visit(qual, child, depth)  # a container has no forward of its own
+                continue
+            out.append((qual, child))
+            if depth < 2:
+                visit(qual, child, depth + 1)
+
+    visit("", root, 1)
+    return out
+
+
+def _matching_modules(root: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """Modules whose qualified name or class name matches one of the fnmatch ``patterns``."""
+    named = [(n, m) for n, m in root.named_modules() if n]
+    out, unmatched = [], []
+    for p in patterns:
+        if not any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(type(m).__name__, p) for n, m in named):
+            unmatched.append(p)
+    if unmatched:
+        examples = sorted({type(m).__name__ for _, m in named})[:8] + [n for n, _ in named][:4]
+        raise ValueError(
+            f"`module_ranges` patterns {unmatched} match no module of {type(root).__name__}; patterns are "
+            f"fnmatch globs on qualified names or class names, e.g. {examples}."
+        )
+    for n, m in named:
+        if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns):
+            out.append((n, m))
+    return out
+
+
+def _without_compiled(modules: list[tuple[str, nn.Module]]) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """Drop modules inside a ``torch.compile`` wrapper (their path runs through ``_orig_mod``).
+
+    A Python hook in a compiled region would break its graph. The wrapper itself is kept: its hooks run
+    outside the compiled code, so its range spans the compiled call.
+    """
+    keep, dropped = [], []
+    for name, module in modules:
+        (dropped if "_orig_mod" in name.split(".") else keep).append((name, module))
+    return keep, [n for n, _ in dropped]
+
+
+class NVTXRangeCallback(Callback):
+    r"""Annotate each phase of training with NVTX ranges, for Nsight Systems.
+
+    Ranges (exact messages): ``train_step``, ``dataloader``, ``forward``, ``zero_grad``, ``backward``,
+    ``optimizer_step``, ``validation``, ``checkpoint``; with ``module_ranges`` one per module call
+    (its qualified name, and ``"<name> (backward)"`` where the backward can be bounded cheaply); with
+    ``gc_ranges`` a ``gc`` range per Python garbage collection. See the module docstring for the exact
+    Lightning hooks behind each range.
+
+    Backends: the ``nvtx`` package (dedicated domain, registered strings, colours, categories,
+    payloads), else ``torch.cuda.nvtx`` (global domain, messages only), else one warning and nothing.
+    With the ``nvtx`` package and no tool attached (the usual run outside ``nsys``), the callback does
+    no work at all.
+
+    Args:
+        steps: optimizer steps to annotate, e.g. ``"20-24"`` or ``"10-14,50"`` (the grammar of
+            :class:`~lightning_gh.profiling.windows.StepSchedule`); ``None`` annotates every step.
+            The environment variable ``LGH_NVTX_STEPS`` overrides it. Outside the selected steps
+            nothing is pushed, and module hooks are removed.
+        ranks: which processes annotate: ``"all"``, ``"0"``, ``"0,3"``, ``"local0"``, ``"last"``.
+        domain: the NVTX domain name (Nsight Systems shows it as its own row).
+        module_ranges: ``True`` for a range around each module two levels below the
+            LightningModule (containers such as ``nn.ModuleList`` are looked through: for an LLM,
+            the network, its embedding, each block, the final norm and the head); a list of fnmatch
+            patterns on qualified names or class names (``["Block", "model.head"]``) to choose; ``False``
+            for none. Modules inside a ``torch.compile`` wrapper are skipped with a warning.
+        gc_ranges: a ``gc`` range around every Python garbage collection (payload: its generation).
+
+    Raises:
+        ValueError: an argument is out of its allowed values (the message names it and the grammar).
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[NVTXRangeCallback(steps="20-24", ranks="0", gc_ranges=True)])
+        # then:  nsys profile --trace=cuda,nvtx -o run python train.py
+    """
+
+    def __init__(
+        self,
+        steps: str | None = None,
+        ranks: str = "all",
+        domain: str = "lightning_gh",
+        module_ranges: bool | Sequence[str] = False,
+        gc_ranges: bool = False,
+    ) -> None:
+        if steps is not None and not isinstance(steps, str):
+            raise ValueError(f"`steps`={steps!r} must be None (every step) or a string such as '20-24'.")
+        self._schedule = StepSchedule.resolve(steps, STEPS_ENV, argument="steps")
+        self._ranks = RankSelection.parse(ranks, argument="ranks")
+        if not isinstance(domain, str) or not domain.strip():
+            raise ValueError(f"`domain`={domain!r} must be a non-empty string, e.g. 'lightning_gh'.")
+        if isinstance(module_ranges, str):
+            raise ValueError(
+                f"`module_ranges`={module_ranges!r} must be True/False or a list of patterns; "
+                f"write [{module_ranges!r}] for one pattern."
+            )
+        if not isinstance(module_ranges, bool):
+            try:
+                patterns = list(module_ranges)
+            except TypeError:
+                raise ValueError(
+                    f"`module_ranges`={module_ranges!r} must be True/False or a list of module name / class "
+                    "name patterns such as ['Block', 'model.head']."
+                ) from None
+            if not patterns or not all(isinstance(p, str) and p.strip() for p in patterns):
+                raise ValueError(
+                    f"`module_ranges`={module_ranges!r} must be a non-empty list of non-empty strings "
+                    "(fnmatch patterns on module names or class names), or True/False."
+                )
+            module_ranges = tuple(patterns)
+        if not isinstance(gc_ranges, bool):
+            raise ValueError(f"`gc_ranges`={gc_ranges!r} must be True or False.")
+        self.steps = steps
+        self.ranks = ranks
+        self.domain = domain
+        self.module_ranges: bool | tuple[str, ...] = module_ranges
+        self.gc_ranges = gc_ranges
+        self._backend: Backend | None = None
+        self._reset()
+
+    # ------------------------------------------------------------------ state
+
+    def _reset(self) -> None:
+        self._on = False  # backend live and this rank selected: the hooks do anything at all
+        self._trainer: L.Trainer | None = None
+        self._handles: dict[str, Any] = {}
+        self._stack: list[str] = []  # keys pushed on the main thread, innermost last
+        self._main_thread = threading.get_ident()
+        self._pid = os.getpid()
+        self._tls = threading.local()
+        self._active = False  # the current step (and what follows it) is annotated
+        self._in_step = False
+        self._seen_step = False
+        self._step = 0
+        self._batches = 0
+        self._automatic = True
+        self._profiler: Any = None
+        self._patched: dict[str, Any] = {}
+        self._patch_live = False
+        self._opt_hooks: list[Any] = []
+        self._module_targets: list[tuple[str, nn.Module]] | None = None
+        self._module_hooks: list[Any] = []
+        self._open_backward: dict[int, list[Any]] = {}
+        self._gc_installed = False
+        self._gc_open = False
+
+    @property
+    def backend(self) -> str:
+        """The backend in use after ``setup``: ``"nvtx"``, ``"torch"`` or ``"none"``."""
+        return self._backend.name if self._backend is not None else "none"
+
+    @property
+    def active(self) -> bool:
+        """True while the current step is being annotated (a tool is attached and the step is selected)."""
+        return self._on and self._active
+
+    def _selected(self, step: int) -> bool:
+        return self._schedule is None or step in self._schedule
+
+    def _tail_selected(self, trainer: L.Trainer) -> bool:
+        # Validation and checkpoints after step N belong to step N; before any step, to global_step.
+        if not self._on:
+            return False
+        return self._active if self._seen_step else self._selected(trainer.global_step)
+
+    # ------------------------------------------------------------------ push / pop on the main thread
+
+    def _push(self, key: str, payload: int | None) -> None:
+        self._backend.push(self._handles[key], payload)
+        self._stack.append(key)
+
+    def _pop_to(self, key: str) -> None:
+        """Close ``key`` and anything opened inside it; nothing if ``key`` is not open."""
+        stack = self._stack
+        if key not in stack:
+            return
+        backend = self._backend
+        while stack:
+            top = stack.pop()
+            backend.pop()
+            if top == key:
+                return
+
+    def _unwind_to(self, key: str) -> None:
+        """Close everything opened inside ``key``, keeping ``key`` open."""
+        stack = self._stack
+        if key not in stack:
+            return
+        while stack[-1] != key:
+            stack.pop()
+            self._backend.pop()
+
+    def _pop_all(self) -> None:
+        while self._stack:
+            self._stack.pop()
+            self._backend.pop()
+        self._end_open_backward()
+
+    # ------------------------------------------------------------------ setup / teardown
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._cleanup()
+        self._reset()
+        self._trainer = trainer
+        if not self._ranks.selects(trainer.global_rank, trainer.local_rank, trainer.world_size):
+            return  # not even the domain is created on an unselected rank
+        if self._backend is None:
+            self._backend = select_backend(self.domain)
+        backend = self._backend
+        if backend.name == "none":
+            _warn_once("no-backend", f"NVTXRangeCallback: no NVTX backend, ranges are off ({backend.reason}). "
+                                     "Install the `nvtx` package (pip install nvtx) or use a CUDA build of torch.")
+            return
+        if not backend.tool_attached:
+            return  # nvtx package, no tool listening: every call would be a no-op, so make none
+        self._on = True
+        for name, style in PHASES.items():
+            self._handles[name] = backend.prepare(name, style.color, style.category)
+        if self.gc_ranges:
+            self._handles["gc"] = backend.prepare("gc", _GC_STYLE.color, _GC_STYLE.category)
+            gc.callbacks.append(self._on_gc)
+            self._gc_installed = True
+        self._patch_profiler(trainer.profiler)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._on:
+            return
+        self._automatic = pl_module.automatic_optimization
+        for opt in trainer.optimizers:
+            self._opt_hooks.append(opt.register_step_post_hook(self._on_optimizer_step_end))
+        if self.module_ranges:
+            self._resolve_modules(pl_module)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._cleanup()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Every push gets its pop even when a step raises; Lightning calls no teardown hook then.
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        if getattr(self, "_backend", None) is None or not getattr(self, "_on", False):
+            return
+        self._pop_all()
+        self._in_step = False
+        self._active = False
+        self._remove_module_hooks()
+        for h in self._opt_hooks:
+            h.remove()
+        self._opt_hooks = []
+        if self._gc_installed:
+            if self._gc_open:  # unlikely: a collection running while we clean up
+                self._gc_open = False
+                self._backend.pop()
+            try:
+                gc.callbacks.remove(self._on_gc)
+            except ValueError:
+                pass
+            self._gc_installed = False
+        self._unpatch_profiler()
+        self._on = False
+
+    # ------------------------------------------------------------------ the profiler seam
+
+    def _patch_profiler(self, profiler: Any) -> None:
+        # Lightning reports a fetch and a save only through its profiler; wrap this instance's
+        # start/stop and delegate, so any profiler the user chose keeps working.
+        orig_start, orig_stop = profiler.start, profiler.stop
+        save = _SAVE_ACTION
+
+        def start(action_name: str) -> None:
+            if self._patch_live:
+                if action_name.endswith(_FETCH_SUFFIX):
+                    self._on_fetch_start()
+                elif action_name == save:
+                    self._on_save_start()
+            return orig_start(action_name)
+
+        def stop(action_name: str) -> None:
+            out = orig_stop(action_name)
+            if self._patch_live:
+                if action_name.endswith(_FETCH_SUFFIX):
+                    self._on_fetch_stop()
+                elif action_name == save:
+                    self._pop_to("checkpoint")
+            return out
+
+        self._patched = {"start": start, "stop": stop,
+                         "had": {k: k in vars(profiler) for k in ("start", "stop")},
+                         "orig": {"start": vars(profiler).get("start"), "stop": vars(profiler).get("stop")}}
+        profiler.start, profiler.stop = start, stop
+        self._profiler = profiler
+        self._patch_live = True
+
+    def _unpatch_profiler(self) -> None:
+        profiler, patched = self._profiler, self._patched
+        self._patch_live = False  # if someone wrapped over us, our wrapper stays but only delegates
+        if profiler is None or not patched:
+            return
+        for k in ("start", "stop"):
+            if vars(profiler).get(k) is patched[k]:
+                if patched["had"][k]:
+                    setattr(profiler, k, patched["orig"][k])
+                else:
+                    delattr(profiler, k)
+        self._profiler, self._patched = None, {}
+
+    # ------------------------------------------------------------------ steps
+
+    def _open_step(self, trainer: L.Trainer) -> None:
+        step = trainer.global_step
+        self._in_step, self._seen_step = True, True
+        self._step, self._batches = step, 0
+        active = self._selected(step)
+        if active != self._active:
+            self._active = active
+            self._sync_module_hooks()
+        if active:
+            self._push("train_step", step)
+
+    def _on_fetch_start(self) -> None:
+        if not self._on or self._trainer is None or not self._trainer.training:
+            return
+        if not self._in_step:
+            self._open_step(self._trainer)
+        if self._active:
+            self._pop_to("dataloader")  # a previous fetch that never reached a batch
+            self._push("dataloader", self._step)
+
+    def _on_fetch_stop(self) -> None:
+        # Usually "dataloader" stays open through the host-to-device copy until on_train_batch_start;
+        # when training_step fetches for itself (dataloader_iter), it ends with the fetch.
+        if self._active and "forward" in self._stack:
+            self._pop_to("dataloader")
+
+    def _on_save_start(self) -> None:
+        if self._trainer is not None and self._tail_selected(self._trainer):
+            self._push("checkpoint", self._trainer.global_step)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if not self._on:
+            return
+        if not self._in_step:
+            self._open_step(trainer)
+        self._batches += 1
+        if not self._active:
+            return
+        self._pop_to("dataloader")
+        tokens = _count_tokens(batch)
+        self._push("forward", tokens if tokens is not None else self._step)
+
+    def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if not (self._on and self._active and self._in_step):
+            return
+        if self._automatic:
+            self._pop_to("forward")
+        self._push("zero_grad", self._step)
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if not (self._on and self._active and self._in_step):
+            return
+        self._pop_to("zero_grad")
+        if self._automatic:
+            self._pop_to("forward")
+        self._push("backward", self._step)
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not (self._on and self._active):
+            return
+        self._pop_to("backward")
+        self._end_open_backward()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if not (self._on and self._active and self._in_step):
+            return
+        self._pop_to("backward")
+        self._pop_to("zero_grad")
+        if self._automatic:
+            self._pop_to("forward")
+        self._push("optimizer_step", self._step)
+
+    def _on_optimizer_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._active and self._stack and "optimizer_step" in self._stack:
+            self._pop_to("optimizer_step")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not (self._on and self._in_step):
+            return
+        if self._active:
+            self._unwind_to("train_step")
+            self._end_open_backward()
+        if trainer.global_step != self._step:  # this batch's optimizer step ran: the step is over
+            if self._active:
+                self._pop_to("train_step")
+            self._in_step = False
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning steps the optimizer on an epoch's last batch, so no step spans epochs; one still open
+        # here fetched no batch (an iterable that ran dry) or was cut short (on_train_batch_start -> -1).
+        if self._on and self._in_step:
+            self._pop_to("train_step")
+            self._in_step = False
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._on:
+            self._pop_all()
+            self._in_step = False
+
+    # ------------------------------------------------------------------ validation
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._tail_selected(trainer):
+            self._push("validation", trainer.global_step)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._on:
+            self._pop_to("validation")
+
+    # ------------------------------------------------------------------ garbage collection
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        # Collections are never concurrent, and start/stop run on the same thread: push/pop pair up.
+        # A forked DataLoader worker inherits gc.callbacks; it has no step to annotate.
+        if phase == "start":
+            if self._active and os.getpid() == self._pid:
+                self._backend.push(self._handles["gc"], info.get("generation"))
+                self._gc_open = True
+        elif self._gc_open:
+            self._gc_open = False
+            self._backend.pop()
+
+    # ------------------------------------------------------------------ module ranges
+
+    def _resolve_modules(self, pl_module: L.LightningModule) -> None:
+        spec = self.module_ranges
+        found = _default_modules(pl_module) if spec is True else _matching_modules(pl_module, spec)
+        targets, dropped = _without_compiled(found)
+        if dropped:
+            shown = dropped[:5] + (["..."] if len(dropped) > 5 else [])
+            _warn_once("compiled", f"NVTXRangeCallback: no module ranges inside torch.compile'd modules ({shown}); "
+                                   "a Python hook there would break the compiled graph.")
+        backend = self._backend
+        for name, _ in targets:
+            self._handles.setdefault(f"m:{name}", backend.prepare(name, _MODULE_STYLE.color, _MODULE_STYLE.category))
+            self._handles.setdefault(f"b:{name}", backend.prepare(f"{name} (backward)", _MODULE_BACKWARD_STYLE.color,
+                                                                  _MODULE_BACKWARD_STYLE.category))
+        self._module_targets = targets
+        self._sync_module_hooks()
+
+    def _sync_module_hooks(self) -> None:
+        # Hooks exist only while steps are annotated: outside the windows the modules run hook-free.
+        if not self._module_targets:
+            return
+        if self._active and not self._module_hooks:
+            for name, module in self._module_targets:
+                pre, post = self._module_hook_pair(name)
+                self._module_hooks.append(module.register_forward_pre_hook(pre))
+                self._module_hooks.append(module.register_forward_hook(post))
+        elif not self._active and self._module_hooks:
+            self._remove_module_hooks()
+
+    def _remove_module_hooks(self) -> None:
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+
+    def _thread_stack(self) -> list[str]:
+        if threading.get_ident() == self._main_thread:
+            return self._stack
+        stack = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        return stack
+
+    def _module_hook_pair(self, name: str) -> tuple[Any, Any]:
+        fkey, bkey = f"m:{name}", f"b:{name}"
+        handle, bhandle = self._handles[fkey], self._handles[bkey]
+        backend = self._backend
+
+        def pre(module: nn.Module, args: Any) -> None:
+            if self._active:
+                backend.push(handle, self._step)
+                self._thread_stack().append(fkey)
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            stack = self._thread_stack()
+            if fkey not in stack:
+                return
+            while stack:
+                top = stack.pop()
+                backend.pop()
+                if top == fkey:
+                    break
+            if torch.is_grad_enabled() and stack is self._stack:
+                self._bound_backward(bhandle, args, output)
+
+        return pre, post
+
+    def _bound_backward(self, bhandle: Any, args: Any, output: Any) -> None:
+        # The module's backward starts when the gradient of its output is ready and ends when the
+        # gradient of its input is: two tensor hooks, no extra autograd node. Modules whose input needs
+        # no gradient (an embedding of token ids) have no cheap end, so no backward range.
+        out, inp = _first_tensor(output), _first_tensor(args)
+        if out is None or inp is None or not out.requires_grad or not inp.requires_grad:
+            return
+        cell: list[Any] = [None]
+        backend, step, open_ranges = self._backend, self._step, self._open_backward
+
+        def on_output_grad(grad: torch.Tensor) -> None:
+            if cell[0] is None:
+                cell[0] = backend.start(bhandle, step)
+                open_ranges[id(cell)] = cell
+
+        def on_input_grad(grad: torch.Tensor) -> None:
+            rid = cell[0]
+            if rid is not None and open_ranges.pop(id(cell), None) is not None:
+                cell[0] = None
+                backend.end(rid)
+
+        out.register_hook(on_output_grad)
+        inp.register_hook(on_input_grad)
+
+    def _end_open_backward(self) -> None:
+        if not self._open_backward:
+            return
+        for cell in list(self._open_backward.values()):
+            rid, cell[0] = cell[0], None
+            if rid is not None:
+                self._backend.end(rid)
+        self._open_backward.clear()
+
+    # ------------------------------------------------------------------ for other parts
+
+    @contextmanager
+    def annotate(self, message: str, payload: int | None = None) -> Iterator[None]:
+        """A range of your own (for example around a CUDA graph replay), in this callback's domain.
+
+        Pushed only while the current step is annotated. ``message`` is registered once and reused.
+
+        Example::
+
+            nvtx_cb = next(cb for cb in trainer.callbacks if isinstance(cb, NVTXRangeCallback))
+            with nvtx_cb.annotate("graph_replay"):
+                graph.replay()
+        """
+        if not (self._on and self._active):
+            yield
+            return
+        key = f"u:{message}"
+        if key not in self._handles:
+            self._handles[key] = self._backend.prepare(message, _USER_STYLE.color, _USER_STYLE.category)
+        stack = self._thread_stack()
+        self._backend.push(self._handles[key], self._step if payload is None else payload)
+        stack.append(key)
+        try:
+            yield
+        finally:
+            while key in stack:
+                top = stack.pop()
+                self._backend.pop()
+                if top == key:
+                    break
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the callbacks into each process: keep the configuration, not the run's state
+        # (thread-locals, hooks, the backend's native handles are rebuilt in setup there).
+        keep = ("steps", "ranks", "domain", "module_ranges", "gc_ranges", "_schedule", "_ranks")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._backend = None
+        self._reset()
+
+    def __repr__(self) -> str:
+        return (f"NVTXRangeCallback(steps={self.steps!r}, ranks={self.ranks!r}, domain={self.domain!r}, "
+                f"module_ranges={self.module_ranges!r}, gc_ranges={self.gc_ranges!r})")
+
+
+# ---------------------------------------------------------------------- the demo
+
+
+def demo_part(cfg: DemoConfig, hw: HardwareInfo, out: Path) -> Part:
+    """The demo's NVTX part: phase and GC ranges on every step, in the ``lightning_gh`` domain.
+
+    Always on: with no NVTX tool attached it costs nothing; under ``nsys profile --trace=cuda,nvtx``
+    the timeline shows each step's phases.
+    """
+    from lightning_gh.demo.run import Part
+
+    backend = select_backend("lightning_gh")
+    cb = NVTXRangeCallback(gc_ranges=True)
+    if backend.name == "none":
+        return Part("NVTX ranges", False, f"no NVTX backend ({backend.reason}); pip install nvtx")
+    if backend.tool_attached and backend.name == "nvtx":
+        reason = f"recording to the attached NVTX tool ({backend.reason})"
+    elif backend.name == "torch":
+        reason = backend.reason
+    else:
+        reason = (f"{backend.reason}: ranges cost nothing now; to see them run "
+                  f"`nsys profile --trace=cuda,nvtx -o {out}/nvtx python -m lightning_gh demo ...`")
+    return Part("NVTX ranges", True, reason, callbacks=[cb])
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """A short annotated fit of the demo model, to capture with Nsight Systems (see docs/nvtx.md)."""
+    import argparse
+    import tempfile
+    import time
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gh.demo import LlamaLM, MarkovDataModule
+    from lightning_gh.demo.model import PRESETS
+
+    ap = argparse.ArgumentParser(prog="python -m lightning_gh.profiling.nvtx", description=_main.__doc__)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--max-steps", type=int, default=30)
+    ap.add_argument("--steps", default=None, help="optimizer steps to annotate, e.g. 10-14 (default: all)")
+    ap.add_argument("--val-every", type=int, default=5, help="validate every N steps")
+    ap.add_argument("--ckpt-every", type=int, default=15, help="save a checkpoint every N steps")
+    ap.add_argument("--module-ranges", action="store_true")
+    ap.add_argument("--gc-ranges", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="run folder for checkpoints (default: a temporary one)")
+    args = ap.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="lgh_nvtx_demo_"))
+    cuda = torch.cuda.is_available()
+    torch.manual_seed(0)
+    model = LlamaLM.from_preset(args.preset)
+    dm = MarkovDataModule.for_model(model, pin_memory=cuda)
+    cb = NVTXRangeCallback(steps=args.steps, module_ranges=args.module_ranges, gc_ranges=args.gc_ranges)
+    ckpt = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=args.ckpt_every, save_top_k=1)
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=args.max_steps,
+                        precision="bf16-mixed" if cuda else "32-true", val_check_interval=args.val_every,
+                        limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=out, callbacks=[cb, ckpt])
+    t0 = time.perf_counter()
+    trainer.fit(model, dm)
+    reason = cb._backend.reason if cb._backend is not None else "not set up"
+    print(f"nvtx demo: {trainer.global_step} steps of '{args.preset}' in {time.perf_counter() - t0:.1f} s; "
+          f"backend={cb.backend} ({reason}); checkpoints in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

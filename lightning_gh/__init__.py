@@ -6,8 +6,19 @@ Optional packages (nvtx, torchao, Transformer Engine) are imported only by the p
 
 from lightning_gh import hardware
 from lightning_gh.hardware import HardwareInfo
+from lightning_gh.precision import FP8UnavailableError, LayerFilter, export_bf16_state_dict, list_precisions, precision
 from lightning_gh.profiling.nvtx import NVTXRangeCallback
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["HardwareInfo", "NVTXRangeCallback", "__version__", "hardware"]
+__all__ = [
+    "FP8UnavailableError",
+    "HardwareInfo",
+    "LayerFilter",
+    "NVTXRangeCallback",
+    "__version__",
+    "export_bf16_state_dict",
+    "hardware",
+    "list_precisions",
+    "precision",
+]

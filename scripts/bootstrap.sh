@@ -6,7 +6,7 @@
 #   - else: the CPU build `torch==$LGH_CPU_TORCH` (2.13.0). On the project's development and CI
 #     machines that version's CPU wheel lies on disk; elsewhere pass an index that serves CPU wheels,
 #     e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
-# Then the package itself, editable, with the extras in $LGH_EXTRAS (dev,nvtx by default).
+# Then the package itself, editable, with the extras in $LGH_EXTRAS (dev,nvtx,ao by default: the tests exercise torchao's module conversion on the CPU).
 set -euo pipefail
 venv=${1:-.venv}
 if [ ! -x "$venv/bin/python" ]; then
@@ -23,5 +23,5 @@ else
   echo "bootstrap: no GPU, installing the CPU build torch==${LGH_CPU_TORCH:-2.13.0}"
   "${pip[@]}" "torch==${LGH_CPU_TORCH:-2.13.0}" ${TORCH_PIP_ARGS:-}
 fi
-"${pip[@]}" -e ".[${LGH_EXTRAS:-dev,nvtx}]"
+"${pip[@]}" -e ".[${LGH_EXTRAS:-dev,nvtx,ao}]"
 "$py" -c "import lightning_gh, lightning, torch; print('bootstrap: lightning_gh', lightning_gh.__version__, '| lightning', lightning.__version__, '| torch', torch.__version__)"

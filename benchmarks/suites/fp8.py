@@ -1,0 +1,399 @@
+"""Suite `fp8`: every fp8 precision name against bf16-mixed and Lightning's own TransformerEnginePrecision.
+
+Three modes, each measured side by side in one process:
+
+  (default)      full Lightning training steps (forward + backward + fused AdamW, fp32 master weights unless a
+                 variant says otherwise) for each variant; ratios against bf16-mixed eager (the table's
+                 speedup_vs_first), against bf16-mixed compiled and against Lightning's "transformer-engine".
+  --check-loss   the same variants trained --loss-steps steps from the same seed on the same batches; the loss
+                 curves are compared with bf16-mixed eager (10-step moving average, tolerance 1%).
+  --gemm         the GEMM cross-over behind the layer filter's min_dim rule: one Linear, forward + backward, bf16
+                 against torchao float8 (compiled) and Transformer Engine fp8, for square and Llama shapes.
+
+Variants (pick with --variants; bf16, bf16-compiled and, when a TE variant runs, lightning-te always run):
+  bf16                 Trainer(precision="bf16-mixed"), eager                          (the ratio base)
+  bf16-compiled        the same with the decoder under torch.compile
+  lightning-te         Trainer(precision="transformer-engine"): Lightning's plugin, bf16 weights, every Linear,
+                       DelayedScaling, eager (anchor: 72.4 ms vs 114.2 ms bf16-mixed on large, 1.58x)
+  te-delayed, te-current, te-block          lgh.precision("fp8-te-*"), default filter, fp32 master weights, eager
+  te-delayed-compiled, te-current-compiled  the same on a compiled model (TE layers run eagerly between graphs)
+  te-current-traced    compiled, and torch.compile traces the TE layers (compile_te_layers=True)
+  te-delayed-matched   fp8-te-delayed configured like Lightning's: bf16 weights, head and first layer in fp8, eager
+  te-current-matched-compiled   the same with current scaling on a compiled model
+  ao-tensorwise, ao-rowwise, ao-rowwise-gw-hp   lgh.precision("fp8-ao-*") on a compiled model
+  ao-tensorwise-all    ao-tensorwise with the head and first layer in fp8 too (what the 1.31x anchor converted)
+  ao-tensorwise-eager  ao-tensorwise without compile (expected slower than bf16)
+  auto                 lgh.precision("fp8-auto") on a compiled model
+
+    python benchmarks/run.py --suite fp8 --preset large --variants te-delayed te-current ...
+    python benchmarks/run.py --suite fp8 --preset large --check-loss --loss-steps 120
+    python benchmarks/run.py --suite fp8 --gemm
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from common import BenchContext, Result, lightning_steps, peak_memory, reset_memory, time_fn
+
+from lightning_gh.precision import LayerFilter, list_precisions, precision
+from lightning_gh.demo import LlamaLM, preset
+
+DEFAULT_PRESETS = ["large", "medium"]
+LOSS_TOLERANCE = 0.01  # relative, on the 10-step moving average of the training loss
+
+# Anchors from ../shared/gpu/README.md (H200, 2026-11), printed next to this run's figures.
+ANCHORS = {
+    "large": {"lightning_bf16_ms": 114.2, "lightning_te_ms": 72.4, "ao_tensorwise_fwd_bwd_x": 1.31,
+              "ao_rowwise_fwd_bwd_x": 1.08},
+}
+
+
+@dataclass
+class Variant:
+    label: str
+    compile: bool = False
+    precision: str | None = None  # a Trainer(precision=...) string, or None when `plugin` is used
+    plugin: tuple[str, dict[str, Any]] | None = None
+    weights_note: str = "fp32 master"
+    tags: set[str] = field(default_factory=set)
+
+
+MATCHED = dict(weights_dtype=torch.bfloat16, skip_head=False, skip_first=False)
+VARIANTS: dict[str, Variant] = {
+    "bf16": Variant("bf16-mixed eager", precision="bf16-mixed"),
+    "bf16-compiled": Variant("bf16-mixed compiled", compile=True, precision="bf16-mixed"),
+    "lightning-te": Variant("Lightning transformer-engine", precision="transformer-engine", weights_note="bf16",
+                            tags={"te"}),
+    "te-delayed": Variant("fp8-te-delayed", plugin=("fp8-te-delayed", {}), tags={"te"}),
+    "te-current": Variant("fp8-te-current", plugin=("fp8-te-current", {}), tags={"te"}),
+    "te-block": Variant("fp8-te-block", plugin=("fp8-te-block", {}), tags={"te"}),
+    "te-delayed-compiled": Variant("fp8-te-delayed compiled", True, plugin=("fp8-te-delayed", {}), tags={"te"}),
+    "te-current-compiled": Variant("fp8-te-current compiled", True, plugin=("fp8-te-current", {}), tags={"te"}),
+    "te-current-traced": Variant("fp8-te-current compiled+traced", True,
+                                 plugin=("fp8-te-current", {"compile_te_layers": True}), tags={"te"}),
+    "te-delayed-matched": Variant("fp8-te-delayed bf16w all-layers", plugin=("fp8-te-delayed", MATCHED),
+                                  weights_note="bf16", tags={"te"}),
+    "te-current-matched-compiled": Variant("fp8-te-current bf16w all-layers compiled", True,
+                                           plugin=("fp8-te-current", MATCHED), weights_note="bf16", tags={"te"}),
+    "ao-tensorwise": Variant("fp8-ao-tensorwise compiled", True, plugin=("fp8-ao-tensorwise", {}), tags={"ao"}),
+    "ao-rowwise": Variant("fp8-ao-rowwise compiled", True, plugin=("fp8-ao-rowwise", {}), tags={"ao"}),
+    "ao-rowwise-gw-hp": Variant("fp8-ao-rowwise-gw-hp compiled", True, plugin=("fp8-ao-rowwise-gw-hp", {}),
+                                tags={"ao"}),
+    "ao-tensorwise-all": Variant("fp8-ao-tensorwise all-layers compiled", True,
+                                 plugin=("fp8-ao-tensorwise", {"skip_head": False, "skip_first": False}), tags={"ao"}),
+    "ao-tensorwise-eager": Variant("fp8-ao-tensorwise eager", plugin=("fp8-ao-tensorwise", {}), tags={"ao"}),
+    "auto": Variant("fp8-auto compiled", True, plugin=("fp8-auto", {})),
+}
+BASES = ("bf16", "bf16-compiled")
+DEFAULT_VARIANTS = [k for k in VARIANTS if k not in ("te-current-traced", "ao-tensorwise-eager")]
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--variants", nargs="+", default=None, choices=sorted(VARIANTS),
+                    help="variants to run (bf16, bf16-compiled and, with TE variants, lightning-te always run)")
+    ap.add_argument("--check-loss", action="store_true", help="compare loss curves with bf16-mixed instead of timing")
+    ap.add_argument("--loss-steps", type=int, default=120, help="steps per variant in --check-loss mode")
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (both modes)")
+    ap.add_argument("--gemm", action="store_true", help="GEMM cross-over micro-benchmark instead")
+    ap.add_argument("--gemm-tokens", type=int, nargs="+", default=[8192], help="tokens (M) per GEMM")
+    ap.add_argument("--gemm-dims", type=int, nargs="+", default=[512, 768, 1024, 1536, 2048, 3072, 4096, 8192],
+                    help="square in=out sizes")
+    ap.add_argument("--gemm-shapes", nargs="*", default=["4096x14336", "14336x4096", "2048x5632", "5632x2048",
+                                                         "512x1408", "1408x512"],
+                    help="extra in x out shapes (default: the Llama presets' MLP shapes)")
+
+
+def _selected(args) -> list[str]:
+    chosen = list(args.variants) if args.variants else list(DEFAULT_VARIANTS)
+    keys = list(BASES)
+    if any("te" in VARIANTS[k].tags for k in chosen):
+        keys.append("lightning-te")
+    return keys + [k for k in chosen if k not in keys]
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:240] if str(e) else ''}"
+
+
+def _reset_backends() -> None:
+    """Drop compiled graphs and Transformer Engine's global fp8 buffers between variants."""
+    torch._dynamo.reset()
+    for mod in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        try:
+            manager = __import__(mod, fromlist=["FP8GlobalStateManager"]).FP8GlobalStateManager
+            manager.reset()
+            break
+        except Exception:
+            continue
+    gc.collect()
+
+
+def _build(cfg, variant: Variant, lr: float, device: torch.device) -> tuple[LlamaLM, dict[str, Any]]:
+    # Parameters are created on the GPU (fast init, CUDA RNG), so every variant starts from the same weights and
+    # the CPU RNG that shuffles the data is untouched by model construction.
+    with torch.device(device):
+        model = LlamaLM(cfg, lr=lr, warmup_steps=10, compile=variant.compile)
+    if variant.plugin is None:
+        return model, {"precision": variant.precision}
+    name, opts = variant.plugin
+    return model, {"precision": None, "plugins": [precision(name, **opts)]}
+
+
+def _fp8_layers(trainer) -> str:
+    plugin = trainer.precision_plugin
+    plan = getattr(plugin, "plan", None)
+    if plan is not None:
+        return f"{len(plan.converted)}/{len(plan.decisions)}"
+    if type(plugin).__name__ == "TransformerEnginePrecision":
+        return "all"
+    return "0"
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.first_batch: int | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.first_batch is None:
+            self.first_batch = int(batch[0].sum())
+        self.losses.append(float(outputs["loss"]))
+
+
+def _run_variant(ctx: BenchContext, name: str, cfg, key: str, mode: str) -> Result:
+    variant = VARIANTS[key]
+    r = Result(ctx.suite, name, variant.label, None, cfg.tokens_per_batch, cfg.train_flops_per_batch())
+    r.extra.update({"key": key, "compiled": variant.compile, "weights": variant.weights_note})
+    reset_memory(ctx.device)
+    model = trainer = None
+    try:
+        L.seed_everything(0, verbose=False)
+        model, kwargs = _build(cfg, variant, ctx.args.lr, ctx.device)
+        if mode == "loss":
+            rec = _Losses()
+            run_ctx = dataclasses.replace(ctx, warmup=0, iters=ctx.args.loss_steps)
+            r.timing, trainer = lightning_steps(model, run_ctx, callbacks=[rec], **kwargs)
+            r.extra["losses"] = rec.losses
+            r.extra["first_batch_checksum"] = rec.first_batch
+        else:
+            r.timing, trainer = lightning_steps(model, ctx, **kwargs)
+        r.peak_mem_bytes = peak_memory(ctx.device)
+        r.extra["fp8_layers"] = _fp8_layers(trainer)
+        r.extra["plugin"] = getattr(trainer.precision_plugin, "name", type(trainer.precision_plugin).__name__)
+    except Exception as e:  # a missing backend, an OOM or a compile failure is a result, not a crash
+        r.error = _error(e)
+        traceback.print_exc()
+    finally:
+        del model, trainer
+        _reset_backends()
+        reset_memory(ctx.device)
+    print(f"[fp8] {name} / {variant.label}: " + (f"{r.median_ms:.2f} ms" if r.median_ms else f"error {r.error}"),
+          flush=True)
+    return r
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.3f}x" if a and b else "-"
+
+
+def _summary_steps(name: str, rows: list[Result]) -> str:
+    by_key = {r.extra["key"]: r for r in rows}
+    eager, compiled = by_key.get("bf16"), by_key.get("bf16-compiled")
+    lte = by_key.get("lightning-te")
+    ms = lambda r: r.median_ms if r is not None else None  # noqa: E731
+    lines = [f"\n### fp8 summary: preset {name}, full Lightning steps (median ms; ratio > 1 is faster)",
+             "| variant | weights | fp8 layers | ms | vs bf16 eager | vs bf16 compiled | vs Lightning TE | peak GiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if not r.median_ms:
+            lines.append(f"| {r.variant} | {r.extra.get('weights')} | - | error: {r.error} | | | | |")
+            continue
+        peak = f"{r.peak_mem_bytes / 2**30:.1f}" if r.peak_mem_bytes else "-"
+        lines.append(f"| {r.variant} | {r.extra.get('weights')} | {r.extra.get('fp8_layers', '-')} | "
+                     f"{r.median_ms:.2f} | {_ratio(ms(eager), r.median_ms)} | {_ratio(ms(compiled), r.median_ms)} | "
+                     f"{_ratio(ms(lte), r.median_ms)} | {peak} |")
+    anchors = ANCHORS.get(name)
+    if anchors:
+        lines.append(f"anchors (H200, ../shared/gpu/README.md): Lightning bf16-mixed {anchors['lightning_bf16_ms']} ms "
+                     f"(here {ms(eager) or '-'}), Lightning transformer-engine {anchors['lightning_te_ms']} ms "
+                     f"(here {ms(lte) or '-'}), torchao tensorwise compiled {anchors['ao_tensorwise_fwd_bwd_x']}x and "
+                     f"rowwise {anchors['ao_rowwise_fwd_bwd_x']}x over compiled bf16 (forward+backward only; full "
+                     "steps add the same AdamW time to both sides, which lowers the ratio).")
+    ao = [r for r in rows if r.extra["key"].startswith("ao-") and r.median_ms and r.extra["compiled"]]
+    te = [r for r in rows if r.extra["key"].startswith("te-") and r.median_ms]
+    if ao and ms(compiled):
+        best = min(ao, key=lambda r: r.median_ms)
+        x = ms(compiled) / best.median_ms
+        lines.append(f"goal torchao >= 1.30x over compiled bf16: best {best.variant} {x:.3f}x -> "
+                     f"{'MET' if x >= 1.30 else 'NOT MET'}")
+    if te and ms(lte):
+        best = min(te, key=lambda r: r.median_ms)
+        lines.append(f"goal TE faster than Lightning's TransformerEnginePrecision: best {best.variant} "
+                     f"{best.median_ms:.2f} ms vs {ms(lte):.2f} ms ({ms(lte) / best.median_ms:.3f}x) -> "
+                     f"{'MET' if best.median_ms < ms(lte) else 'NOT MET'}")
+    return "\n".join(lines)
+
+
+def _moving(xs: list[float], w: int = 10) -> list[float]:
+    return [statistics.fmean(xs[max(0, i - w + 1): i + 1]) for i in range(len(xs))]
+
+
+def _summary_losses(name: str, rows: list[Result]) -> str:
+    ref = next((r for r in rows if r.extra["key"] == "bf16" and r.extra.get("losses")), None)
+    lines = [f"\n### fp8 loss check: preset {name}, {len(ref.extra['losses']) if ref else 0} steps, same seed and "
+             f"batches; tolerance {LOSS_TOLERANCE:.0%} on the 10-step moving average",
+             "| variant | same data | first loss | last-10 mean | max rel diff (moving avg) | last-10 rel diff "
+             "| within 1% |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    if ref is None:
+        return "\n".join(lines + ["(no bf16-mixed reference curve: nothing to compare)"])
+    base = _moving(ref.extra["losses"])
+    for r in rows:
+        losses = r.extra.get("losses")
+        if not losses:
+            lines.append(f"| {r.variant} | - | - | - | - | - | error: {r.error} |")
+            continue
+        cur = _moving(losses)
+        n = min(len(cur), len(base))
+        rel = [abs(cur[i] - base[i]) / base[i] for i in range(9, n)] or [float("nan")]
+        tail = abs(statistics.fmean(losses[-10:]) - statistics.fmean(ref.extra["losses"][-10:])) / statistics.fmean(
+            ref.extra["losses"][-10:])
+        same = r.extra.get("first_batch_checksum") == ref.extra.get("first_batch_checksum")
+        ok = max(rel) <= LOSS_TOLERANCE
+        r.extra.update({"loss_max_rel_diff": max(rel), "loss_last10_rel_diff": tail, "loss_within_tolerance": ok})
+        lines.append(f"| {r.variant} | {'yes' if same else 'NO'} | {losses[0]:.4f} | "
+                     f"{statistics.fmean(losses[-10:]):.4f} | {max(rel):.4%} | {tail:.4%} | {'yes' if ok else 'NO'} |")
+    for r in rows:  # the raw curves stay in the JSON; keep the printed table short
+        r.extra["losses"] = [round(x, 5) for x in r.extra.get("losses", [])]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- GEMM cross-over
+
+
+def _gemm_step(kind: str, m: int, k: int, n: int, device: torch.device):
+    """One Linear(k -> n) forward + backward on m tokens, fp32 master weight under bf16 autocast."""
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    lin = torch.nn.Linear(k, n, bias=False, device=device)
+    fp8_ctx = None
+    if kind.startswith("ao"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        holder = torch.nn.Sequential(lin)
+        convert_to_float8_training(holder, config=Float8LinearConfig.from_recipe_name(kind.split("-", 1)[1]))
+        lin = holder[0]
+    elif kind.startswith("te"):
+        import transformer_engine.pytorch as te
+
+        from lightning_gh.precision.te import make_recipe, te_autocast
+
+        lin = te.Linear(k, n, bias=False, params_dtype=torch.float32, device=device)
+        recipe = make_recipe(kind.split("-", 1)[1])
+        fp8_ctx = lambda: te_autocast(recipe)  # noqa: E731
+    fn = torch.compile(lin) if kind in ("bf16-compiled",) or kind.startswith("ao") else lin
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            if fp8_ctx is not None:
+                with fp8_ctx():
+                    y = fn(x)
+            else:
+                y = fn(x)
+        y.backward(grad)
+        x.grad = None
+        lin.weight.grad = None
+
+    return step
+
+
+def _run_gemm(ctx: BenchContext) -> list[Result]:
+    from lightning_gh.precision.registry import ao_missing_reason, te_missing_reason
+
+    kinds = ["bf16", "bf16-compiled"]
+    if ao_missing_reason() is None:
+        kinds += ["ao-tensorwise", "ao-rowwise"]
+    if te_missing_reason() is None:
+        kinds += ["te-delayed", "te-current", "te-block"]
+    shapes = [(d, d) for d in ctx.args.gemm_dims]
+    shapes += [tuple(int(v) for v in spec.lower().split("x")) for spec in ctx.args.gemm_shapes]
+    results: list[Result] = []
+    table: dict[tuple[int, int, int], dict[str, float | None]] = {}
+    for m in ctx.args.gemm_tokens:
+        for k, n in shapes:
+            row = table.setdefault((m, k, n), {})
+            for kind in kinds:
+                reset_memory(ctx.device)
+                # One "preset" per shape, so the runner's speedup_vs_first is each kind against eager bf16.
+                r = Result(ctx.suite, f"gemm {m}x{k}x{n}", kind, None, m, 6.0 * m * k * n)
+                r.extra.update({"kind": kind, "m": m, "k": k, "n": n})
+                try:
+                    step = _gemm_step(kind, m, k, n, ctx.device)
+                    r.timing = time_fn(step, ctx.device, max(ctx.warmup, 3), ctx.iters)
+                except Exception as e:
+                    r.error = _error(e)
+                row[kind] = r.median_ms
+                results.append(r)
+                step = None
+                torch._dynamo.reset()
+    fp8_kinds = [k for k in kinds if k[:2] in ("ao", "te")]
+
+    def speedup(row: dict[str, float | None], kind: str) -> float | None:
+        base = row.get("bf16-compiled") if kind.startswith("ao") else row.get("bf16")
+        return base / row[kind] if base and row.get(kind) else None
+
+    lines = ["\n### GEMM cross-over: one Linear forward+backward (3 GEMMs), fp32 master weight, bf16 autocast",
+             "speed-up of each fp8 kind over bf16 (torchao against compiled bf16, TE against eager bf16)",
+             "| M | in | out | bf16 ms | bf16 compiled ms | " + " | ".join(fp8_kinds) + " |",
+             "|---:|---:|---:|---:|---:|" + "---:|" * len(fp8_kinds)]
+    fmt = lambda v: f"{v:.3f}" if v else "-"  # noqa: E731
+    for (m, k, n), row in table.items():
+        cells = [f"{x:.2f}x" if (x := speedup(row, kind)) else "-" for kind in fp8_kinds]
+        lines.append(f"| {m} | {k} | {n} | {fmt(row.get('bf16'))} | {fmt(row.get('bf16-compiled'))} | "
+                     + " | ".join(cells) + " |")
+    for m in ctx.args.gemm_tokens:
+        squares = sorted(d for d in ctx.args.gemm_dims)
+        for kind in fp8_kinds:
+            # The cross-over: the smallest square size from which every larger size tried is faster in fp8.
+            wins = [(d, (speedup(table[(m, d, d)], kind) or 0) > 1.0) for d in squares]
+            start = None
+            for i, (d, _) in enumerate(wins):
+                if all(w for _, w in wins[i:]):
+                    start = d
+                    break
+            lines.append(f"cross-over M={m} {kind}: fp8 faster from in=out={start} on" if start else
+                         f"cross-over M={m} {kind}: fp8 not consistently faster on the square sizes tried")
+    lines.append(f"layer filter default: min_dim={LayerFilter().min_dim} (convert when min(in, out) >= min_dim)")
+    print("\n".join(lines), flush=True)
+    return results
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def run(ctx: BenchContext) -> list[Result]:
+    if ctx.args.gemm:
+        return _run_gemm(ctx)
+    mode = "loss" if ctx.args.check_loss else "steps"
+    keys = _selected(ctx.args)
+    print(f"[fp8] mode={mode} variants={keys}\n[fp8] availability: {list_precisions()}", flush=True)
+    results: list[Result] = []
+    summaries = []
+    for name in ctx.presets:
+        cfg = preset(name)
+        rows = [_run_variant(ctx, name, cfg, key, mode) for key in keys]
+        results += rows
+        summaries.append(_summary_losses(name, rows) if mode == "loss" else _summary_steps(name, rows))
+    print("\n".join(summaries), flush=True)
+    return results

@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_gh import hardware
 from lightning_gh.demo.data import MarkovDataModule
 from lightning_gh.demo.model import PRESETS, LlamaLM
+from lightning_gh.graphs.part import demo_part as _graphs_part
 from lightning_gh.precision.registry import demo_part as _fp8_part
 from lightning_gh.profiling.nvtx import demo_part as _nvtx_part
 
@@ -70,7 +71,7 @@ class Part:
 
 # Factories (config, hardware, run folder) -> Part, in the order they are applied. Each part of
 # lightning_gh adds its own entry here when it lands.
-PARTS: list[Callable[[DemoConfig, hardware.HardwareInfo, Path], Part]] = [_fp8_part, _nvtx_part]
+PARTS: list[Callable[[DemoConfig, hardware.HardwareInfo, Path], Part]] = [_fp8_part, _nvtx_part, _graphs_part]
 
 
 def _read_metrics(log_dir: Path) -> list[dict[str, str]]:

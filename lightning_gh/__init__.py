@@ -8,21 +8,31 @@ from lightning_gh import hardware
 from lightning_gh.graphs import CUDAGraphCapture, GraphCaptureError, GraphReport
 from lightning_gh.hardware import HardwareInfo
 from lightning_gh.precision import FP8UnavailableError, LayerFilter, export_bf16_state_dict, list_precisions, precision
+from lightning_gh.offload import ActivationOffload, HostMemoryError, offload_activations
 from lightning_gh.profiling.nvtx import NVTXRangeCallback
+from lightning_gh.profiling.profiler import SelectiveProfiler
+from lightning_gh.profiling.stall import DataStallDetector
+from lightning_gh.profiling.summary import summarize_trace
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ActivationOffload",
     "CUDAGraphCapture",
+    "DataStallDetector",
     "FP8UnavailableError",
     "GraphCaptureError",
     "GraphReport",
     "HardwareInfo",
+    "HostMemoryError",
     "LayerFilter",
     "NVTXRangeCallback",
+    "SelectiveProfiler",
     "__version__",
     "export_bf16_state_dict",
     "hardware",
     "list_precisions",
+    "offload_activations",
     "precision",
+    "summarize_trace",
 ]

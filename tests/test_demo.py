@@ -26,3 +26,26 @@ def test_demo_rejects_bad_arguments():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--steps=0 must be a positive number" in proc.stderr
+
+
+def test_conflicting_parts_leave_the_first_on():
+    from lightning_gh.demo.run import Part, resolve_conflicts
+
+    parts = resolve_conflicts([Part("CUDAGraphCapture", True), Part("ActivationOffload", True), Part("NVTX ranges", True)])
+    assert [p.enabled for p in parts] == [True, False, True]
+    assert parts[1].reason.startswith("off because CUDAGraphCapture is on")
+    # Without the first, the second stays on.
+    parts = resolve_conflicts([Part("CUDAGraphCapture", False, "no GPU"), Part("ActivationOffload", True)])
+    assert parts[1].enabled
+
+
+def test_demo_on_cpu_lists_every_part():
+    from lightning_gh import hardware
+    from lightning_gh.demo.run import PARTS, DemoConfig, resolve_conflicts
+
+    cfg = DemoConfig(preset="tiny", steps=30)
+    parts = resolve_conflicts([f(cfg, hardware.detect(), cfg.out) for f in PARTS])
+    names = [p.name for p in parts]
+    assert len(names) == len(set(names)) == len(PARTS)
+    for p in parts:
+        assert p.enabled or p.reason, p.name  # every part that stays off says why

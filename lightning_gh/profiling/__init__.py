@@ -1,4 +1,6 @@
-"""Profiling: step windows, SelectiveProfiler, the trace summary and the data-loader stall detector.
+"""Profiling: step windows, SelectiveProfiler, NVTXRangeCallback, the trace summary and the data-loader stall detector.
+
+Names load on first use (PEP 562), so ``python -m lightning_gh.profiling summarize`` does not import Lightning.
 
 Example::
 
@@ -10,17 +12,39 @@ Example::
     summarize_trace("some_other_run.pt.trace.json.gz")   # any Kineto trace -> .summary.{json,md,png}
 """
 
-from lightning_gh.profiling.profiler import SelectiveProfiler
-from lightning_gh.profiling.stall import DataStallDetector, DataStallWarning
-from lightning_gh.profiling.summary import summarize_trace
-from lightning_gh.profiling.windows import RankSelection, StepSchedule, StepWindow
+from __future__ import annotations
 
-__all__ = [
-    "SelectiveProfiler",
-    "DataStallDetector",
-    "DataStallWarning",
-    "summarize_trace",
-    "StepSchedule",
-    "StepWindow",
-    "RankSelection",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_gh.profiling.nvtx import NVTXRangeCallback
+    from lightning_gh.profiling.profiler import SelectiveProfiler
+    from lightning_gh.profiling.stall import DataStallDetector, DataStallWarning
+    from lightning_gh.profiling.summary import summarize_trace
+    from lightning_gh.profiling.windows import RankSelection, StepSchedule, StepWindow
+
+_WHERE = {
+    "NVTXRangeCallback": "lightning_gh.profiling.nvtx",
+    "SelectiveProfiler": "lightning_gh.profiling.profiler",
+    "DataStallDetector": "lightning_gh.profiling.stall",
+    "DataStallWarning": "lightning_gh.profiling.stall",
+    "summarize_trace": "lightning_gh.profiling.summary",
+    "StepSchedule": "lightning_gh.profiling.windows",
+    "StepWindow": "lightning_gh.profiling.windows",
+    "RankSelection": "lightning_gh.profiling.windows",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_gh.profiling' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

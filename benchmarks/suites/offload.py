@@ -1,0 +1,336 @@
+"""Suite `offload`: activation offloading inside Lightning, against save_on_cpu and checkpointing.
+
+Per preset (default: medium), side by side in this process, same seed, same data:
+
+Lightning ``Trainer(precision="bf16-mixed")`` full steps (forward, backward, fused AdamW):
+  no offload            the plain step (ratio base), run twice: the second gives the loss noise
+  save_on_cpu           torch.autograd.graph.save_on_cpu(pin_memory=True) around the training forward
+  checkpointing         per-block activation checkpointing (non-reentrant checkpoint_wrapper)
+  ours auto / all / K=2 lightning_gh.ActivationOffload(policy=...)
+  ckpt + ours auto      checkpointing, and ActivationOffload on what it still saves
+  peak activation memory = the step's peak allocation minus parameters and optimizer state; loss parity
+  = the largest |loss - plain loss| over all steps.
+Out of memory, then not: the batch doubled under torch.cuda.set_per_process_memory_fraction set between
+  what the plain step and the offloaded step need: plain must fail, ours must train.
+Plain PyTorch forward+backward (how ../shared/gpu/README.md's anchors were taken): no offload,
+  save_on_cpu, checkpointing, ours auto / all / K=2, next to the anchor figures. Memory timelines of
+  one such step (no offload, auto, all) are written to $OUT/offload_timelines.json for the notebook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import statistics
+import traceback
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from common import BenchContext, Result, lightning_steps, random_batch, reset_memory, time_fn
+
+from lightning_gh.demo import Llama, LlamaLM, preset
+from lightning_gh.offload import ActivationOffload, offload_activations
+
+DEFAULT_PRESETS = ["medium"]
+GIB = 2**30
+# ../shared/gpu/README.md, medium preset, plain PyTorch fwd+bwd, bf16: (ms, GiB of activations)
+ANCHORS = {"no offload": (49.5, 9.31), "save_on_cpu": (291.0, 4.43), "checkpointing": (61.1, 4.74)}
+GOAL = "goal (medium): >= 40% less peak activation memory at <= 1.10x step time"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--skip-oom", action="store_true", help="skip the out-of-memory demonstration")
+    parser.add_argument("--skip-fwdbwd", action="store_true", help="skip the plain PyTorch fwd+bwd rows")
+    parser.add_argument("--k", type=int, default=2, help="K of the fixed-K variant (default 2)")
+
+
+# ------------------------------------------------------------------------------------ Lightning parts
+
+
+class _SaveOnCpu(L.Callback):
+    """torch's save_on_cpu(pin_memory=True) around exactly the training forward."""
+
+    def __init__(self) -> None:
+        self._ctx: Any = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
+        self._ctx.__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+
+class _StepMemory(L.Callback):
+    """Per step: peak allocation above parameters + optimizer state (gradients excluded), and the loss."""
+
+    def __init__(self) -> None:
+        self.act_peaks: list[int] = []
+        self.static: list[int] = []
+        self.losses: list[torch.Tensor] = []
+        self._base = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in pl_module.parameters() if p.grad is not None)
+        self._base = torch.cuda.memory_allocated() - grads
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.act_peaks.append(torch.cuda.max_memory_allocated() - self._base)
+        self.static.append(self._base)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(loss.detach().float())
+
+
+def _checkpoint_blocks(model: torch.nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, blk in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(blk)
+
+
+def _lightning_variant(ctx: BenchContext, cfg, name: str, callbacks: Callable[[], list], ckpt: bool = False,
+                       steps: tuple[int, int] | None = None) -> tuple[Result, _StepMemory, list]:
+    r = Result(ctx.suite, ctx.args._preset_label, name, None, cfg.tokens_per_batch, cfg.train_flops_per_batch())
+    probe = _StepMemory()
+    cbs: list = []
+    reset_memory(ctx.device)
+    try:
+        L.seed_everything(0, verbose=False)
+        model = LlamaLM(cfg, lr=1e-4, warmup_steps=0)
+        if ckpt:
+            _checkpoint_blocks(model.model)
+        cbs = callbacks()
+        sub = ctx if steps is None else BenchContext(ctx.suite, ctx.presets, ctx.device, steps[0], steps[1],
+                                                     ctx.out_dir, ctx.args)
+        r.timing, _ = lightning_steps(model, sub, callbacks=[probe, *cbs])
+        w = sub.warmup
+        r.peak_mem_bytes = max(probe.act_peaks[w:]) + max(probe.static[w:])
+        r.extra["act_peak_gib"] = round(statistics.median(probe.act_peaks[w:]) / GIB, 3)
+        r.extra["static_gib"] = round(statistics.median(probe.static[w:]) / GIB, 3)
+        for cb in cbs:
+            if isinstance(cb, ActivationOffload) and cb.engine is not None:
+                s = cb.engine.stats
+                r.extra["offloaded_gib_per_step"] = round(s.last_offloaded_bytes / GIB, 3)
+                r.extra["dedup_casts"] = s.deduplicated_casts
+                r.extra["recomputed_param_casts"] = s.recomputed_param_casts
+                r.extra["on_demand_reloads"] = s.on_demand_reloads
+                r.extra["pinned_allocations"] = cb.engine.pool.allocations if cb.engine.pool else None
+                r.extra["plan"] = cb.plan.describe() if cb.plan else None
+    except Exception as e:  # an OOM is a result, not a crash of the suite
+        r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if not isinstance(e, torch.OutOfMemoryError):
+            traceback.print_exc()
+    model = None
+    gc.collect()
+    reset_memory(ctx.device)
+    _print_row(r)
+    return r, probe, cbs
+
+
+def _print_row(r: Result) -> None:
+    ms = f"{r.median_ms:8.1f} ms" if r.median_ms else "       -   "
+    act = r.extra.get("act_peak_gib")
+    print(f"[offload] {r.preset:>18} | {r.variant:<24} | {ms} | act {act if act is not None else '-':>7} GiB"
+          + (f" | {r.error}" if r.error else ""), flush=True)
+
+
+# ----------------------------------------------------------------------------------- plain PyTorch
+
+
+def _fwdbwd_variant(ctx: BenchContext, cfg, name: str, label: str, make_ctx: Callable[[torch.nn.Module], Any],
+                    ckpt: bool = False, timeline: dict | None = None) -> Result:
+    """Time ``make_ctx(model)`` (None, a context, or a factory of one per step) around fwd+bwd steps.
+
+    With ``timeline``, one more step is recorded by an engine (the variant's own, or an observing one
+    that offloads nothing) and its (host ms, event, block, allocated bytes) go into ``timeline[name]``.
+    """
+    r = Result(ctx.suite, label, name, None, cfg.tokens_per_batch, cfg.train_flops_per_batch())
+    reset_memory(ctx.device)
+    model = holder = None
+    try:
+        torch.manual_seed(0)
+        model = Llama(cfg).to(ctx.device)
+        if ckpt:
+            _checkpoint_blocks(model)
+        tokens, targets = random_batch(cfg, ctx.device)
+        holder = make_ctx(model)
+        peaks: list[int] = []
+
+        def step(c: Any = None):
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            if c is None:
+                c = holder() if callable(holder) and not hasattr(holder, "begin_forward") else holder
+            with c if c is not None else contextlib.nullcontext(), torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            del logits
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+
+        r.timing = time_fn(step, ctx.device, ctx.warmup, ctx.iters)
+        r.extra["act_peak_gib"] = round(statistics.median(peaks[ctx.warmup:]) / GIB, 3)
+        r.peak_mem_bytes = torch.cuda.max_memory_allocated()
+        if hasattr(holder, "plan") and holder.plan is not None:
+            r.extra["plan"] = holder.plan.describe()
+            r.extra["offloaded_gib_per_step"] = round(holder.stats.last_offloaded_bytes / GIB, 3)
+        if timeline is not None:
+            observer = holder if hasattr(holder, "timeline") else \
+                offload_activations(model, 0, dedupe_casts=False, recompute_param_casts=False)
+            observer.record_timeline = True
+            torch.cuda.synchronize()
+            step(observer)
+            torch.cuda.synchronize()
+            timeline[name] = [(round(p.t_ms, 3), p.event, p.block, p.allocated_bytes) for p in observer.timeline]
+            observer.record_timeline = False
+    except Exception as e:
+        r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if not isinstance(e, torch.OutOfMemoryError):
+            traceback.print_exc()
+    model = holder = None
+    gc.collect()
+    reset_memory(ctx.device)
+    _print_row(r)
+    return r
+
+
+# ------------------------------------------------------------------------------------------- suite
+
+
+def run(ctx: BenchContext) -> list[Result]:
+    if not ctx.cuda:
+        raise SystemExit("suite offload measures GPU memory and copies over the host link: run it on a CUDA GPU")
+    from lightning_gh import hardware
+
+    link = hardware.link_bandwidth()
+    print(f"[offload] link: {link.d2h_gbps:.1f} GB/s device->host, {link.h2d_gbps:.1f} GB/s host->device (pinned)")
+    k = ctx.args.k
+    results: list[Result] = []
+    timelines: dict[str, Any] = {}
+    for name in ctx.presets:
+        cfg = preset(name)
+        ctx.args._preset_label = name
+        ours = lambda policy, **kw: (lambda: [ActivationOffload(policy=policy, **kw)])  # noqa: E731
+        variants = [
+            ("no offload", lambda: [], False),
+            ("no offload (repeat)", lambda: [], False),  # the run-to-run noise of the loss
+            ("save_on_cpu", lambda: [_SaveOnCpu()], False),
+            ("checkpointing", lambda: [], True),
+            ("ours auto", ours("auto"), False),
+            ("ours all", ours("all"), False),
+            (f"ours K={k}", ours(k), False),
+            ("ckpt + ours auto", ours("auto"), True),
+        ]
+        rows: dict[str, tuple[Result, _StepMemory]] = {}
+        for variant, cbs, ckpt in variants:
+            r, probe, _ = _lightning_variant(ctx, cfg, variant, cbs, ckpt)
+            rows[variant] = (r, probe)
+            results.append(r)
+        _parity(rows)
+        _summary(name, "Lightning full step", [r for r, _ in rows.values()])
+
+        if not ctx.args.skip_oom:
+            results += _oom_demo(ctx, cfg, rows)
+
+        if not ctx.args.skip_fwdbwd:
+            label = f"{name} fwd+bwd"
+            ctx.args._preset_label = label
+            fb = []
+            tl: dict[str, Any] = {}
+            fb.append(_fwdbwd_variant(ctx, cfg, "no offload", label, lambda m: None, timeline=tl))
+            fb.append(_fwdbwd_variant(ctx, cfg, "save_on_cpu", label,
+                                      lambda m: (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))))
+            fb.append(_fwdbwd_variant(ctx, cfg, "checkpointing", label, lambda m: None, ckpt=True))
+            fb.append(_fwdbwd_variant(ctx, cfg, "ours auto", label, lambda m: offload_activations(m, "auto"),
+                                      timeline=tl))
+            fb.append(_fwdbwd_variant(ctx, cfg, "ours all", label, lambda m: offload_activations(m, "all"),
+                                      timeline=tl))
+            fb.append(_fwdbwd_variant(ctx, cfg, f"ours K={k}", label, lambda m: offload_activations(m, k)))
+            results += fb
+            timelines[name] = tl
+            _summary(label, "plain PyTorch fwd+bwd (the anchors' method)", fb, anchors=name == "medium")
+    if timelines and ctx.out_dir:
+        ctx.out_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.out_dir / "offload_timelines.json").write_text(json.dumps(timelines))
+    print(f"[offload] {GOAL}")
+    return results
+
+
+def _parity(rows: dict[str, tuple[Result, _StepMemory]]) -> None:
+    base = rows["no offload"][1].losses
+    if not base:
+        return
+    ref = torch.stack(base).cpu()
+    for variant, (r, probe) in rows.items():
+        if probe.losses and len(probe.losses) == len(base):
+            diff = (torch.stack(probe.losses).cpu() - ref).abs().max().item()
+            r.extra["loss_max_abs_diff"] = diff
+
+
+def _summary(label: str, what: str, rows: list[Result], anchors: bool = False) -> None:
+    plain = next((r for r in rows if r.variant == "no offload" and r.timing), None)
+    print(f"\n[offload] {label}: {what}; ratios against 'no offload' in this run")
+    print("| variant | step ms | x plain | act peak GiB | act saved | loss diff | offloaded GiB/step |"
+          + (" anchor ms / GiB |" if anchors else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if anchors else ""))
+    for r in rows:
+        if r.error:
+            print(f"| {r.variant} | {r.error} |")
+            continue
+        act = r.extra.get("act_peak_gib")
+        ratio = r.median_ms / plain.median_ms if plain and plain.median_ms else float("nan")
+        base = plain.extra["act_peak_gib"] if plain else 0
+        saved = 1 - act / base if base and act is not None else float("nan")
+        diff = r.extra.get("loss_max_abs_diff")
+        line = (f"| {r.variant} | {r.median_ms:.1f} | {ratio:.2f}x | {act:.2f} | {saved:.0%} | "
+                f"{'-' if diff is None else f'{diff:.2e}'} | {r.extra.get('offloaded_gib_per_step', '-')} |")
+        if anchors:
+            a = ANCHORS.get(r.variant)
+            line += f" {a[0]} / {a[1]} |" if a else " - |"
+        print(line)
+    for r in rows:
+        if r.extra.get("plan"):
+            print(f"[offload] {label} / {r.variant} plan: " + r.extra["plan"].replace("\n", "\n    "))
+    print(flush=True)
+
+
+def _oom_demo(ctx: BenchContext, cfg, rows: dict[str, tuple[Result, _StepMemory]]) -> list[Result]:
+    """Double the batch under a memory cap between what plain and ours-all need: plain fails, ours trains."""
+    plain, ours = rows["no offload"][0], rows["ours all"][0]
+    if plain.error or ours.error:
+        return []
+    big = dataclasses.replace(cfg, batch_size=2 * cfg.batch_size)
+    static = plain.extra["static_gib"] * GIB
+    need_plain = static + 2 * plain.extra["act_peak_gib"] * GIB
+    need_ours = static + 2 * ours.extra["act_peak_gib"] * GIB
+    cap = (need_plain + need_ours) / 2
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    frac = cap / total
+    print(f"[offload] OOM demo: batch {big.batch_size}, cap {cap / GIB:.1f} GiB ({frac:.3f} of the GPU); "
+          f"expected need: plain ~{need_plain / GIB:.1f} GiB, ours all ~{need_ours / GIB:.1f} GiB", flush=True)
+    out = []
+    ctx.args._preset_label = f"{ctx.presets[0]} batch x2, {cap / GIB:.0f} GiB cap"
+    index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(frac, index)
+    try:
+        for variant, cbs in (("no offload", lambda: []), ("ours all", lambda: [ActivationOffload(policy="all")])):
+            r, _, _ = _lightning_variant(ctx, big, variant, cbs, steps=(2, 4))
+            r.extra["memory_cap_gib"] = round(cap / GIB, 2)
+            r.extra["trained"] = r.error is None
+            out.append(r)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+        reset_memory(ctx.device)
+    print(f"[offload] OOM demo result: no offload -> {'trained' if out[0].extra['trained'] else 'out of memory'}; "
+          f"ours all -> {'trained' if out[1].extra['trained'] else 'FAILED: ' + str(out[1].error)}", flush=True)
+    ctx.args._preset_label = ctx.presets[0]
+    return out

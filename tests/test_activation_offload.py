@@ -1,0 +1,499 @@
+"""The activation-offload engine and callback.
+
+On the CPU the engine runs in ``backend="host-copy"`` mode: every offloaded storage really goes through a
+separate host buffer and comes back as a new tensor, so hooks, skips, dedupe, pool, plan and prefetch
+order are exercised, and gradients must be bitwise those of the plain run. GPU tests at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule, preset
+from lightning_gh.offload import ActivationOffload, HostMemoryError, find_blocks, offload_activations
+from lightning_gh.offload import activations as act
+
+CPU = dict(backend="host-copy", min_tensor_bytes=1024)
+
+
+def _llama(n_layers=3, seed=0, **kw):
+    cfg = preset("tiny", n_layers=n_layers, **kw)
+    torch.manual_seed(seed)
+    return Llama(cfg), cfg
+
+
+def _batch(cfg, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+    return tok[:, :-1].to(device), tok[:, 1:].to(device)
+
+
+def _step(model, batch, ctx=None, autocast=None):
+    model.zero_grad(set_to_none=True)
+    tokens, targets = batch
+    ac = torch.autocast(tokens.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+    with ctx if ctx is not None else contextlib.nullcontext(), ac:
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("policy", ["all", 1, "auto"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_gradients_bitwise_equal_with_and_without_the_engine(policy, autocast):
+    model, cfg = _llama()
+    batch = _batch(cfg)
+    loss0, grads0 = _step(model, batch, autocast=autocast)
+    # "auto" measures 1 warm-up + 1 step, then decides; a huge link makes it offload all it may.
+    off = offload_activations(model, policy, profile_steps=1, bandwidth_gbps=1e6, **CPU)
+    for _ in range(3):
+        loss, grads = _step(model, batch, off, autocast)
+        assert torch.equal(loss, loss0) and _equal(grads, grads0)
+    assert off.stats.last_offloaded_bytes > 0  # the last step really went through host buffers
+    assert off.stats.reloaded_bytes == off.stats.offloaded_bytes
+    assert off.stats.on_demand_reloads == 0  # every reload was a prefetch
+    assert off.pool.in_use_bytes == 0  # every buffer came back to the pool
+
+
+def test_gradient_accumulation_two_forwards_before_one_backward():
+    model, cfg = _llama()
+    b1, b2 = _batch(cfg, 1), _batch(cfg, 2)
+
+    def run(ctx_factory):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for tokens, targets in (b1, b2):
+            with ctx_factory():
+                losses.append(F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()))
+        (losses[0] + losses[1]).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = run(contextlib.nullcontext)
+    off = offload_activations(model, "all", **CPU)
+    assert _equal(run(lambda: off), plain)
+    assert off.stats.forwards == 2 and off.stats.on_demand_reloads == 0
+
+
+# ------------------------------------------------------------------------------------ dedupe, skips
+
+
+class _ViewBlock(nn.Module):
+    """Saves one storage through two views and one tensor twice."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        y = self.lin(x)  # saves x
+        a, b = y[..., :32], y[..., 32:]  # two views of y
+        z = a.sin() * b.cos()  # sin saves a, cos saves b (one storage); mul saves sin(a) and cos(b)
+        return torch.cat([z * z, z], -1) + x  # mul saves z twice
+
+
+class _Stack(nn.Module):
+    def __init__(self, block, n=3):
+        super().__init__()
+        self.layers = nn.ModuleList(block() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_views_and_repeated_saves_of_one_storage_are_moved_once():
+    torch.manual_seed(0)
+    net = _Stack(_ViewBlock)
+    x = torch.randn(16, 64, 64, requires_grad=True)
+    net(x).square().mean().backward()
+    plain = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+    net.zero_grad(set_to_none=True)
+    x.grad = None
+    off = offload_activations(net, "all", backend="host-copy", min_tensor_bytes=1)
+    with off:
+        out = net(x)
+    out.square().mean().backward()
+    assert _equal([p.grad for p in net.parameters()] + [x.grad], plain)
+    # Per offloaded block (0 and 1): 5 storages (x, y, sin(a), cos(b), z) for 7 saves.
+    assert off.stats.offloaded_tensors == 2 * 5
+    assert off.stats.reloaded_tensors == 2 * 5
+    assert off.stats.deduplicated_saves == 3 * 2  # b shares a's storage, z saved twice; kept block 2 too
+    per_block = 16 * 64 * 64 * 4 + 16 * 64 * 64 * 4 + 3 * 16 * 64 * 32 * 4
+    assert off.stats.last_offloaded_by_block == [per_block, per_block, 0]
+
+
+def test_repeated_autocast_casts_share_one_copy():
+    model, cfg = _llama(n_layers=2)
+    batch = _batch(cfg)
+    _, grads0 = _step(model, batch, autocast=torch.bfloat16)
+    off = offload_activations(model, 0, **CPU)  # nothing offloaded: the dedupe alone
+    _, grads = _step(model, batch, off, torch.bfloat16)
+    assert _equal(grads, grads0)
+    # q/k/v each cast the normed input to bf16, and so do w1/w3: 3 identical copies per block dropped.
+    assert off.stats.deduplicated_casts == 3 * 2
+    off2 = offload_activations(model, 0, dedupe_casts=False, **CPU)
+    _step(model, batch, off2, torch.bfloat16)
+    assert off2.stats.deduplicated_casts == 0
+    assert off2.stats.last_resident_bytes > off.stats.last_resident_bytes
+
+
+def test_weight_casts_are_recomputed_not_kept():
+    model, cfg = _llama(n_layers=2)
+    batch = _batch(cfg)
+    _, grads0 = _step(model, batch, autocast=torch.bfloat16)
+    on = offload_activations(model, 0, **CPU)
+    off = offload_activations(model, 0, recompute_param_casts=False, **CPU)
+    _, g_on = _step(model, batch, on, torch.bfloat16)
+    _, g_off = _step(model, batch, off, torch.bfloat16)
+    assert _equal(g_on, grads0) and _equal(g_off, grads0)
+    assert on.stats.recomputed_param_casts == 2 * 7 + 1  # q, k, v, o, w1, w3, w2 per block, and the head
+    assert off.stats.recomputed_param_casts == 0
+    weights_bf16 = sum(p.numel() * 2 for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    assert off.stats.last_resident_bytes - on.stats.last_resident_bytes == weights_bf16 - model.head.weight.numel() * 2
+
+
+def test_parameter_changed_between_forward_and_backward_is_a_clear_error():
+    model, cfg = _llama(n_layers=2)
+    tokens, targets = _batch(cfg)
+    off = offload_activations(model, 0, **CPU)
+    with off, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+    with torch.no_grad():
+        model.layers[0].mlp.w1.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="parameter was modified in place between the forward and the backward"):
+        loss.backward()
+
+
+class _SkipBlock(nn.Module):
+    def __init__(self, d=128):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        h = (x @ self.w) * self.scale  # mm saves x and w (a parameter); mul saves the buffer
+        gate = h.mean(-1, keepdim=True).sigmoid()  # small: one value per row
+        return h * gate + x  # mul saves h and the gate
+
+
+def test_skips_parameters_buffers_small_tensors_last_block_and_outside_blocks():
+    torch.manual_seed(0)
+    net = _Stack(_SkipBlock, n=4)
+    head = nn.Linear(128, 128)
+    x = torch.randn(8, 64, 128, requires_grad=True)
+    off = offload_activations(net, "all", backend="host-copy", min_tensor_bytes=64 * 1024)
+    with off:
+        loss = head(net(x)).square().mean()  # the head runs outside the blocks
+    loss.backward()
+    s = off.stats
+    assert s.skipped["parameter"] == 4 * 2  # w and the buffer in every block
+    assert s.skipped["small"] >= 4  # the gate (8*64 floats) in every block
+    assert s.last_offloaded_by_block[:3] == [2 * 8 * 64 * 128 * 4] * 3  # x and h
+    assert s.last_offloaded_by_block[3] == 0  # the last block stays
+    assert s.offloaded_bytes == sum(s.last_offloaded_by_block)  # nothing outside the blocks moved
+
+
+def test_nothing_happens_without_grad():
+    model, cfg = _llama()
+    off = offload_activations(model, "all", **CPU)
+    with torch.no_grad(), off:
+        model(_batch(cfg)[0])
+    assert off.stats.saved_tensors == 0 and off.stats.forwards == 0
+
+
+def test_without_cuda_auto_backend_warns_once_and_equals_the_plain_run():
+    model, cfg = _llama()
+    batch = _batch(cfg)
+    _, grads0 = _step(model, batch)
+    off = offload_activations(model, "all")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _, grads = _step(model, batch, off)
+            assert _equal(grads, grads0)
+    msgs = [str(w.message) for w in caught if "ActivationOffload" in str(w.message)]
+    assert len(msgs) == 1 and "not a CUDA GPU" in msgs[0]
+    assert off.stats.saved_tensors == 0 and not off.enabled
+
+
+def test_cuda_backend_without_cuda_is_a_clear_error():
+    model, _ = _llama()
+    with pytest.raises(RuntimeError, match="backend='cuda' needs the model on a CUDA device"):
+        offload_activations(model, "all", backend="cuda").begin_forward()
+
+
+# --------------------------------------------------------------------------- pool, guard, ordering
+
+
+def test_pool_allocates_only_in_the_first_step():
+    model, cfg = _llama()
+    batch = _batch(cfg)
+    off = offload_activations(model, "all", **CPU)
+    _step(model, batch, off)
+    first = off.pool.allocations
+    assert first > 0
+    for _ in range(3):
+        _step(model, batch, off)
+    assert off.pool.allocations == first and off.pool.reuses >= 3 * first
+    assert off.pool.in_use_bytes == 0
+
+
+def test_host_memory_guard_raises_a_clear_error_and_leaves_no_hooks(monkeypatch):
+    monkeypatch.setattr(act, "available_host_memory", lambda: 4 * 2**20)
+    model, cfg = _llama()
+    batch = _batch(cfg)
+    off = offload_activations(model, "all", host_memory_fraction=0.5, backend="host-copy", min_tensor_bytes=1024)
+    with pytest.raises(HostMemoryError, match=r"host_memory_fraction=0.5 .*available"):
+        _step(model, batch, off)
+    saved = off.stats.saved_tensors
+    _, grads = _step(model, batch)  # a plain step afterwards: no hook left behind
+    assert off.stats.saved_tensors == saved
+    assert off.pool.reserved_bytes <= 0.5 * (4 * 2**20 + off.pool.reserved_bytes)
+
+
+def test_copies_are_waited_for_and_reloads_prefetched_in_plan_order():
+    model, cfg = _llama(n_layers=4)
+    off = offload_activations(model, "all", record_timeline=True, **CPU)
+    _step(model, _batch(cfg), off)
+    ev = [(p.event, p.block) for p in off.timeline]
+    idx = lambda e: ev.index(e)  # noqa: E731
+    for i in range(3):  # blocks 0-2 offloaded; block i's copies are waited for when block i+2 starts
+        last_offload = max(k for k, e in enumerate(ev) if e == ("offload", i))
+        release = idx(("release", i + 2))
+        assert last_offload < release < (idx(("block-start", i + 2)) if i + 2 < 4 else idx(("forward-end", 4)))
+    for i in range(3):  # block i is reloaded when block i+1's backward starts, before block i's
+        reloads = [k for k, e in enumerate(ev) if e == ("reload", i)]
+        assert reloads and idx(("backward-point", i + 1)) < min(reloads) and max(reloads) < idx(("backward-point", i))
+    # The engine's accounting: less on the device at the end of the forward than was saved in it.
+    at_end = off.timeline[idx(("forward-end", 4))].saved_bytes
+    assert at_end < off.stats.last_offloaded_bytes + off.stats.last_resident_bytes
+
+
+def test_inplace_change_of_a_saved_tensor_is_an_error_as_without_the_engine():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = self.lin(x)
+            z = y.sin()  # saves y
+            y.mul_(2)  # ... then changes it
+            return z + y
+
+    def run(ctx):
+        torch.manual_seed(0)
+        net = _Stack(Bad)
+        with ctx(net):
+            out = net(torch.randn(4, 64, 64)).sum()
+        out.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(lambda net: contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(lambda net: offload_activations(net, "all", backend="host-copy", min_tensor_bytes=1))
+
+
+# -------------------------------------------------------------------------------- composition
+
+
+def test_activation_checkpointing_offloads_only_what_checkpointing_saves():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model, cfg = _llama()
+    for i, blk in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(blk)
+    batch = _batch(cfg)
+    _, grads0 = _step(model, batch)
+    off = offload_activations(model, "all", **CPU)
+    _, grads = _step(model, batch, off)
+    assert _equal(grads, grads0)
+    # Each checkpointed block keeps only its input (the rotary tables are buffers): one storage moved.
+    assert off.stats.offloaded_tensors == 2
+    x_bytes = cfg.batch_size * cfg.seq_len * cfg.dim * 4
+    assert off.stats.last_offloaded_by_block == [x_bytes, x_bytes, 0]
+
+
+def test_whole_model_compile_is_a_clear_error():
+    model, cfg = _llama()
+    compiled = torch.compile(model)
+    off = offload_activations(compiled, "all", **CPU)
+    with pytest.raises(RuntimeError, match="torch.compile'd module.*Compile each block instead"):
+        off.begin_forward()
+    assert off._hooks_ctx is None
+
+
+def test_find_blocks():
+    model, _ = _llama()
+    name, blocks = find_blocks(model)
+    assert name == "layers" and blocks == list(model.layers)
+    assert find_blocks(model, "layers")[1] == list(model.layers)
+    with pytest.raises(ValueError, match="blocks='head'.*ModuleList"):
+        find_blocks(model, "head")
+    with pytest.raises(ValueError, match="blocks='nope' names no submodule"):
+        find_blocks(model, "nope")
+    with pytest.raises(ValueError, match="no transformer blocks found"):
+        find_blocks(nn.Linear(3, 3))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(policy="some"), "policy='some'"),
+        (dict(policy=-1), "policy=-1"),
+        (dict(policy=True), "policy=True"),
+        (dict(min_tensor_bytes=-1), "min_tensor_bytes=-1"),
+        (dict(prefetch_blocks=0), "prefetch_blocks=0"),
+        (dict(max_inflight_blocks=0), "max_inflight_blocks=0"),
+        (dict(margin=-0.1), "margin=-0.1"),
+        (dict(profile_steps=0), "profile_steps=0"),
+        (dict(host_memory_fraction=1.5), "host_memory_fraction=1.5"),
+        (dict(backend="tpu"), "backend='tpu'"),
+        (dict(bandwidth_gbps=(1.0, 2.0, 3.0)), "bandwidth_gbps"),
+    ],
+)
+def test_argument_errors_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ActivationOffload(**kwargs)
+    policy = kwargs.pop("policy", "auto")
+    with pytest.raises(ValueError, match=match):
+        offload_activations(nn.Linear(2, 2), policy, **kwargs)
+
+
+# ------------------------------------------------------------------------------------- Lightning
+
+
+def _fit(callbacks, steps=3, accumulate=1, val=0, devices=1, **kw):
+    L.seed_everything(0, verbose=False)
+    model = LlamaLM.from_preset("tiny", overrides=dict(n_layers=3), lr=3e-3)
+    dm = MarkovDataModule.for_model(model)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, max_steps=steps, accumulate_grad_batches=accumulate,
+                        limit_val_batches=val, val_check_interval=2 if val else None, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks, **kw)
+    trainer.fit(model, dm)
+    return model, trainer
+
+
+def test_callback_parity_with_accumulation_and_validation():
+    plain, _ = _fit([], accumulate=2, val=2)
+    cb = ActivationOffload(policy=1, **CPU)
+    model, _ = _fit([cb], accumulate=2, val=2)
+    assert _equal(list(model.parameters()), list(plain.parameters()))
+    assert cb.engine.stats.forwards == 6  # 3 optimizer steps x 2 micro-batches; validation untouched
+    assert cb.engine.stats.offloaded_tensors > 0 and cb.engine.stats.on_demand_reloads == 0
+
+
+def test_callback_auto_logs_its_decision_and_keeps_it_across_resume(caplog, tmp_path):
+    cb = ActivationOffload(policy="auto", profile_steps=1, bandwidth_gbps=1e6, **CPU)
+    with caplog.at_level(logging.INFO):
+        _fit([cb], steps=4)
+    assert cb.plan is not None and cb.plan.policy == "auto" and cb.plan.offloaded_blocks == (0, 1)
+    assert "policy auto: offload blocks" in caplog.text and "predicted:" in caplog.text
+    state = cb.state_dict()
+    cb2 = ActivationOffload(policy="auto", profile_steps=1, **CPU)
+    cb2.load_state_dict(state)
+    _fit([cb2], steps=1)
+    assert cb2.plan.budgets == cb.plan.budgets and "restored" in cb2.plan.describe()
+    assert cb2.engine.stats.offloaded_tensors > 0  # no profiling steps after the resume
+
+
+def test_callback_refuses_cuda_graph_capture():
+    class CUDAGraphCapture(L.Callback):
+        pass
+
+    with pytest.raises(MisconfigurationException, match="ActivationOffload and CUDAGraphCapture"):
+        _fit([ActivationOffload(policy="all", **CPU), CUDAGraphCapture()], steps=1)
+
+
+def test_callback_under_ddp_matches_plain_ddp():
+    kw = dict(devices=2, strategy="ddp_spawn")
+    plain, _ = _fit([], steps=2, **{**kw})
+    model, _ = _fit([ActivationOffload(policy="all", **CPU)], steps=2, **kw)
+    assert _equal(list(model.parameters()), list(plain.parameters()))
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@contextlib.contextmanager
+def _deterministic():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # embedding backward without atomics
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(old)
+
+
+@pytest.mark.gpu
+def test_gpu_offload_matches_plain_bitwise_and_lowers_peak_memory():
+    model, cfg = _llama(n_layers=6, dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1408, seq_len=1024, batch_size=4,
+                        vocab_size=1024)
+    model.cuda()
+    batch = _batch(cfg, device="cuda")
+    with _deterministic():
+        _, g_a = _step(model, batch, autocast=torch.bfloat16)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _, g_b = _step(model, batch, autocast=torch.bfloat16)
+        torch.cuda.synchronize()
+        plain_peak = torch.cuda.max_memory_allocated() - base
+        assert _equal(g_a, g_b), "the plain run is not deterministic here"
+        off = offload_activations(model, "all", backend="cuda")
+        _step(model, batch, off, torch.bfloat16)  # the first step fills the pinned pool
+        allocations = off.pool.allocations
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        _, g_c = _step(model, batch, off, torch.bfloat16)
+        torch.cuda.synchronize()
+        off_peak = torch.cuda.max_memory_allocated() - base
+    assert _equal(g_a, g_c)
+    assert off.pool.allocations == allocations  # no pinned allocation after warm-up
+    assert off.stats.on_demand_reloads == 0 and off.stats.used_before_release == 0
+    assert off.stats.last_offloaded_bytes > 0
+    assert off_peak < plain_peak - 0.5 * off.stats.last_offloaded_bytes, (plain_peak, off_peak)
+
+
+@pytest.mark.gpu
+def test_gpu_skips_cpu_tensors_and_auto_decides():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(256, 256)
+
+        def forward(self, x):
+            host = torch.randn(512, 512, requires_grad=True)  # a CPU tensor saved inside a block
+            (host * host).sum()
+            return self.lin(x).relu()
+
+    net = _Stack(Mixed, n=4).cuda()
+    off = offload_activations(net, "auto", profile_steps=1)
+    x = torch.randn(64, 256, 256, device="cuda")
+    for _ in range(3):
+        with off:
+            out = net(x).square().mean()
+        out.backward()
+    assert off.stats.skipped.get("other-device", 0) > 0
+    assert off.plan is not None and off.plan.prediction is not None

@@ -1,0 +1,317 @@
+"""SelectiveProfiler on the CPU: windows of optimizer steps, env override, resume, faults, ranks (DDP), conflicts."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import signal
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_gh import hardware
+from lightning_gh.demo import LlamaLM, MarkovDataModule
+from lightning_gh.profiling import SelectiveProfiler, StepSchedule, summarize_trace
+from lightning_gh.profiling import profiler as profiler_mod
+from lightning_gh.profiling.profiler import ENV_VAR, demo_part, nsys_command, under_nsys
+from lightning_gh.profiling.trace import load_trace
+
+
+def _trainer(tmp_path, callbacks, max_steps, **kw):
+    kw.setdefault("limit_val_batches", 0)
+    kw.setdefault("enable_checkpointing", False)
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks, **kw)
+
+
+def _model():
+    L.seed_everything(0, verbose=False)
+    return LlamaLM.from_preset("tiny")
+
+
+def _dm(model):
+    return MarkovDataModule.for_model(model, num_train_samples=512)
+
+
+def _steps_and_phases(path):
+    """ProfilerStep numbers, and per step the lgh/ phases in order; asserts every phase lies inside a step."""
+    t = load_trace(path)
+    phases = {s.number: [] for s in t.steps}
+    for a in t.annotations:
+        if a.name.startswith("lgh/"):
+            owner = [s for s in t.steps if s.ts - 1e-3 <= a.ts and a.end <= s.end + 1e-3]
+            assert owner, f"{a.name} at {a.ts} lies outside every ProfilerStep"
+            phases[owner[0].number].append(a.name[4:])
+    return [s.number for s in t.steps], phases
+
+
+class Probe(L.Callback):
+    """Records, inside each step, whether any profiler or phase range is live."""
+
+    def __init__(self, prof: SelectiveProfiler) -> None:
+        self.prof = prof
+        self.seen: dict[int, tuple[bool, bool]] = {}
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.seen[trainer.global_step] = (torch.autograd._profiler_enabled(), self.prof._active is not None)
+
+
+def test_trace_holds_exactly_the_window_steps(tmp_path):
+    prof = SelectiveProfiler(steps="2-3,4,6", output_dir=tmp_path / "p", summary=True)
+    probe = Probe(prof)
+    model = _model()
+    _trainer(tmp_path, [prof, probe], max_steps=8).fit(model, _dm(model))
+
+    # Nothing is live outside the windows; the profiler runs exactly in steps 2, 3 and 6.
+    assert {s for s, (on, active) in probe.seen.items() if on or active} == {2, 3, 4, 6}
+    assert all(on == active for on, active in probe.seen.values())
+    assert prof._backend_objs[0].prof is None and not torch.autograd._profiler_enabled()
+
+    assert [(w["window"], w["steps"], w["reason"]) for w in prof.written] == [
+        ("2-3", [2, 3], "window complete"), ("4", [4, 4], "window complete"), ("6", [6, 6], "window complete")]
+    first = tmp_path / "p" / "steps2-3" / "rank0_steps2-3.pt.trace.json.gz"
+    assert Path(prof.written[0]["files"]["torch"]) == first
+    steps, phases = _steps_and_phases(first)
+    assert steps == [2, 3]
+    # Every step, the first included (begun at the end of step 1), runs data wait -> forward -> backward -> optimizer.
+    assert phases == {2: ["data_wait", "forward", "backward", "optimizer"],
+                      3: ["data_wait", "forward", "backward", "optimizer"]}
+    # An adjacent window begins as the previous one ends, its data wait included.
+    assert _steps_and_phases(tmp_path / "p" / "steps4" / "rank0_steps4.pt.trace.json.gz") == (
+        [4], {4: ["data_wait", "forward", "backward", "optimizer"]})
+    assert _steps_and_phases(tmp_path / "p" / "steps6" / "rank0_steps6.pt.trace.json.gz")[0] == [6]
+    with gzip.open(first, "rt") as f:
+        meta = json.load(f)["lgh"]
+    assert meta == {"window": "2-3", "first_step": 2, "rank": 0, "world_size": 1, "backends": ["torch"]}
+    summary = json.loads((tmp_path / "p" / "steps2-3" / "rank0_steps2-3.summary.json").read_text())
+    assert [r["step"] for r in summary["steps"]] == [2, 3] and summary["window_end"] == "window complete"
+    assert (tmp_path / "p" / "steps2-3" / "rank0_steps2-3.summary.png").exists()
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["steps2-3", "steps4", "steps6"]
+
+
+def test_env_overrides_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1-2")
+    prof = SelectiveProfiler(steps="5-6", output_dir=tmp_path, summary=False)
+    assert str(prof.schedule) == "1-2"
+    model = _model()
+    _trainer(tmp_path, [prof], max_steps=7).fit(model, _dm(model))
+    assert [w["steps"] for w in prof.written] == [[1, 2]]
+    assert _steps_and_phases(prof.written[0]["files"]["torch"])[0] == [1, 2]
+    monkeypatch.setenv(ENV_VAR, "9-8")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        SelectiveProfiler(steps="5-6")
+
+
+def test_windows_count_optimizer_steps_not_batches(tmp_path):
+    prof = SelectiveProfiler(steps="1-2", output_dir=tmp_path, summary=False)
+    model = _model()
+    _trainer(tmp_path, [prof], max_steps=3, accumulate_grad_batches=2).fit(model, _dm(model))
+    steps, phases = _steps_and_phases(prof.written[0]["files"]["torch"])
+    assert steps == [1, 2]
+    for n in steps:  # two micro-batches per optimizer step, one optimizer phase
+        assert phases[n].count("forward") == 2 and phases[n].count("backward") == 2
+        assert phases[n].count("optimizer") == 1 and phases[n][-1] == "optimizer"
+
+
+def test_resume_inside_a_window_profiles_the_rest_and_nothing_twice(tmp_path):
+    out = tmp_path / "p"
+    model = _model()
+    first = SelectiveProfiler(steps="3-6", output_dir=out, summary=False)
+    t1 = _trainer(tmp_path, [first], max_steps=5)
+    t1.fit(model, _dm(model))
+    t1.save_checkpoint(tmp_path / "step5.ckpt")
+    assert [(w["steps"], w["reason"]) for w in first.written] == [([3, 4], "end of training")]
+
+    model = _model()
+    second = SelectiveProfiler(steps="3-6", output_dir=out, summary=False)
+    t2 = _trainer(tmp_path, [second], max_steps=9)
+    t2.fit(model, _dm(model), ckpt_path=tmp_path / "step5.ckpt")
+    t2.save_checkpoint(tmp_path / "step9.ckpt")
+    assert [w["steps"] for w in second.written] == [[5, 6]]
+    recorded = [_steps_and_phases(w["files"]["torch"])[0] for w in first.written + second.written]
+    assert recorded == [[3, 4], [5, 6]]  # the window, whole, once
+
+    model = _model()
+    third = SelectiveProfiler(steps="3-6", output_dir=out, summary=False)
+    _trainer(tmp_path, [third], max_steps=11).fit(model, _dm(model), ckpt_path=tmp_path / "step9.ckpt")
+    assert third.written == []  # resumed after the window: nothing again
+    assert sorted(p.name for p in (out / "steps3-6").iterdir()) == [
+        "rank0_steps3-4.pt.trace.json.gz", "rank0_steps5-6.pt.trace.json.gz"]
+
+
+class Boom(LlamaLM):
+    """Raises ``exc`` in the training step of optimizer step ``at``."""
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == self.fail_at:
+            raise self.exc("boom at step %d" % self.fail_at)
+        return super().training_step(batch, batch_idx)
+
+
+def _boom(exc, at):
+    L.seed_everything(0, verbose=False)
+    m = Boom.from_preset("tiny")
+    m.exc, m.fail_at = exc, at
+    return m
+
+
+def test_exception_during_window_still_writes_trace_and_summary(tmp_path):
+    prof = SelectiveProfiler(steps="2-5", output_dir=tmp_path)
+    model = _boom(RuntimeError, 3)
+    with pytest.raises(RuntimeError, match="boom at step 3"):
+        _trainer(tmp_path, [prof], max_steps=8).fit(model, _dm(model))
+    assert not torch.autograd._profiler_enabled()  # the profiler was stopped
+    (entry,) = prof.written
+    assert entry["steps"] == [2, 3] and entry["reason"].startswith("exception: RuntimeError: boom at step 3")
+    steps, phases = _steps_and_phases(entry["files"]["torch"])
+    assert steps == [2, 3] and phases[3][-1] == "forward"  # step 3 died in its forward
+    summary = json.loads(Path(entry["files"]["summary_json"]).read_text())
+    assert summary["window_end"].startswith("exception: RuntimeError")
+
+
+def test_keyboard_interrupt_during_window_still_writes_trace(tmp_path):
+    prof = SelectiveProfiler(steps="1-4", output_dir=tmp_path, summary=False)
+    model = _boom(KeyboardInterrupt, 2)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning turns Ctrl+C into a graceful shutdown and exit(1)
+            _trainer(tmp_path, [prof], max_steps=8).fit(model, _dm(model))
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert not torch.autograd._profiler_enabled()
+    (entry,) = prof.written
+    assert entry["steps"] == [1, 2] and entry["reason"].startswith("exception: KeyboardInterrupt")
+    assert _steps_and_phases(entry["files"]["torch"])[0] == [1, 2]
+
+
+def test_window_begun_at_the_last_batch_of_training_writes_nothing(tmp_path):
+    # Step 2 ends the epoch and the run (limit_train_batches): the window 3-4 never runs a step.
+    prof = SelectiveProfiler(steps="3-4", output_dir=tmp_path / "p", summary=False)
+    model = _model()
+    _trainer(tmp_path, [prof], max_steps=-1, max_epochs=1, limit_train_batches=3).fit(model, _dm(model))
+    assert prof.written == [] and not (tmp_path / "p").exists() and not torch.autograd._profiler_enabled()
+
+
+class StopAfter(L.Callback):
+    """Sets should_stop in on_train_batch_end, after SelectiveProfiler's hook has run (like Lightning's Timer)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def test_a_stop_decided_after_our_hook_names_the_steps_that_ran(tmp_path):
+    prof = SelectiveProfiler(steps="2-5", output_dir=tmp_path, summary=False)
+    model = _model()
+    _trainer(tmp_path, [prof, StopAfter(4)], max_steps=8).fit(model, _dm(model))
+    (entry,) = prof.written
+    assert entry["steps"] == [2, 3] and entry["reason"] == "end of training"
+    assert Path(entry["files"]["torch"]).name == "rank0_steps2-3.pt.trace.json.gz"
+    steps, phases = _steps_and_phases(entry["files"]["torch"])
+    # The marker of step 4 was opened before the stop was known; it holds no batch, only the data wait.
+    assert steps == [2, 3, 4] and phases[4] == ["data_wait"]
+    assert [r["step"] for r in summarize_trace(entry["files"]["torch"], write=False)["steps"]] == [2, 3]
+
+
+def test_lightning_pytorch_profiler_is_refused_at_setup(tmp_path):
+    prof = SelectiveProfiler(steps="1", output_dir=tmp_path)
+    model = _model()
+    trainer = _trainer(tmp_path, [prof], max_steps=2, profiler="pytorch")
+    with pytest.raises(ValueError, match=r"cannot run with Trainer\(profiler=PyTorchProfiler\)") as e:
+        trainer.fit(model, _dm(model))
+    assert "backends=('nsys', 'memory')" in str(e.value)
+    # Lightning's PyTorchProfiler fails in its __del__ when a fit stops before it recorded anything (its own
+    # bug, not ours): drop its never-started torch profiler so that garbage collection stays quiet.
+    trainer.profiler.profiler = None
+
+
+def test_works_beside_simple_profiler_and_gpu_backends_step_aside(tmp_path):
+    profiler_mod._warned.clear()
+    prof = SelectiveProfiler(steps="1", backends=("torch", "nsys", "memory"), output_dir=tmp_path, summary=False)
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [prof], max_steps=3, profiler="simple").fit(model, _dm(model))
+    mine = [str(w.message) for w in caught if "SelectiveProfiler" in str(w.message)]
+    assert len(mine) == 2 and any("'nsys' needs a CUDA GPU" in m for m in mine)
+    assert any("'memory' records the CUDA caching allocator" in m for m in mine)
+    assert [w["steps"] for w in prof.written] == [[1, 1]] and set(prof.written[0]["files"]) == {"torch"}
+
+
+def test_another_torch_profiler_session_is_not_a_crash(tmp_path):
+    profiler_mod._warned.clear()
+    prof = SelectiveProfiler(steps="1", output_dir=tmp_path, summary=False)
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            _trainer(tmp_path, [prof], max_steps=2).fit(model, _dm(model))
+    assert any("already active" in str(w.message) for w in caught)
+    assert prof.written == []
+
+
+def test_only_selected_ranks_write_under_ddp(tmp_path):
+    prof = SelectiveProfiler(steps="1-2", ranks="last", output_dir=tmp_path / "p", summary=False)
+    model = _model()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[prof], default_root_dir=tmp_path)
+    trainer.fit(model, _dm(model))
+    files = sorted(p.name for p in (tmp_path / "p" / "steps1-2").iterdir())
+    assert files == ["rank1_steps1-2.pt.trace.json.gz"]
+    t = load_trace(tmp_path / "p" / "steps1-2" / files[0])
+    assert [s.number for s in t.steps] == [1, 2]
+    assert t.metadata["distributedInfo"]["rank"] == 1 and t.metadata["distributedInfo"]["world_size"] == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"steps": "4-2"}, "reversed"),
+    ({"steps": "1-3,2"}, "overlap"),
+    ({"steps": "-1"}, "negative"),
+    ({"steps": 5}, "steps=5"),
+    ({"ranks": "first"}, "bad item 'first'"),
+    ({"backends": ("torch", "perf")}, r"unknown backend\(s\) \['perf'\]"),
+    ({"backends": ()}, "non-empty"),
+    ({"backends": ("torch", "torch")}, "once"),
+    ({"output_dir": ""}, "output_dir"),
+    ({"summary": "yes"}, "summary='yes'"),
+])
+def test_argument_validation(kwargs, match, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match=match):
+        SelectiveProfiler(**kwargs)
+
+
+def test_defaults_and_single_string_backend(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    p = SelectiveProfiler(backends="memory")
+    assert p.backends == ("memory",) and str(p.schedule) == "5-7" and isinstance(p.schedule, StepSchedule)
+
+
+def test_nsys_detection_and_command(tmp_path):
+    assert under_nsys({}) is None
+    assert under_nsys({"NSYS_PROFILING_SESSION_ID": "12"}) == "NSYS_PROFILING_SESSION_ID"
+    assert under_nsys({"CUDA_INJECTION64_PATH": "/opt/nvidia/nsys/libToolsInjection64.so"}) == "CUDA_INJECTION64_PATH"
+    cmd = nsys_command(tmp_path, ["python3", "-m", "lightning_gh", "demo", "--steps", "50"])
+    assert cmd.startswith("nsys profile --capture-range=cudaProfilerApi --capture-range-end=repeat --trace=cuda,nvtx")
+    assert cmd.endswith(f"-o {tmp_path}/nsys_%p python3 -m lightning_gh demo --steps 50")
+
+
+def test_demo_part(tmp_path, monkeypatch):
+    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.profiling import DataStallDetector
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    part = demo_part(DemoConfig(preset="tiny", steps=300, out=tmp_path), hardware.detect(), tmp_path)
+    prof, det = part.callbacks
+    assert part.enabled and isinstance(det, DataStallDetector)
+    assert str(prof.schedule) == "10-12" and prof.output_dir == tmp_path / "profiles"
+    assert prof.backends == (("torch", "memory") if torch.cuda.is_available() else ("torch",))
+    short = demo_part(DemoConfig(preset="tiny", steps=4, out=tmp_path), hardware.detect(), tmp_path)
+    assert str(short.callbacks[0].schedule) == "1-3"

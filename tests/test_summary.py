@@ -226,3 +226,27 @@ def test_summary_files_default_next_to_the_trace(cpu_trace, tmp_path):
     shutil.copy(cpu_trace, copy)
     s = summarize_trace(copy, plot=False)
     assert set(s["files"]) == {"json", "md"} and Path(s["files"]["json"]).parent == tmp_path
+
+
+def _data_wait_trace(gpu_busy_during_wait: bool):
+    # One 1000 us step whose first 400 us the host spends in lgh/data_wait.
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 1, "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "user_annotation", "name": "lgh/data_wait", "pid": 1, "tid": 1, "ts": 0, "dur": 400},
+        {"ph": "X", "cat": "user_annotation", "name": "lgh/forward", "pid": 1, "tid": 1, "ts": 400, "dur": 600},
+        _event("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32", 400, 590),
+    ]
+    if gpu_busy_during_wait:  # the previous step's work still runs: the host is ahead of the GPU
+        events.append(_event("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32", 0, 390))
+    return parse_trace(events)
+
+
+def test_data_wait_is_a_stall_only_when_the_gpu_idles_through_it():
+    loader = {"loader": {"num_workers": 0, "cuda": True, "pin_memory": True, "cpus_per_process": 8}}
+    stalled = summarize(_data_wait_trace(gpu_busy_during_wait=False), context=loader)
+    assert stalled["verdict"]["bound"] == "input-bound"
+    assert any("raise num_workers from 0" in a for a in stalled["verdict"]["advice"])
+    ahead = summarize(_data_wait_trace(gpu_busy_during_wait=True), context=loader)
+    assert ahead["verdict"]["bound"] == "compute-bound"
+    assert not any("num_workers" in a for a in ahead["verdict"]["advice"])
+    assert any("host was ahead of the GPU" in e for e in ahead["verdict"]["evidence"])

@@ -452,7 +452,16 @@ def _verdict(s: dict[str, Any], context: Mapping[str, Any]) -> dict[str, Any]:
     phases = s.get("phases") or {}
     wait_share = phases.get("data_wait", {}).get("share", 0.0)
     step = s.get("step_time_ms") or {}
-    if wait_share >= DATA_WAIT_BOUND:
+    g = s.get("gpu")
+    # A host that waits for data while the GPU still has queued work is not a data stall: the host ran ahead
+    # and something in the fetch (a pinned-buffer wait, a sync) blocked it until the GPU caught up. Data
+    # advice needs the GPU itself to have idled during the waits.
+    gpu_idled_on_data = g is None or g["idle"]["during_data_wait_share"] >= DATA_WAIT_BOUND / 2
+    if wait_share >= DATA_WAIT_BOUND and not gpu_idled_on_data:
+        evidence.append(f"the loop waited for data {wait_share:.1%} of the window, but the GPU stayed busy through "
+                        f"it (idle {g['idle']['during_data_wait_share']:.1%} of the window during the waits): "
+                        "the host was ahead of the GPU, so the loader is not the bottleneck")
+    elif wait_share >= DATA_WAIT_BOUND:
         evidence.append(f"the loop waited for data {wait_share:.1%} of the window (lgh/data_wait ranges)")
         loader = context.get("loader")
         n = max(len(s["steps"]), 1)
@@ -461,7 +470,6 @@ def _verdict(s: dict[str, Any], context: Mapping[str, Any]) -> dict[str, Any]:
         advice += stall_advice(loader, wait_ms / 1e3, busy_ms / 1e3) if loader else [
             "raise the DataLoader's num_workers, set pin_memory=True and persistent_workers=True "
             "(lightning_gh.DataStallDetector measures this on every step and gives concrete values)"]
-    g = s.get("gpu")
     if g is None:
         bound = "input-bound" if wait_share >= DATA_WAIT_BOUND else "cpu-only"
         evidence.insert(0, "no GPU activity in the trace (a CPU-only run, or the profiler had no CUDA activity)")

@@ -15,8 +15,11 @@ Recipes (``transformer_engine.common.recipe``):
 
 Checkpoints stay plain: converted layers save ``weight`` / ``bias`` under the original names, without TE's
 ``_extra_state``, so a checkpoint loads into the unconverted model and Lightning can restore it before the
-plugin converts (which is the order Lightning uses). DelayedScaling's amax histories travel in the plugin's own
-``state_dict`` instead, and are restored on resume.
+plugin converts (which is the order Lightning uses). DelayedScaling's scales and amax histories travel in the
+plugin's own ``state_dict`` instead, as plain tensors (``"te_fp8_meta"``), and are copied back in place on
+resume. Plain tensors rather than TE's ``_extra_state``: that is a Python pickle, which recent TE refuses to load
+(it could run arbitrary code) unless the user sets ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``; tensors load with
+``torch.load(weights_only=True)`` and need no opt-in.
 
 Example::
 
@@ -29,8 +32,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import warnings
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from typing import Any, Generator, Literal, Mapping
+from typing import Any, Callable, Generator, Literal, Mapping
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -49,7 +53,8 @@ from lightning_gh.precision.registry import (
     warn_untested_callbacks,
 )
 
-__all__ = ["TEFloat8Precision", "TE_RECIPES", "make_recipe", "te_autocast"]
+__all__ = ["TEFloat8Precision", "TE_RECIPES", "make_recipe", "te_autocast", "fp8_meta_state_dict",
+           "load_fp8_meta_state_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +124,18 @@ def _te_linear_class(isolate: bool) -> type:
         def forward(self, inp, *args, **kwargs):
             return base.forward(self, inp, *args, **kwargs)
 
+        def get_extra_state(self):
+            # The plugin keeps the fp8 metadata (as plain tensors, see fp8_meta_state_dict), so the layer offers
+            # none: no pickle to write, and _fill_extra_state hands TE's set_extra_state a None, which it skips.
+            # Handing back TE's own pickle instead would make recent TE refuse the load once a DelayedScaling
+            # layer has state (it will not unpickle without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1).
+            return None
+
         if isolate:
             forward = torch._dynamo.disable(forward)
         name = "EagerTELinear" if isolate else "TELinear"
-        cls = type(name, (base,), {"forward": forward, "__module__": __name__, "__qualname__": name})
+        cls = type(name, (base,), {"forward": forward, "get_extra_state": get_extra_state, "__module__": __name__,
+                                   "__qualname__": name})
         globals()[name] = cls  # importable by name, so a pickled module finds its class
         _CLASSES[key] = cls
     return _CLASSES[key]
@@ -134,10 +147,115 @@ def _drop_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_me
 
 
 def _fill_extra_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    # Loading a plain (or our own) checkpoint into a converted model: keep the layer's current fp8 state.
+    # Loading a plain (or our own) checkpoint into a converted model: keep the layer's current fp8 state. For our
+    # TE layers get_extra_state() is None, which TE's set_extra_state skips in every release.
     key = prefix + "_extra_state"
     if key not in state_dict:
         state_dict[key] = module.get_extra_state()
+
+
+# ---- DelayedScaling state as plain tensors (no pickle); pure Python over ``module.fp8_meta`` so CPU tests reach it
+
+_META_KEYS = ("scaling_fwd", "scaling_bwd")
+_META_FIELDS = ("scale", "scale_inv", "amax_history")  # TE 2.x keeps scale and amax_history; 1.x also scale_inv
+
+
+def _meta_tensors(module: Any) -> dict[str, Tensor] | None:
+    """``{"scaling_fwd.scale": tensor, ...}`` viewing the module's live fp8 meta tensors; None if not initialised."""
+    meta = getattr(module, "fp8_meta", None)
+    if not isinstance(meta, Mapping) or any(key not in meta for key in _META_KEYS):
+        return None
+    found = {f"{key}.{field}": t for key in _META_KEYS for field in _META_FIELDS
+             if isinstance(t := getattr(meta[key], field, None), Tensor)}
+    return found if any(name.endswith(".amax_history") for name in found) else None
+
+
+def fp8_meta_state_dict(module: Any) -> dict[str, Any] | None:
+    """A TE module's DelayedScaling state (scales, amax histories) as CPU tensor copies, or ``None`` if it has none.
+
+    Reads ``module.fp8_meta["scaling_fwd" | "scaling_bwd"]`` and their ``scale`` / ``amax_history`` (and TE 1.x's
+    ``scale_inv``); adds ``num_gemms`` (an int) so that the layout can be rebuilt before the first forward. The result
+    holds only tensors and ints: it loads with ``torch.load(weights_only=True)``, unlike TE's pickled
+    ``_extra_state``.
+
+    Args:
+        module: a Transformer Engine module (anything with an ``fp8_meta`` dict of that shape).
+
+    Example::
+
+        state = fp8_meta_state_dict(te_linear)  # {"scaling_fwd.amax_history": tensor(...), ..., "num_gemms": 1}
+    """
+    tensors = _meta_tensors(module)
+    if tensors is None:
+        return None
+    state: dict[str, Any] = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+    num_gemms = module.fp8_meta.get("num_gemms")
+    if isinstance(num_gemms, int):
+        state["num_gemms"] = num_gemms
+    return state
+
+
+def load_fp8_meta_state_dict(module: Any, state: Mapping[str, Any],
+                             init: Callable[[Any, Mapping[str, Any]], None] | None = None) -> str | None:
+    """Copy a ``fp8_meta_state_dict`` back into ``module``'s fp8 meta tensors, in place; all or nothing.
+
+    In place (``copy_``), because TE's quantizers and its global amax buffer hold views of these very tensors.
+    When the module has no fp8 meta tensors yet (no forward has run), ``init(module, state)`` is called first to
+    create them. Every name and shape is checked before anything is copied.
+
+    Args:
+        module: a Transformer Engine module (anything with an ``fp8_meta`` dict of that shape).
+        state: what ``fp8_meta_state_dict`` returned.
+        init: creates the module's fp8 meta tensors when they do not exist yet.
+
+    Returns:
+        ``None`` when restored, else why not (the module is then unchanged, up to ``init``).
+
+    Example::
+
+        why = load_fp8_meta_state_dict(te_linear, state)
+        if why: warnings.warn(f"amax history starts fresh: {why}")
+    """
+    if not isinstance(state, Mapping):
+        return f"expected a dict of tensors, got {type(state).__name__}"
+    saved = {name: value for name, value in state.items() if name != "num_gemms"}
+    if not saved or not all(isinstance(v, Tensor) for v in saved.values()):
+        return "the checkpoint entry holds no fp8 meta tensors"
+    live = _meta_tensors(module)
+    if live is None and init is not None:
+        try:
+            init(module, state)
+        except Exception as e:  # a TE release whose internals differ: start fresh rather than fail the resume
+            return f"could not create the fp8 meta tensors before the first step ({type(e).__name__}: {e})"
+        live = _meta_tensors(module)
+    if live is None:
+        return "the layer has no fp8 meta tensors (no fp8 forward has run)"
+    if set(saved) != set(live):
+        return f"the checkpoint has {sorted(saved)}, this layer has {sorted(live)}"
+    for name, value in saved.items():
+        if value.shape != live[name].shape:
+            return (f"{name} has shape {tuple(value.shape)} in the checkpoint but {tuple(live[name].shape)} here "
+                    "(a different amax_history_len or layer layout)")
+    with torch.no_grad():
+        for name, value in saved.items():
+            live[name].copy_(value)
+    return None
+
+
+def _init_te_fp8_meta(recipe: Any, module: Any, state: Mapping[str, Any]) -> None:
+    """Create a TE module's fp8 meta tensors for ``recipe`` before its first forward, as TE's own loader does."""
+    num_gemms = state.get("num_gemms")
+    if not isinstance(num_gemms, int):
+        num_gemms = state["scaling_fwd.amax_history"].shape[-1] // 3  # 3 fp8 tensors per forward GEMM
+    module.fp8_meta["num_gemms"] = num_gemms
+    module.fp8_meta["recipe"] = recipe
+    init = module.init_fp8_meta_tensors
+    device = getattr(getattr(module, "weight", None), "device", None)
+    with torch.cuda.device(device) if device is not None and device.type == "cuda" else ExitStack():
+        if "recipe" in inspect.signature(init).parameters:
+            init(recipe)  # TE 2.x
+        else:
+            init()  # TE 1.x reads fp8_meta["recipe"]
 
 
 class TEFloat8Precision(Precision):
@@ -206,6 +324,7 @@ class TEFloat8Precision(Precision):
         self.compile_te_layers = compile_te_layers
         self.plan: LayerPlan | None = None
         self._converted: dict[str, nn.Module] = {}
+        self._pending_fp8_meta: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, recipe={self.recipe!r})"
@@ -273,6 +392,7 @@ class TEFloat8Precision(Precision):
         plan = self.convert_layers(module, device)
         if self.weights_dtype is not None:
             module.to(dtype=self.weights_dtype)
+        self._restore_fp8_meta()  # a checkpoint entry loaded before conversion
         rank_zero_info(f"{self.name}: {plan.summary()}")
         if is_compiled(module):
             how = ("traced by torch.compile (compile_te_layers=True)" if self.compile_te_layers else
@@ -296,20 +416,49 @@ class TEFloat8Precision(Precision):
             return data
         return apply_to_collection(data, Tensor, lambda t: t.to(self.weights_dtype) if t.is_floating_point() else t)
 
-    # ---- checkpoint: DelayedScaling's amax histories (plain weights are in the model's state_dict)
+    # ---- checkpoint: DelayedScaling's scales and amax histories (plain weights are in the model's state_dict)
 
     def state_dict(self) -> dict[str, Any]:
         if self.recipe != "delayed" or not self._converted:
             return {}
         states = {}
         for name, m in self._converted.items():
-            state = m.get_extra_state()
+            state = fp8_meta_state_dict(m)
             if state is not None:
                 states[name] = state
-        return {"te_extra_state": states} if states else {}
+        return {"te_fp8_meta": states} if states else {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        for name, state in dict(state_dict.get("te_extra_state", {})).items():
-            module = self._converted.get(name)
-            if module is not None:
-                module.set_extra_state(state)
+        if "te_extra_state" in state_dict:
+            warnings.warn(f"precision {self.name!r}: this checkpoint keeps the fp8 amax histories as pickled "
+                          "Transformer Engine extra state (an older lightning-gh), which is not loaded because "
+                          "unpickling can run arbitrary code; the histories start fresh. Weights and optimizer state "
+                          "are restored.",
+                          UserWarning, stacklevel=2)
+        entry = state_dict.get("te_fp8_meta")
+        if not entry:
+            return
+        if self.recipe != "delayed":
+            warnings.warn(f"precision {self.name!r}: the checkpoint holds DelayedScaling amax histories, which recipe "
+                          f"{self.recipe!r} does not use; ignored.", UserWarning, stacklevel=2)
+            return
+        self._pending_fp8_meta = dict(entry)
+        if self._converted:  # Lightning restores the plugin after convert_module; else convert_module restores it
+            self._restore_fp8_meta()
+
+    def _restore_fp8_meta(self) -> None:
+        pending, self._pending_fp8_meta = self._pending_fp8_meta, None
+        if not pending:
+            return
+        init = functools.partial(_init_te_fp8_meta, self.te_recipe)
+        problems = {name: load_fp8_meta_state_dict(module, pending[name], init) if name in pending else
+                    "not in the checkpoint" for name, module in self._converted.items()}
+        problems.update({name: "not converted in this run" for name in pending if name not in self._converted})
+        problems = {name: why for name, why in problems.items() if why}
+        restored = len(self._converted) - sum(name in self._converted for name in problems)
+        if problems:
+            shown = "; ".join(f"{name}: {why}" for name, why in list(problems.items())[:3])
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            warnings.warn(f"precision {self.name!r}: could not restore the DelayedScaling scales and amax histories of "
+                          f"{len(problems)} layer(s), which start fresh: {shown}{more}.", UserWarning, stacklevel=3)
+        log.debug("%s restored the fp8 amax histories of %d layer(s)", self.name, restored)

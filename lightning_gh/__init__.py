@@ -9,6 +9,8 @@ from lightning_gh.graphs import CUDAGraphCapture, GraphCaptureError, GraphReport
 from lightning_gh.hardware import HardwareInfo
 from lightning_gh.precision import FP8UnavailableError, LayerFilter, export_bf16_state_dict, list_precisions, precision
 from lightning_gh.offload import ActivationOffload, HostMemoryError, offload_activations
+from lightning_gh.offload.strategy import SuperOffloadStrategy  # registers Trainer(strategy="superoffload")
+from lightning_gh.offload.superoffload import HeterogeneousAdamW
 from lightning_gh.profiling.nvtx import NVTXRangeCallback
 from lightning_gh.profiling.profiler import SelectiveProfiler
 from lightning_gh.profiling.stall import DataStallDetector
@@ -24,10 +26,12 @@ __all__ = [
     "GraphCaptureError",
     "GraphReport",
     "HardwareInfo",
+    "HeterogeneousAdamW",
     "HostMemoryError",
     "LayerFilter",
     "NVTXRangeCallback",
     "SelectiveProfiler",
+    "SuperOffloadStrategy",
     "__version__",
     "export_bf16_state_dict",
     "hardware",

@@ -27,6 +27,7 @@ from lightning_gh.demo.data import MarkovDataModule
 from lightning_gh.demo.model import PRESETS, LlamaLM
 from lightning_gh.graphs.part import demo_part as _graphs_part
 from lightning_gh.offload.callback import activation_offload_part as _offload_part
+from lightning_gh.offload.superoffload_part import superoffload_part as _superoffload_part
 from lightning_gh.precision.registry import demo_part as _fp8_part
 from lightning_gh.profiling.nvtx import demo_part as _nvtx_part
 from lightning_gh.profiling.profiler import demo_part as _profiler_part
@@ -79,6 +80,7 @@ PARTS: list[Callable[[DemoConfig, hardware.HardwareInfo, Path], Part]] = [
     _nvtx_part,
     _graphs_part,
     _offload_part,
+    _superoffload_part,
 ]
 
 # Parts that refuse to run together, each for the reason given (see their docs); the one earlier in
@@ -86,6 +88,8 @@ PARTS: list[Callable[[DemoConfig, hardware.HardwareInfo, Path], Part]] = [
 EXCLUSIVE: list[tuple[str, str, str]] = [
     ("fp8 precision (fp8-auto)", "CUDAGraphCapture", "CUDAGraphCapture does not capture the fp8 plugins yet"),
     ("CUDAGraphCapture", "ActivationOffload", "its host copies and events cannot run inside a captured CUDA graph"),
+    ("CUDAGraphCapture", "SuperOffload", "its hooks, host copies and CPU worker cannot run inside a captured CUDA graph"),
+    ("fp8 precision (fp8-auto)", "SuperOffload", "the fp8 plugins and the SuperOffload strategy are not tested together yet"),
 ]
 
 

@@ -1,0 +1,496 @@
+"""Suite `superoffload`: host-offloaded AdamW inside Lightning, against GPU-only fused AdamW and torchao's
+`CPUOffloadOptimizer`, in one process.
+
+Part 1, kernels (no model): torch's CPU AdamW, fused against foreach, on the worker's thread count; host memcpy
+(what a speculation backup costs); pinned host<->GPU copy bandwidth.
+
+Part 2, step time on a model that fits both ways: `preset("medium", n_layers=16)` (953M parameters, d=2048,
+4x2048 tokens, fp32 weights + bf16 autocast = `precision="bf16-mixed"`), each variant a full step of an ordinary
+`Trainer`, timed per step with CUDA events (median) after `--warmup` steps (the auto GPU tail settles in the
+first ~12 steps), plus the wall-clock time per step and the GPU utilisation sampled through NVML:
+
+  gpu fused adamw                  the plain run (ratio base)
+  superoffload                     Trainer(strategy="superoffload"): auto tail, speculative, non-finite skip
+  superoffload clip=1.0            the same with gradient_clip_val=1.0 (clipping on every step or most)
+  superoffload no-validation       skip_nonfinite=False, no clipping: no speculation backup needed
+  superoffload tail=0              gpu_fraction=0.0 (every parameter on the CPU), no validation
+  torchao offload                  torchao CPUOffloadOptimizer(AdamW, fused=True) from configure_optimizers
+  torchao offload_gradients        the same with offload_gradients=True
+
+Part 3, the largest model that trains under a GPU memory cap (`torch.cuda.set_per_process_memory_fraction`):
+`preset("medium", seq_len=1024, batch_size=1)` with `n_layers` varied; GPU-only fused AdamW under
+`bf16-mixed` (16 B/param) against `strategy=SuperOffloadStrategy(gpu_fraction=0.0)` under `bf16-true`
+(bf16 weights on the GPU, fp32 master + moments on the host). A size "trains" when 3 steps finish.
+
+`--so-parts micro speed cap` picks the parts (default all three; about 7 minutes on the H200 machine).
+
+Isolation: on CUDA every variant of parts 2 and 3 runs in a fresh Python process (`--so-in-process` turns that
+off), so peak-memory figures and the memory cap start from an empty GPU and the host RAM of one variant (28 B per
+offloaded parameter) is returned before the next starts. A first run that kept all variants in one process saw
+~20 GiB still allocated after them, which broke the cap experiment and inflated later peaks.
+
+Anchors (../shared/gpu/README.md, H200, 953M model, full step): fused GPU AdamW 107 ms, torchao
+CPUOffloadOptimizer 270 ms (254 ms with offload_gradients=True). Goals: <= 1.3x GPU-only step time,
+>= 1.5x faster than torchao, >= 3x larger model under the same cap.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import lightning as L
+import torch
+
+from common import BenchContext, Result, Timing, lightning_steps, peak_memory, reset_memory
+
+from lightning_gh import hardware
+from lightning_gh.demo import LlamaLM, preset
+from lightning_gh.offload.strategy import SuperOffloadStrategy
+from lightning_gh.offload.superoffload import HeterogeneousAdamW
+
+DEFAULT_PRESETS = ["medium"]
+ANCHOR_GPU_MS = 107.0
+ANCHOR_TORCHAO_MS = 270.0
+ANCHOR_TORCHAO_OG_MS = 254.0
+GOAL_VS_GPU = 1.3
+GOAL_VS_TORCHAO = 1.5
+GOAL_SIZE = 3.0
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--so-layers", type=int, default=16, help="n_layers of the step-time model (default 16: 953M)")
+    parser.add_argument("--so-variants", nargs="+", default=None,
+                        help="subset of step-time variants to run (names as in the table, quoted)")
+    parser.add_argument("--so-cap-gib", type=float, default=12.0, help="GPU memory cap of part 3 (GiB); 0 skips it")
+    parser.add_argument("--so-cap-seq", type=int, default=1024, help="sequence length of part 3 (batch 1)")
+    parser.add_argument("--so-parts", nargs="+", default=["micro", "speed", "cap"], choices=["micro", "speed", "cap"],
+                        help="which parts to run (default: all three)")
+    parser.add_argument("--so-in-process", action="store_true",
+                        help="run every variant in this process instead of one fresh process each")
+    parser.add_argument("--so-budget-s", type=float, default=0.0,
+                        help="stop starting new variants/sizes after this many seconds (0: no limit)")
+
+
+_T0 = time.perf_counter()
+
+
+def _over_budget(ctx: BenchContext) -> bool:
+    budget = float(getattr(ctx.args, "so_budget_s", 0.0) or 0.0)
+    return budget > 0 and time.perf_counter() - _T0 > budget
+
+
+class _Sampler(L.Callback):
+    """Wall-clock time per step over the timed steps, and NVML GPU utilisation sampled every 20 ms."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+        self._steps0 = 0
+        self.wall_ms: float | None = None
+        self.util_pct: float | None = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                self.samples.append(float(torch.cuda.utilization()))
+            except Exception:
+                return
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.warmup and self._thread is None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._t0, self._steps0 = time.perf_counter(), trainer.global_step
+            if torch.cuda.is_available():
+                self._thread = threading.Thread(target=self._run, daemon=True)
+                self._thread.start()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._t0:
+            for opt in trainer.optimizers:
+                if isinstance(opt, HeterogeneousAdamW):
+                    opt.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            steps = trainer.global_step - self._steps0
+            self.wall_ms = (time.perf_counter() - self._t0) * 1e3 / max(steps, 1)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+        if self.samples:
+            self.util_pct = sum(self.samples) / len(self.samples)
+
+
+class _TorchAOLM(LlamaLM):
+    """LlamaLM whose optimizer is torchao's CPUOffloadOptimizer (same groups and hyper-parameters)."""
+
+    def __init__(self, *args: Any, offload_gradients: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._offload_gradients = offload_gradients
+
+    def configure_optimizers(self) -> Any:
+        from torchao.optim import CPUOffloadOptimizer
+
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        hp = self.hparams
+        opt = CPUOffloadOptimizer(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            torch.optim.AdamW, offload_gradients=self._offload_gradients, lr=hp.lr, betas=tuple(hp.betas), fused=True)
+        # torchao skips Optimizer.__init__; Lightning reads these two attributes.
+        if not hasattr(opt, "state"):
+            opt.state = {}
+        if not hasattr(opt, "defaults"):
+            opt.defaults = {"lr": hp.lr}
+        return opt
+
+
+def _so_stats(trainer: Any) -> dict[str, Any]:
+    for opt in getattr(trainer, "optimizers", []):
+        if isinstance(opt, HeterogeneousAdamW):
+            st = dict(opt.stats)
+            return {"host_params_M": round(opt.host_numel / 1e6, 1), "gpu_params_M": round(opt.device_numel / 1e6, 1),
+                    "cpu_ms": round(st.get("cpu_ms_per_step", 0.0), 1), "stall_ms": round(st.get("last_stall_ms", 0.0), 1),
+                    "slack_ms": None if st.get("last_slack_ms") is None else round(st["last_slack_ms"], 1),
+                    "rollbacks": st.get("rollbacks"), "clipped": st.get("clipped_steps"),
+                    "spec_buckets": st.get("speculative_buckets"), "prefetched": st.get("prefetched_backups"),
+                    "tail_moves": st.get("tail_moves"), "moves_back": st.get("tail_moves_back")}
+    return {}
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _lightning_variant(ctx: BenchContext, cfg: Any, name: str, make_model: Callable[[], LlamaLM],
+                       **trainer_kwargs: Any) -> Result:
+    reset_memory(ctx.device)
+    start = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
+    r = Result(ctx.suite, f"{ctx.presets[0]}-{cfg.n_layers}L", name, None, cfg.tokens_per_batch, cfg.train_flops_per_batch())
+    model = trainer = None
+    try:
+        torch.manual_seed(0)
+        model = make_model()
+        sampler = _Sampler(ctx.warmup)
+        r.timing, trainer = lightning_steps(model, ctx, callbacks=[sampler], **trainer_kwargs)
+        r.peak_mem_bytes = peak_memory(ctx.device)
+        r.extra.update(wall_ms=round(sampler.wall_ms, 2) if sampler.wall_ms else None,
+                       gpu_util_pct=round(sampler.util_pct, 1) if sampler.util_pct is not None else None)
+        r.extra.update(_so_stats(trainer))
+        loss = trainer.callback_metrics.get("train/loss")
+        r.extra["loss_last"] = round(float(loss), 4) if loss is not None else None
+    except Exception as e:  # an OOM or a missing package is a result, not a crash of the suite
+        r.error = _err(e)
+        traceback.print_exc()
+    finally:
+        model = trainer = None
+        gc.collect()
+        reset_memory(ctx.device)
+    if ctx.cuda:
+        r.extra["mem_at_start_gib"] = round(start / 2**30, 2)
+        r.extra["left_allocated_gib"] = round(torch.cuda.memory_allocated(ctx.device) / 2**30, 2)
+    print(f"[superoffload] {name}: {r.median_ms} ms  {r.extra}  {r.error or ''}", flush=True)
+    return r
+
+
+def _micro(ctx: BenchContext) -> list[Result]:
+    """CPU AdamW kernel throughput (fused vs foreach), host memcpy, pinned link bandwidth."""
+    out = []
+    threads = max(1, (torch.get_num_threads() if not ctx.cuda else (__import__("os").cpu_count() or 2) - 2))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    n = 1 << 26  # 64M parameters
+    try:
+        for kind in ("fused", "foreach"):
+            p = torch.randn(n)
+            p.grad = torch.randn(n)
+            opt = torch.optim.AdamW([p], lr=1e-4, fused=kind == "fused", foreach=kind == "foreach")
+            opt.step()
+            samples = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                opt.step()
+                samples.append((time.perf_counter() - t0) * 1e3)
+            t = Timing.from_samples(samples)
+            r = Result(ctx.suite, "kernels", f"cpu adamw {kind} ({threads} threads, 64M params)", t)
+            r.extra["gparams_per_s"] = round(n / (t.median_ms / 1e3) / 1e9, 2)
+            out.append(r)
+            del opt, p
+        src, dst = torch.randn(3 * n), torch.empty(3 * n)
+        dst.copy_(src)
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            samples.append((time.perf_counter() - t0) * 1e3)
+        t = Timing.from_samples(samples)
+        r = Result(ctx.suite, "kernels", "host memcpy of a 12 B/param backup (64M params)", t)
+        r.extra["gparams_per_s"] = round(n / (t.median_ms / 1e3) / 1e9, 2)
+        r.extra["gb_per_s_rw"] = round(2 * 12 * n / (t.median_ms / 1e3) / 1e9, 1)
+        out.append(r)
+        del src, dst
+        if ctx.cuda:
+            bw = hardware.link_bandwidth()
+            if bw is not None:
+                r = Result(ctx.suite, "kernels", "pinned link bandwidth", Timing.from_samples([0.0]))
+                r.extra.update(h2d_gbps=round(bw.h2d_gbps, 1), d2h_gbps=round(bw.d2h_gbps, 1))
+                out.append(r)
+    finally:
+        torch.set_num_threads(prev)
+    for r in out:
+        print(f"[superoffload] {r.variant}: {r.median_ms:.2f} ms {r.extra}", flush=True)
+    return out
+
+
+def _fits(ctx: BenchContext, cfg: Any, offload: bool) -> tuple[bool, str, float | None, int | None]:
+    """Train 3 steps of `cfg` under the current memory cap; (fits, error, median ms, peak bytes)."""
+    reset_memory(ctx.device)
+    model = trainer = None
+    try:
+        torch.manual_seed(0)
+        if offload:
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)  # build the weights in bf16 directly (bf16-true)
+            try:
+                with torch.device(ctx.device):
+                    model = LlamaLM(cfg, lr=1e-4, warmup_steps=0)
+            finally:
+                torch.set_default_dtype(prev)
+            kw = dict(strategy=SuperOffloadStrategy(gpu_fraction=0.0, skip_nonfinite=False), precision="bf16-true")
+        else:
+            with torch.device(ctx.device):
+                model = LlamaLM(cfg, lr=1e-4, warmup_steps=0)
+            kw = dict(precision="bf16-mixed")
+        sub = BenchContext(ctx.suite, ctx.presets, ctx.device, warmup=1, iters=2, out_dir=ctx.out_dir, args=ctx.args)
+        timing, trainer = lightning_steps(model, sub, **kw)
+        return True, "", timing.median_ms, peak_memory(ctx.device)
+    except Exception as e:
+        return False, _err(e), None, None
+    finally:
+        model = trainer = None
+        gc.collect()
+        reset_memory(ctx.device)
+
+
+def _cap(ctx: BenchContext) -> list[Result]:
+    cap_gib = float(ctx.args.so_cap_gib)
+    seq = int(ctx.args.so_cap_seq)
+    isolate = not getattr(ctx.args, "so_in_process", False)
+    out: list[Result] = []
+
+    def attempt(name: str, n_layers: int, offload: bool) -> Result:
+        cfg = preset("medium", seq_len=seq, batch_size=1, n_layers=n_layers)
+        kw = dict(n_layers=n_layers, offload=offload, cap_gib=cap_gib, seq_len=seq, name=name)
+        r = _isolated(ctx, "cap", **kw) if isolate else None
+        if r is None and isolate:
+            r = Result(ctx.suite, f"cap {cap_gib:g} GiB", name, None, error="isolated run crashed")
+            r.extra.update(n_layers=n_layers, params_M=round(cfg.num_params() / 1e6))
+        elif r is None:  # in-process (memory left by earlier variants counts against the cap)
+            dev_index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+            total = torch.cuda.get_device_properties(dev_index).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), dev_index)
+            try:
+                ok, err, ms, peak = _fits(ctx, cfg, offload)
+            finally:
+                torch.cuda.set_per_process_memory_fraction(1.0, dev_index)
+            r = Result(ctx.suite, f"cap {cap_gib:g} GiB", name, Timing.from_samples([ms]) if ms else None,
+                       cfg.tokens_per_batch, cfg.train_flops_per_batch(), peak, error=None if ok else err)
+            r.extra.update(n_layers=n_layers, params_M=round(cfg.num_params() / 1e6))
+        out.append(r)
+        fits = r.error is None
+        print(f"[superoffload] cap {cap_gib:g} GiB {name} {n_layers}L ({r.extra.get('params_M')}M): "
+              f"{'fits' if fits else 'does not fit: ' + str(r.error)[:160]}", flush=True)
+        return r
+
+    gpu_best = None
+    for n_layers in (16, 12, 10, 8, 6, 4, 2, 1):
+        if attempt("gpu fused adamw (bf16-mixed)", n_layers, offload=False).error is None:
+            gpu_best = preset("medium", seq_len=seq, batch_size=1, n_layers=n_layers)
+            break
+    if gpu_best is None:
+        return out
+    per_layer = preset("medium", n_layers=2).num_params() - preset("medium", n_layers=1).num_params()
+    fixed = gpu_best.num_params() - gpu_best.n_layers * per_layer
+    best = best_rec = None
+    for mult in (GOAL_SIZE, 4.0, 5.0):
+        if _over_budget(ctx):
+            break
+        n_layers = max(1, math.ceil((mult * gpu_best.num_params() - fixed) / per_layer))
+        r = attempt("superoffload tail=0 (bf16-true)", n_layers, offload=True)
+        if r.error is not None:
+            break
+        best, best_rec = preset("medium", seq_len=seq, batch_size=1, n_layers=n_layers), r
+    if best is not None:
+        ratio = best.num_params() / gpu_best.num_params()
+        best_rec.extra["size_vs_gpu_only"] = round(ratio, 2)
+        print(f"[superoffload] cap {cap_gib:g} GiB: largest GPU-only {gpu_best.num_params() / 1e6:.0f}M, "
+              f"with offload {best.num_params() / 1e6:.0f}M -> {ratio:.2f}x (goal >= {GOAL_SIZE}x)", flush=True)
+    return out
+
+
+def _variants(ctx: BenchContext, cfg: Any) -> dict[str, tuple[Callable[[], LlamaLM], dict[str, Any]]]:
+    def plain(cls: type = LlamaLM, **kw: Any) -> Callable[[], LlamaLM]:
+        def make() -> LlamaLM:
+            with torch.device(ctx.device):
+                return cls(cfg, lr=1e-4, warmup_steps=0, **kw)
+        return make
+
+    so = SuperOffloadStrategy
+    return {
+        "gpu fused adamw": (plain(), {}),
+        "superoffload": (plain(), dict(strategy=so())),
+        "superoffload clip=1.0": (plain(), dict(strategy=so(), gradient_clip_val=1.0)),
+        "superoffload no-validation": (plain(), dict(strategy=so(skip_nonfinite=False))),
+        "superoffload tail=0": (plain(), dict(strategy=so(gpu_fraction=0.0, skip_nonfinite=False))),
+        "torchao offload": (plain(_TorchAOLM), {}),
+        "torchao offload_gradients": (plain(_TorchAOLM, offload_gradients=True), {}),
+    }
+
+
+_MARK = "@@superoffload-result@@"
+
+
+def _isolated(ctx: BenchContext, call: str, **kwargs: Any) -> Result | None:
+    """Run `call(ctx, **kwargs)` of this module in a fresh Python process; returns its Result."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = {"suite": ctx.suite, "presets": ctx.presets, "device": str(ctx.device), "warmup": ctx.warmup,
+            "iters": ctx.iters, "out_dir": str(ctx.out_dir), "argv": vars(ctx.args) if ctx.args is not None else {},
+            "call": call, "kwargs": kwargs}
+    code = ("import json, sys; sys.path[:0] = [%r, %r]; import suites.superoffload as so; "
+            "so._child(json.loads(sys.argv[1]))" % (os.path.dirname(here), os.path.dirname(os.path.dirname(here))))
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    sys.stderr.write(proc.stderr[-4000:] if proc.returncode else "")
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            d = json.loads(line[len(_MARK):])
+            timing = Timing(**d["timing"]) if d["timing"] else None
+            return Result(d["suite"], d["preset"], d["variant"], timing, d["tokens_per_step"], d["flops_per_step"],
+                          d["peak_mem_bytes"], d["extra"], d["error"])
+        if line.startswith("[superoffload]"):
+            print(line, flush=True)
+    return None
+
+
+def _child(args: dict[str, Any]) -> None:
+    """Entry point of an isolated variant: rebuild the context, run one call, print its Result as JSON."""
+    import argparse
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    ctx = BenchContext(args["suite"], args["presets"], torch.device(args["device"]), args["warmup"], args["iters"],
+                       Path(args["out_dir"]), argparse.Namespace(**args["argv"]))
+    if ctx.cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    kw = args["kwargs"]
+    if args["call"] == "variant":
+        cfg = preset(kw["preset"], n_layers=kw["n_layers"]) if kw["preset"] == "medium" else preset(kw["preset"])
+        make, tk = _variants(ctx, cfg)[kw["name"]]
+        r = _lightning_variant(ctx, cfg, kw["name"], make, **tk)
+    else:
+        cfg = preset("medium", seq_len=kw["seq_len"], batch_size=1, n_layers=kw["n_layers"])
+        dev_index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(dev_index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, kw["cap_gib"] * 2**30 / total), dev_index)
+        ok, err, ms, peak = _fits(ctx, cfg, offload=kw["offload"])
+        r = Result(ctx.suite, f"cap {kw['cap_gib']:g} GiB", kw["name"], Timing.from_samples([ms]) if ms else None,
+                   cfg.tokens_per_batch, cfg.train_flops_per_batch(), peak, error=None if ok else err)
+        r.extra.update(n_layers=cfg.n_layers, params_M=round(cfg.num_params() / 1e6))
+    d = asdict(r)
+    print(_MARK + json.dumps(d, default=str), flush=True)
+
+
+def run(ctx: BenchContext) -> list[Result]:
+    global _T0
+    _T0 = time.perf_counter()
+    results: list[Result] = []
+    parts = getattr(ctx.args, "so_parts", None) or ["micro", "speed", "cap"]
+    if "micro" in parts:
+        results += _micro(ctx)
+    n_layers = int(getattr(ctx.args, "so_layers", 16) or 16)
+    isolate = ctx.cuda and not getattr(ctx.args, "so_in_process", False)
+    for name in (ctx.presets if "speed" in parts else []):
+        cfg = preset(name, n_layers=n_layers) if name == "medium" else preset(name)
+        variants = _variants(ctx, cfg)
+        chosen = getattr(ctx.args, "so_variants", None)
+        names = [v for v in variants if not chosen or v in chosen or v == "gpu fused adamw"]
+        block = []
+        for vname in names:
+            if _over_budget(ctx):
+                block.append(Result(ctx.suite, f"{name}-{cfg.n_layers}L", vname, None, error="skipped: --so-budget-s"))
+                continue
+            r = None
+            if isolate:
+                r = _isolated(ctx, "variant", preset=name, n_layers=cfg.n_layers, name=vname)
+                if r is None:
+                    r = Result(ctx.suite, f"{name}-{cfg.n_layers}L", vname, None, error="isolated run crashed")
+            else:
+                make, kw = variants[vname]
+                r = _lightning_variant(ctx, cfg, vname, make, **kw)
+            block.append(r)
+        _ratios(block)
+        results += block
+    if "cap" in parts and ctx.cuda and ctx.args is not None and ctx.args.so_cap_gib > 0:
+        results += _cap(ctx)
+    _print_extras(results)
+    return results
+
+
+_EXTRA_COLS = ("x_gpu_only", "speedup_vs_torchao", "wall_ms", "gpu_util_pct", "left_allocated_gib", "host_params_M", "gpu_params_M",
+               "cpu_ms", "stall_ms", "slack_ms", "rollbacks", "clipped", "spec_buckets", "prefetched", "tail_moves",
+               "moves_back", "loss_last", "gparams_per_s", "gb_per_s_rw",
+               "h2d_gbps", "d2h_gbps", "n_layers", "params_M", "size_vs_gpu_only")
+
+
+def _print_extras(results: list[Result]) -> None:
+    cols = [c for c in _EXTRA_COLS if any(r.extra.get(c) is not None for r in results)]
+    head = ["preset", "variant", "median_ms", "peak_gib", *cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        row = [r.preset, r.variant, f"{r.median_ms:.2f}" if r.median_ms else (r.error or "-")[:40],
+               f"{r.peak_mem_bytes / 2**30:.2f}" if r.peak_mem_bytes else "-"]
+        row += ["-" if r.extra.get(c) is None else str(r.extra[c]) for c in cols]
+        lines.append("| " + " | ".join(row) + " |")
+    print("\n[superoffload] figures:\n" + "\n".join(lines), flush=True)
+
+
+def _ratios(block: list[Result]) -> None:
+    by = {r.variant: r.median_ms for r in block}
+    gpu = by.get("gpu fused adamw")
+    tao = by.get("torchao offload")
+    for r in block:
+        ms = r.median_ms
+        if not ms:
+            continue
+        if gpu:
+            r.extra["x_gpu_only"] = round(ms / gpu, 3)
+        if tao:
+            r.extra["speedup_vs_torchao"] = round(tao / ms, 3)
+    lines = [f"anchors: gpu fused adamw {ANCHOR_GPU_MS} ms, torchao {ANCHOR_TORCHAO_MS} ms "
+             f"(offload_gradients {ANCHOR_TORCHAO_OG_MS} ms)"]
+    if gpu:
+        lines.append(f"gpu fused adamw here: {gpu:.1f} ms = {gpu / ANCHOR_GPU_MS:.2f}x the anchor")
+    if tao:
+        lines.append(f"torchao here: {tao:.1f} ms = {tao / ANCHOR_TORCHAO_MS:.2f}x the anchor")
+    for r in block:
+        if r.variant.startswith("superoffload") and r.median_ms:
+            vs_gpu = r.median_ms / gpu if gpu else float("nan")
+            vs_tao = tao / r.median_ms if tao else float("nan")
+            lines.append(f"{r.variant}: {r.median_ms:.1f} ms = {vs_gpu:.2f}x GPU-only (goal <= {GOAL_VS_GPU}), "
+                         f"{vs_tao:.2f}x faster than torchao (goal >= {GOAL_VS_TORCHAO}); vs anchors "
+                         f"{r.median_ms / ANCHOR_GPU_MS:.2f}x / {ANCHOR_TORCHAO_MS / r.median_ms:.2f}x")
+    print("[superoffload] " + "\n[superoffload] ".join(lines), flush=True)

@@ -752,17 +752,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
             self._h2d_stream = torch.cuda.Stream(self.device)
-        current: list[_Slot] = []
-        size = 0
-        for i in host_order:
-            s = self._slots[i]
-            current.append(s)
-            size += s.numel
-            if size >= self.bucket_size:
-                self._new_bucket(current)
-                current, size = [], 0
-        if current:
-            self._new_bucket(current)
+        for chunk in _chunk_by_size([self._slots[i] for i in host_order], self.bucket_size):
+            self._new_bucket(chunk)
         for i in sorted(device_idx):
             self._make_device_slot(self._slots[i])
         self._pending_state.clear()
@@ -888,18 +879,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
 
     def _move_slots_to_host(self, slots: list[_Slot]) -> None:
         with self._state_lock:
-            chunk: list[_Slot] = []
-            size = 0
-            groups: list[list[_Slot]] = []
-            for s in slots:
-                chunk.append(s)
-                size += s.numel
-                if size >= self.bucket_size:
-                    groups.append(chunk)
-                    chunk, size = [], 0
-            if chunk:
-                groups.append(chunk)
-            for chunk in groups:
+            for chunk in _chunk_by_size(slots, self.bucket_size):
                 dev = {s.index: (s.exp_avg, s.exp_avg_sq, s.step, s.dev_master) for s in chunk}
                 self._new_bucket(chunk)
                 for s in chunk:
@@ -1190,6 +1170,22 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         if optimizer.state:
             new.load_state_dict(optimizer.state_dict())
         return new
+
+
+def _chunk_by_size(slots: list[_Slot], bucket_size: int) -> list[list[_Slot]]:
+    """Consecutive runs of ``slots`` of at least ``bucket_size`` elements each (the last run may be smaller)."""
+    groups: list[list[_Slot]] = []
+    chunk: list[_Slot] = []
+    size = 0
+    for slot in slots:
+        chunk.append(slot)
+        size += slot.numel
+        if size >= bucket_size:
+            groups.append(chunk)
+            chunk, size = [], 0
+    if chunk:
+        groups.append(chunk)
+    return groups
 
 
 def _worker_loop(wself: Callable[[], HeterogeneousAdamW | None], q: queue.Queue) -> None:

@@ -19,6 +19,8 @@ def test_demo_runs_and_reports(tmp_path):
     for key in ("metrics", "loss_plot", "checkpoint"):
         assert (tmp_path / summary["outputs"][key]).exists() or __import__("pathlib").Path(summary["outputs"][key]).exists()
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    # The profiler part's window summary is one of the listed results.
+    assert summary["outputs"]["profile"].endswith(".summary.md") and "profile " in proc.stdout
 
 
 def test_demo_rejects_bad_arguments():

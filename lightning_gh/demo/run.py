@@ -210,6 +210,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "checkpoint": str(out / "checkpoints" / "last.ckpt"),
         },
     }
+    for i, md in enumerate(sorted(out.glob("profiles/**/*.summary.md"))):
+        summary["outputs"][f"profile{i or ''}"] = str(md)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -69,6 +69,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from lightning_gh.profiling._actions import SAVE_ACTION, ProfilerActionWatcher, is_fetch
 from lightning_gh.profiling._nvtx_backend import Backend, select_backend
 from lightning_gh.profiling.windows import RankSelection, StepSchedule
 
@@ -80,9 +81,6 @@ __all__ = ["NVTXRangeCallback", "PHASES", "STEPS_ENV", "demo_part"]
 
 #: Overrides the ``steps`` argument when set (same grammar), like ``LGH_PROFILE_START_STOP`` for the profiler.
 STEPS_ENV = "LGH_NVTX_STEPS"
-
-_FETCH_SUFFIX = "].train_dataloader_next"
-_SAVE_ACTION = "save_checkpoint"
 
 
 @dataclass(frozen=True)
@@ -294,9 +292,7 @@ class NVTXRangeCallback(Callback):
         self._step = 0
         self._batches = 0
         self._automatic = True
-        self._profiler: Any = None
-        self._patched: dict[str, Any] = {}
-        self._patch_live = False
+        self._actions = ProfilerActionWatcher(self._on_action_start, self._on_action_stop)
         self._opt_hooks: list[Any] = []
         self._module_targets: list[tuple[str, nn.Module]] | None = None
         self._module_hooks: list[Any] = []
@@ -380,7 +376,7 @@ class NVTXRangeCallback(Callback):
             self._handles["gc"] = backend.prepare("gc", _GC_STYLE.color, _GC_STYLE.category)
             gc.callbacks.append(self._on_gc)
             self._gc_installed = True
-        self._patch_profiler(trainer.profiler)
+        self._actions.attach(trainer.profiler)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._on:
@@ -417,53 +413,22 @@ class NVTXRangeCallback(Callback):
             except ValueError:
                 pass
             self._gc_installed = False
-        self._unpatch_profiler()
+        self._actions.detach()
         self._on = False
 
     # ------------------------------------------------------------------ the profiler seam
 
-    def _patch_profiler(self, profiler: Any) -> None:
-        # Lightning reports a fetch and a save only through its profiler; wrap this instance's
-        # start/stop and delegate, so any profiler the user chose keeps working.
-        orig_start, orig_stop = profiler.start, profiler.stop
-        save = _SAVE_ACTION
+    def _on_action_start(self, action_name: str) -> None:
+        if is_fetch(action_name):
+            self._on_fetch_start()
+        elif action_name == SAVE_ACTION:
+            self._on_save_start()
 
-        def start(action_name: str) -> None:
-            if self._patch_live:
-                if action_name.endswith(_FETCH_SUFFIX):
-                    self._on_fetch_start()
-                elif action_name == save:
-                    self._on_save_start()
-            return orig_start(action_name)
-
-        def stop(action_name: str) -> None:
-            out = orig_stop(action_name)
-            if self._patch_live:
-                if action_name.endswith(_FETCH_SUFFIX):
-                    self._on_fetch_stop()
-                elif action_name == save:
-                    self._pop_to("checkpoint")
-            return out
-
-        self._patched = {"start": start, "stop": stop,
-                         "had": {k: k in vars(profiler) for k in ("start", "stop")},
-                         "orig": {"start": vars(profiler).get("start"), "stop": vars(profiler).get("stop")}}
-        profiler.start, profiler.stop = start, stop
-        self._profiler = profiler
-        self._patch_live = True
-
-    def _unpatch_profiler(self) -> None:
-        profiler, patched = self._profiler, self._patched
-        self._patch_live = False  # if someone wrapped over us, our wrapper stays but only delegates
-        if profiler is None or not patched:
-            return
-        for k in ("start", "stop"):
-            if vars(profiler).get(k) is patched[k]:
-                if patched["had"][k]:
-                    setattr(profiler, k, patched["orig"][k])
-                else:
-                    delattr(profiler, k)
-        self._profiler, self._patched = None, {}
+    def _on_action_stop(self, action_name: str) -> None:
+        if is_fetch(action_name):
+            self._on_fetch_stop()
+        elif action_name == SAVE_ACTION:
+            self._pop_to("checkpoint")
 
     # ------------------------------------------------------------------ steps
 

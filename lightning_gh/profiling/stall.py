@@ -1,13 +1,16 @@
 """Data-loader stall detection: how long does each training batch wait for its data, against the step it feeds?
 
-The measurement is two ``time.perf_counter()`` calls per batch. The **wait** of a batch is the time from the
-end of the previous batch (``on_train_batch_end``) to the start of this one (``on_train_batch_start``): fetching
-the batch from the DataLoader and moving it to the device, plus Lightning's own bookkeeping between batches. The
-**step** is ``on_train_batch_start`` to ``on_train_batch_end``. Validation is cut out of the gap it falls in; a gap
-holding a checkpoint save is dropped, and so are the first ``warmup`` batches of every epoch (worker start-up).
-Gradient accumulation counts every micro-batch: each one waits for its own data.
+The **wait** of a batch is the time Lightning spends in ``next(train_dataloader)`` for it (its profiler action
+``"[_TrainingEpochLoop].train_dataloader_next"``, watched without replacing the user's profiler): producing or
+receiving the batch, collating and pinning it. The **period** is the time between two consecutive
+``on_train_batch_start`` calls: everything the loop does per batch. Only the fetch counts as waiting: on a GPU the
+host usually runs ahead of the device, and time it then spends blocked elsewhere (a ``.item()`` in a progress bar,
+a logger's sync) is the GPU's time, not the data loader's. If the fetch action is never seen (a custom loop), the
+gap from ``on_train_batch_end`` to the next ``on_train_batch_start`` stands in for it. Periods holding validation or
+a checkpoint save are dropped, and so are the first ``warmup`` batches of every epoch (worker start-up). Gradient
+accumulation counts every micro-batch: each one waits for its own data.
 
-The share ``sum(wait) / sum(wait + step)`` over the last ``window`` batches is logged as ``lgh/data_wait_frac``
+The share ``sum(wait) / sum(period)`` over the last ``window`` batches is logged as ``lgh/data_wait_frac``
 through the Trainer's loggers (at Lightning's ``log_every_n_steps`` cadence, without a GPU sync). When a full
 window exceeds ``threshold`` (default 10%), the detector warns once with advice built from the real DataLoader
 settings and the CPUs this process may use.
@@ -31,6 +34,7 @@ from typing import Any, Mapping
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
+from lightning_gh.profiling._actions import ProfilerActionWatcher, is_fetch
 from lightning_gh.profiling.summary import stall_advice
 
 __all__ = ["DataStallDetector", "DataStallWarning", "loader_info", "stall_advice", "METRIC"]
@@ -127,28 +131,55 @@ class DataStallDetector(Callback):
         self._sum_wait = 0.0
         self._sum_total = 0.0
         self._prev_end: float | None = None
-        self._start = 0.0
-        self._wait: float | None = None
+        self._prev_start: float | None = None
+        self._fetch_t0: float | None = None
+        self._fetched = 0.0
+        self._saw_fetch = False
+        self._actions: ProfilerActionWatcher | None = None
         self._skip = warmup
+
+    # -- watching the fetch (Lightning reports it only to its profiler)
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._actions = ProfilerActionWatcher(self._on_action_start, self._on_action_stop)
+            self._actions.attach(trainer.profiler)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._actions is not None:
+            self._actions.detach()
+            self._actions = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
+
+    def _on_action_start(self, action_name: str) -> None:
+        if is_fetch(action_name):
+            self._fetch_t0 = time.perf_counter()
+
+    def _on_action_stop(self, action_name: str) -> None:
+        if self._fetch_t0 is not None and is_fetch(action_name):
+            self._fetched += time.perf_counter() - self._fetch_t0
+            self._fetch_t0 = None
+            self._saw_fetch = True
 
     # -- measurement (the per-step path: keep it to arithmetic)
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._prev_end = None
+        self._prev_end = self._prev_start = None
         self._skip = self.warmup
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
-        self._wait = None if self._prev_end is None else now - self._prev_end
-        self._start = now
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        now = time.perf_counter()
-        if self._wait is not None:
+        if self._prev_start is not None:
+            wait = self._fetched if self._saw_fetch else (now - self._prev_end if self._prev_end is not None else 0.0)
             if self._skip > 0:
                 self._skip -= 1
             else:
-                self._add(self._wait, self._wait + (now - self._start), trainer)
+                self._add(min(wait, now - self._prev_start), now - self._prev_start, trainer)
+        self._prev_start = now
+        self._fetched = 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         self._prev_end = time.perf_counter()
 
     def _add(self, wait: float, total: float, trainer: L.Trainer) -> None:
@@ -169,16 +200,13 @@ class DataStallDetector(Callback):
             self.warned = True
             self._warn(trainer, frac)
 
-    # -- gaps that are not data waits
+    # -- periods that are not a training batch's
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._prev_end = None
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._prev_end = time.perf_counter()
+        self._prev_start = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        # The save happens after this hook, before the next batch: drop that gap.
-        self._prev_end = None
+        # The save happens after this hook, before the next batch: drop that period.
+        self._prev_start = None
 
     # -- the warning
     def _warn(self, trainer: L.Trainer, frac: float) -> None:

@@ -200,13 +200,17 @@ def machine_info() -> dict[str, Any]:
 
 
 def add_ratios(results: list[Result]) -> None:
-    """ratio = plain variant's time / this variant's time (> 1 is faster), per (suite, preset)."""
-    base: dict[tuple[str, str], float] = {}
+    """ratio = first variant's time / this variant's time (> 1 is faster), per (suite, preset).
+
+    The first variant is the plain run each suite lists first; when it failed (say, out of memory) the preset gets
+    no ratios at all rather than ratios against whichever variant happened to come next.
+    """
+    base: dict[tuple[str, str], float | None] = {}
     for r in results:
         key = (r.suite, r.preset)
-        if key not in base and r.median_ms:
+        if key not in base:
             base[key] = r.median_ms
-        b = base.get(key)
+        b = base[key]
         r.extra["speedup_vs_first"] = round(b / r.median_ms, 3) if b and r.median_ms else None
 
 

@@ -1,6 +1,8 @@
 """What this machine is: one small typed object that the other parts consult instead of probing themselves.
 
-``detect()`` is cheap (no GPU work) and cached. ``link_bandwidth()`` measures pinned host<->device copy
+``detect()`` is cheap (no GPU work) and cached per device; it reads the device's properties, which initialises
+CUDA in this process: with Lightning's fork-based launchers (``ddp_notebook``, ``ddp_fork``) call it in the
+workers, not before the Trainer starts them. ``link_bandwidth()`` measures pinned host<->device copy
 bandwidth once per process (a few hundred milliseconds on a GPU) and caches it; offload policies use it
 to decide how much traffic the link can hide under compute.
 
@@ -20,11 +22,11 @@ import functools
 import os
 import platform
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["HardwareInfo", "LinkBandwidth", "detect", "link_bandwidth", "classify"]
+__all__ = ["HardwareInfo", "LinkBandwidth", "detect", "link_bandwidth", "classify", "cpu_view"]
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores.
 HOPPER_CAPABILITY = (9, 0)
@@ -118,9 +120,18 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-@functools.lru_cache(maxsize=None)
 def detect(device_index: int | None = None) -> HardwareInfo:
-    """Describe this machine. Cached; does no GPU work beyond reading device properties."""
+    """Describe this machine and the current (or the given) CUDA device. Cached per device index.
+
+    Reading the device's properties initialises CUDA in this process (see the module docstring).
+    """
+    if torch.cuda.is_available() and device_index is None:
+        device_index = torch.cuda.current_device()
+    return _detect(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _detect(device_index: int | None) -> HardwareInfo:
     arch = platform.machine()
     cuda = torch.cuda.is_available()
     name = cc = mem = None
@@ -128,7 +139,7 @@ def detect(device_index: int | None = None) -> HardwareInfo:
     count = 0
     if cuda:
         count = torch.cuda.device_count()
-        idx = torch.cuda.current_device() if device_index is None else device_index
+        idx = device_index
         props = torch.cuda.get_device_properties(idx)
         name, cc, mem = props.name, (props.major, props.minor), props.total_memory
     flags = classify(arch, cc)
@@ -145,6 +156,13 @@ def detect(device_index: int | None = None) -> HardwareInfo:
         cuda_version=torch.version.cuda,
         **flags,
     )
+
+
+def cpu_view(hw: HardwareInfo) -> HardwareInfo:
+    """``hw`` as a process that trains on the CPU sees it: no GPU, no fp8, no host link."""
+    return replace(hw, cuda_available=False, device_index=None, gpu_name=None, compute_capability=None,
+                   gpu_memory_bytes=None, gpu_count=0, fp8_capable=False, is_hopper=False, is_grace_hopper=False,
+                   link=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,5 +197,10 @@ def link_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> LinkBandwidth
     h2d = timed(lambda: dev.copy_(host, non_blocking=True))
     d2h = timed(lambda: host.copy_(dev, non_blocking=True))
     del host, dev
+    # Give the buffers back to the driver: the callers (offload policies) run where memory is tight.
+    torch.cuda.empty_cache()
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host_cache is not None:
+        empty_host_cache()
     return LinkBandwidth(h2d_gbps=h2d, d2h_gbps=d2h, nbytes=nbytes)
 

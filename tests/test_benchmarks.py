@@ -28,3 +28,14 @@ def test_runner_rejects_unknown_suite():
     proc = subprocess.run([sys.executable, "benchmarks/run.py", "--suite", "nope"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr
+
+
+def test_ratios_are_against_the_first_variant_even_when_it_failed():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import Result, Timing, add_ratios
+
+    t = lambda ms: Timing(ms, ms, ms, [ms])  # noqa: E731
+    rs = [Result("s", "large", "plain", None, error="OutOfMemoryError"), Result("s", "large", "compiled", t(100.0)),
+          Result("s", "large", "fp8", t(50.0)), Result("s", "small", "plain", t(10.0)), Result("s", "small", "x", t(5.0))]
+    add_ratios(rs)
+    assert [r.extra["speedup_vs_first"] for r in rs] == [None, None, None, 1.0, 2.0]

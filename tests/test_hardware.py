@@ -45,3 +45,17 @@ def test_gpu_fields_and_bandwidth():
     assert hw.cuda_available and hw.gpu_name and hw.compute_capability and hw.gpu_memory_bytes > 0
     bw = hardware.link_bandwidth(nbytes=64 * 2**20, repeats=3)
     assert bw.h2d_gbps > 1 and bw.d2h_gbps > 1
+
+
+def test_cpu_view_hides_the_gpu_from_the_parts():
+    from lightning_gh.demo.run import PARTS, DemoConfig
+
+    h200 = hardware.HardwareInfo(True, 0, "NVIDIA H200", (9, 0), 140 * 2**30, 1, True, True, False, "pcie",
+                                 "x86_64", 16, "2.11", "13.0")
+    cpu = hardware.cpu_view(h200)
+    assert (cpu.cuda_available, cpu.fp8_capable, cpu.link, cpu.gpu_name) == (False, False, None, None)
+    assert cpu.cpu_count == 16 and "no CUDA GPU" in cpu.fp8_unsupported_reason()
+    # What `demo --accelerator cpu` hands the parts on a GPU machine: every GPU-only part stays off.
+    cfg = DemoConfig(preset="tiny", steps=30, accelerator="cpu")
+    on = {p.name for p in (f(cfg, cpu, cfg.out) for f in PARTS) if p.enabled}
+    assert on <= {"SelectiveProfiler + DataStallDetector", "NVTX ranges"}, on

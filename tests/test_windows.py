@@ -148,3 +148,29 @@ def test_bad_rank_specs(spec):
     with pytest.raises(ValueError) as e:
         RankSelection.parse(spec)
     assert RANKS_GRAMMAR in str(e.value)
+
+
+def test_a_selection_that_matches_no_process_says_so():
+    assert RankSelection.parse("8").unmatched(world_size=4, local_world_size=4) == (
+        "`ranks` selects [8], but this run has global ranks 0..3 and local ranks 0..3: no process is selected, "
+        "so nothing will be recorded.")
+    assert "local3" in RankSelection.parse("local3").unmatched(world_size=4, local_world_size=2)
+    for ok in ("0", "3", "local1", "last", "all", "9,local0"):
+        assert RankSelection.parse(ok).unmatched(world_size=4, local_world_size=2) is None, ok
+
+
+def test_profiler_warns_when_its_ranks_select_nothing(tmp_path):
+    import lightning as L
+    import pytest
+
+    from lightning_gh.demo import LlamaLM, MarkovDataModule
+    from lightning_gh.profiling import SelectiveProfiler
+
+    model = LlamaLM.from_preset("tiny")
+    prof = SelectiveProfiler(steps="1", ranks="3", output_dir=tmp_path)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[prof])
+    with pytest.warns(UserWarning, match=r"SelectiveProfiler: `ranks` selects \[3\]"):
+        trainer.fit(model, MarkovDataModule.for_model(model))
+    assert not list(tmp_path.rglob("*.json.gz"))

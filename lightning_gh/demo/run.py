@@ -147,7 +147,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Train, write the run folder, and return the summary that was written to ``summary.json``."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     hw = hardware.detect()
+    if cfg.accelerator == "gpu" and not hw.cuda_available:
+        raise ValueError("--accelerator=gpu but no CUDA GPU is visible; use --accelerator auto or cpu.")
     use_cuda = hw.cuda_available and cfg.accelerator in ("auto", "gpu", "cuda")
+    if not use_cuda:
+        # The parts decide from `hw`: on a GPU machine told to train on the CPU they must see a CPU machine.
+        hw = hardware.cpu_view(hw)
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
 

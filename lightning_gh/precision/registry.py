@@ -319,8 +319,9 @@ def warn_untested_callbacks(name: str, module: nn.Module) -> None:
     trainer = getattr(module, "_trainer", None)
     callbacks = getattr(trainer, "callbacks", None) or []
     if any(type(cb).__name__ == "CUDAGraphCapture" for cb in callbacks):
-        warnings.warn(f"precision {name!r} has not been tested together with CUDAGraphCapture yet; if capture "
-                      "fails, drop one of the two (see docs/precision.md).", UserWarning, stacklevel=3)
+        warnings.warn(f"precision {name!r} with CUDAGraphCapture: the step is not captured under an fp8 plugin (the "
+                      "combination is not verified yet), so it runs eagerly in fp8; drop CUDAGraphCapture to silence "
+                      "this (see docs/precision.md).", UserWarning, stacklevel=3)
 
 
 def token_check_hook(layer: str, backend: str) -> Callable[[nn.Module, tuple], None]:

@@ -1,6 +1,6 @@
 """Profiling: step windows, SelectiveProfiler, NVTXRangeCallback, the trace summary and the data-loader stall detector.
 
-Names load on first use (PEP 562), so ``python -m lightning_gh.profiling summarize`` does not import Lightning.
+Names load on first use (PEP 562): importing this package alone does not import the profiler, the summary or NVTX.
 
 Example::
 

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
@@ -358,6 +359,9 @@ class NVTXRangeCallback(Callback):
         self._cleanup()
         self._reset()
         self._trainer = trainer
+        unmatched = self._ranks.unmatched(trainer.world_size, trainer.num_devices)
+        if unmatched:
+            rank_zero_warn(f"NVTXRangeCallback: {unmatched}")
         if not self._ranks.selects(trainer.global_rank, trainer.local_rank, trainer.world_size):
             return  # not even the domain is created on an unselected rank
         if self._backend is None:

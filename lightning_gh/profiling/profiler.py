@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 import torch
 from lightning.pytorch.callbacks import Callback
 
@@ -355,6 +356,9 @@ class SelectiveProfiler(Callback):
                 % (self.backends, type(trainer.profiler).__name__))
         self._schedule = self._resolve()  # the environment may have changed since __init__
         self._rank = trainer.global_rank
+        unmatched = self._ranks.unmatched(trainer.world_size, trainer.num_devices)
+        if unmatched:
+            rank_zero_warn(f"SelectiveProfiler: {unmatched}")
         self._selected = self._ranks.selects(trainer.global_rank, trainer.local_rank, trainer.world_size)
         self._world = trainer.world_size
         self._backend_objs = []

@@ -151,6 +151,16 @@ class RankSelection:
                 raise ValueError(f"`{argument}`={spec!r}: bad item {part.strip()!r}; expected {RANKS_GRAMMAR}.")
         return cls(False, frozenset(global_ranks), frozenset(local_ranks), last)
 
+    def unmatched(self, world_size: int, local_world_size: int, argument: str = "ranks") -> str | None:
+        """Why this selection picks no process of a run of ``world_size`` (``local_world_size`` per node), or ``None``."""
+        if self.all_ranks or self.last:
+            return None
+        if any(r < world_size for r in self.global_ranks) or any(r < local_world_size for r in self.local_ranks):
+            return None
+        items = sorted(self.global_ranks) + [f"local{r}" for r in sorted(self.local_ranks)]
+        return (f"`{argument}` selects {items}, but this run has global ranks 0..{world_size - 1} and local ranks "
+                f"0..{local_world_size - 1}: no process is selected, so nothing will be recorded.")
+
     def selects(self, global_rank: int, local_rank: int, world_size: int) -> bool:
         return (
             self.all_ranks

@@ -8,6 +8,8 @@ as Lightning does, and skips a step whose gradient norm is not finite, as a Grad
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -291,6 +293,8 @@ def test_gradient_arriving_twice_without_step_is_an_error():
         ({"cpu_threads": 0}, "cpu_threads=0"),
         ({"bucket_size": 0}, "bucket_size=0"),
         ({"pipeline_trigger": "always"}, "pipeline_trigger='always'"),
+        ({"max_gpu_fraction": 1.5}, "max_gpu_fraction=1.5"),
+        ({"max_gpu_fraction": "auto"}, "max_gpu_fraction='auto'"),
     ],
 )
 def test_argument_errors_name_the_value(kwargs, match):
@@ -369,3 +373,76 @@ def test_moving_buckets_between_host_and_gpu_tail_keeps_the_math():
         opt.synchronize()
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
+
+
+def test_auto_tail_growth_is_bounded_by_free_gpu_memory_and_survives_oom(monkeypatch):
+    """The auto tail grows only into free GPU memory minus the headroom, and a move that runs out of memory leaves
+    the bucket on the host. The memory query is replaced to simulate a small GPU; the run still equals the
+    reference bitwise, so state that stayed, moved or failed to move is intact."""
+    from lightning_gh.offload import superoffload as so
+
+    ref_model, ref_opt, _ = train_reference(steps=12)
+    model = make_model()
+    opt = HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=CLIP, module=model,
+                             bucket_size=600)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
+    headroom = so._TAIL_HEADROOM_MIN_BYTES
+    n_buckets = len(opt._buckets)
+    for step in range(12):
+        if step == 3:  # room for exactly the last bucket beyond the 1 GiB headroom
+            one = opt._tail_bytes(opt._buckets[-1].slots)
+            monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (headroom + one + 1, 2**30))
+            with pytest.warns(UserWarning, match="tail cannot grow.*MiB of GPU memory") as rec:
+                assert opt._grow_tail(float("inf")) == 1
+            assert len(rec) == 1
+            assert len(opt._buckets) == n_buckets - 1 and opt.device_numel > 0
+            assert opt.stats["tail_limited"] == 1
+        if step == 6:  # plenty of memory, but the allocator fails on the second parameter of the bucket
+            monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (2**40, 2**41))
+            real, calls = HeterogeneousAdamW._device_state, []
+
+            def flaky(self, s, host_state):
+                calls.append(s.index)
+                if len(calls) == 2:
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+                return real(self, s, host_state)
+
+            monkeypatch.setattr(HeterogeneousAdamW, "_device_state", flaky)
+            before = opt.device_numel
+            with warnings.catch_warnings(record=True) as rec:  # warned once already: no second warning
+                warnings.simplefilter("always")
+                assert opt._grow_tail(float("inf")) == 0
+            assert not [w for w in rec if "tail cannot grow" in str(w.message)]
+            assert len(calls) == 2 and opt.device_numel == before and len(opt._buckets) == n_buckets - 1
+            assert all(opt._slots[i].residency == "host" for i in calls)
+            assert opt.stats["tail_move_failures"] == 1 and opt._tail_blocked
+            monkeypatch.setattr(HeterogeneousAdamW, "_device_state", real)
+            assert opt._grow_tail(float("inf")) == 0  # blocked after an OOM
+        h = inject_nonfinite(model) if step == NONFINITE_STEP else None
+        first, last = batches(step)
+        with opt.accumulating():
+            loss_fn(model, first).backward()
+        loss_fn(model, last).backward()
+        if h is not None:
+            h.remove()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        opt.synchronize()
+    assert_same(ref_model, ref_opt, model, opt)
+    opt.close()
+
+
+def test_auto_tail_respects_max_gpu_fraction():
+    model = make_model()
+    n = sum(p.numel() for p in model.parameters())
+    opt = HeterogeneousAdamW(model.parameters(), module=model, bucket_size=300, max_gpu_fraction=0.3)
+    # off CUDA the memory query answers None: only the cap bounds the growth
+    assert superoffload_memory.device_memory_room(torch.device("cpu")) is None
+    with pytest.warns(UserWarning, match="max_gpu_fraction=0.3 would be exceeded"):
+        moved = opt._grow_tail(float("inf"))
+    assert moved >= 1 and 0 < opt.device_numel <= 0.3 * n
+    # the next bucket would have crossed the cap
+    assert opt.device_numel + opt._buckets[-1].numel > 0.3 * n
+    opt.close()
+

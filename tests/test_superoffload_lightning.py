@@ -27,16 +27,20 @@ ROOT = Path(__file__).resolve().parents[1]
 class TinyLM(L.LightningModule):
     """The tiny reference Llama with AdamW(fused=True) on the CPU too, two param groups and a warm-up."""
 
-    def __init__(self, optimizer: str = "adamw") -> None:
+    def __init__(self, optimizer: str = "adamw", scheduler: str = "lambda") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.config = preset("tiny")
         self.model = Llama(self.config)
         self.optimizer = optimizer
+        self.scheduler = scheduler
         self.losses: list[float] = []
+        self.lrs: list[float] = []
 
     def training_step(self, batch, batch_idx):
         tokens, targets = batch
+        # the LR the optimizer that actually runs will read for this step
+        self.lrs.append(float(self.trainer.optimizers[0].param_groups[0]["lr"]))
         loss = F.cross_entropy(self.model(tokens).flatten(0, 1).float(), targets.flatten())
         self.losses.append(loss.item())
         return loss
@@ -48,7 +52,17 @@ class TinyLM(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.1)
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                 lr=3e-3, betas=(0.9, 0.95), fused=True)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+        lr_sched = torch.optim.lr_scheduler
+        if self.scheduler == "sequential":  # linear warm-up for 3 steps, then half the LR
+            for g in opt.param_groups:
+                g["lr"] = 1e-3
+            sched = lr_sched.SequentialLR(opt, [lr_sched.LinearLR(opt, start_factor=0.1, total_iters=3),
+                                                lr_sched.ConstantLR(opt, factor=0.5, total_iters=100)], milestones=[3])
+        elif self.scheduler == "chained":
+            sched = lr_sched.ChainedScheduler([lr_sched.LinearLR(opt, start_factor=0.1, total_iters=3),
+                                               lr_sched.ExponentialLR(opt, gamma=0.8)], optimizer=opt)
+        else:
+            sched = lr_sched.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -59,8 +73,8 @@ class OrderedData(MarkovDataModule):
         return self._loader(self._dataset(self.num_train_samples, 0, self.sample_cost_ms), shuffle=False)
 
 
-def fit(strategy, tmp_path, max_steps=10, ckpt_path=None, **kwargs):
-    model = TinyLM()
+def fit(strategy, tmp_path, max_steps=10, ckpt_path=None, scheduler="lambda", **kwargs):
+    model = TinyLM(scheduler=scheduler)
     # 10 batches of 8: one epoch is 5 optimizer steps with accumulate_grad_batches=2
     dm = OrderedData.for_model(model, num_train_samples=80)
     kwargs.setdefault("gradient_clip_val", 0.5)
@@ -141,6 +155,13 @@ def test_clear_errors(tmp_path):
         L.Trainer(accelerator="cpu", devices=2, strategy="superoffload")
     with pytest.raises(ValueError, match="gpu_fraction=2"):
         SuperOffloadStrategy(gpu_fraction=2)
+    # the same validator as HeterogeneousAdamW, so the same messages
+    for kwargs, match in [({"max_gpu_fraction": 1.5}, "max_gpu_fraction=1.5 must be a float in"),
+                          ({"cpu_threads": 0}, "cpu_threads=0"), ({"bucket_size": True}, "bucket_size=True")]:
+        with pytest.raises(ValueError, match=match):
+            SuperOffloadStrategy(**kwargs)
+        with pytest.raises(ValueError, match=match):
+            HeterogeneousAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
     model = TinyLM(optimizer="sgd")
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="superoffload", max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -162,3 +183,42 @@ def test_demo_part_is_off_without_cuda_and_carries_the_strategy_with_it():
     assert not off.enabled and "no CUDA GPU" in off.reason
     on = superoffload_part(cfg, dataclasses.replace(hw, cuda_available=True), Path("unused"))
     assert on.enabled and isinstance(on.trainer_kwargs["strategy"], SuperOffloadStrategy)
+
+
+@pytest.mark.parametrize("scheduler", ["sequential", "chained"])
+def test_nested_lr_schedulers_drive_the_offloaded_optimizer(tmp_path, scheduler):
+    """SequentialLR / ChainedScheduler keep their own schedulers bound to the AdamW that configure_optimizers built;
+    the strategy's optimizer must still read the LR they write (shared param groups, nested rebinding)."""
+    plain, _ = fit("auto", tmp_path, max_steps=7, scheduler=scheduler, accumulate_grad_batches=1)
+    ours, trainer = fit("superoffload", tmp_path, max_steps=7, scheduler=scheduler, accumulate_grad_batches=1)
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, HeterogeneousAdamW)
+    assert len(set(plain.lrs)) >= 4  # the schedule really moves the LR
+    if scheduler == "sequential":
+        assert plain.lrs[:4] == pytest.approx([1e-4, 4e-4, 7e-4, 5e-4])
+    assert ours.lrs == plain.lrs
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert all(inner.optimizer is opt for inner in sched._schedulers)
+    assert ours.losses == plain.losses
+    for a, b in zip(plain.parameters(), ours.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_grad_scaler_precision_warns_that_overlap_is_lost(tmp_path):
+    """precision="16-mixed" (a GradScaler) runs backward outside optimizer.step(closure): the strategy says so
+    once, and the run still equals the plain one."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def plugin():
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+
+    # no clipping: Lightning refuses to clip a fused AdamW under a GradScaler (the plain run)
+    plain, _ = fit("auto", tmp_path, max_steps=3, plugins=[plugin()], gradient_clip_val=None)
+    with pytest.warns(UserWarning, match="16-mixed.*cannot overlap the backward") as record:
+        ours, trainer = fit(SuperOffloadStrategy(gpu_fraction=0.0), tmp_path, max_steps=3, plugins=[plugin()],
+                            gradient_clip_val=None)
+    assert sum("cannot overlap" in str(w.message) for w in record) == 1
+    assert isinstance(trainer.optimizers[0], HeterogeneousAdamW)
+    assert ours.losses == plain.losses
+    for a, b in zip(plain.parameters(), ours.parameters()):
+        assert torch.equal(a, b)

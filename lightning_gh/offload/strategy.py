@@ -44,11 +44,12 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-from lightning_gh.offload.superoffload import HeterogeneousAdamW
+from lightning_gh.offload.superoffload import HeterogeneousAdamW, validate_options
 
 __all__ = ["SuperOffloadStrategy"]
 
@@ -65,6 +66,8 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         cpu_threads: threads of the CPU AdamW (default: all CPUs but two).
         bucket_size: parameters per host bucket.
         host_memory_check: refuse with a clear ``MemoryError`` when host RAM cannot hold the state.
+        max_gpu_fraction: cap on the share of parameters the ``"auto"`` GPU tail may take (it is also bounded
+            by free GPU memory); ``None``: memory only.
         device: the device; normally left to ``Trainer(accelerator=..., devices=1)``.
         accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy``.
 
@@ -84,18 +87,14 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         cpu_threads: int | None = None,
         bucket_size: int = 1 << 24,
         host_memory_check: bool = True,
+        max_gpu_fraction: float | None = None,
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if not (gpu_fraction == "auto" or (isinstance(gpu_fraction, (int, float)) and not isinstance(gpu_fraction, bool)
-                                           and 0.0 <= gpu_fraction <= 1.0)):
-            raise ValueError(f"gpu_fraction={gpu_fraction!r} must be a float in [0, 1] or 'auto'.")
-        if cpu_threads is not None and not (isinstance(cpu_threads, int) and cpu_threads >= 1):
-            raise ValueError(f"cpu_threads={cpu_threads!r} must be an int >= 1 or None.")
-        if not (isinstance(bucket_size, int) and bucket_size >= 1):
-            raise ValueError(f"bucket_size={bucket_size!r} must be a positive int (parameters per bucket).")
+        validate_options(gpu_fraction=gpu_fraction, max_gpu_fraction=max_gpu_fraction, cpu_threads=cpu_threads,
+                         bucket_size=bucket_size)
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._explicit_device = device is not None
@@ -103,8 +102,10 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         self.optimizer_kwargs: dict[str, Any] = dict(
             gpu_fraction=gpu_fraction, speculative=bool(speculative), skip_nonfinite=bool(skip_nonfinite),
             cpu_threads=cpu_threads, bucket_size=bucket_size, host_memory_check=bool(host_memory_check),
+            max_gpu_fraction=max_gpu_fraction,
         )
         self._clip_installed = False
+        self._scaler_warned = False
 
     # Lightning's accelerator connector fills `parallel_devices` on strategies that have the attribute; a
     # single-device strategy picked by name would otherwise stay on its default device (the CPU).
@@ -154,17 +155,51 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         self.optimizers = converted
 
     def _rebind_schedulers(self, old: torch.optim.Optimizer, new: HeterogeneousAdamW) -> None:
-        configs: list[LRSchedulerConfig] = self.lr_scheduler_configs
-        for cfg in configs:
-            sched = cfg.scheduler
+        """Point every scheduler bound to ``old`` at ``new``, including the schedulers nested in a
+        ``SequentialLR`` or ``ChainedScheduler`` (their ``_schedulers``). The two optimizers share their
+        param-group dicts (see ``HeterogeneousAdamW.from_optimizer``), so a scheduler missed here still sets the
+        learning rate the new optimizer reads; rebinding keeps ``optimizer.step`` bookkeeping right too."""
+        seen: set[int] = set()
+
+        def rebind(sched: Any) -> None:
+            if id(sched) in seen:
+                return
+            seen.add(id(sched))
             if getattr(sched, "optimizer", None) is old:
                 sched.optimizer = new
                 if hasattr(old.step, "_wrapped_by_lr_sched") and not hasattr(new.step, "_wrapped_by_lr_sched"):
                     _mark_step_for_schedulers(new)
+            for inner in getattr(sched, "_schedulers", None) or ():
+                rebind(inner)
+
+        configs: list[LRSchedulerConfig] = self.lr_scheduler_configs
+        for cfg in configs:
+            rebind(cfg.scheduler)
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         self._install_clipping()
+        self._check_precision_plugin()
+
+    def _check_precision_plugin(self) -> None:
+        """Warn once when a loss scaler is in use (``precision="16-mixed"``).
+
+        Lightning's ``MixedPrecision.optimizer_step`` runs the closure (forward and backward) *before* it calls
+        ``scaler.step(optimizer)``, so the backward never runs inside ``optimizer.step(closure)``: every gradient is
+        collected and updated in ``step()`` after backward, i.e. correct but with no CPU/backward overlap. This is
+        a warning, not an error, because the results are still right (the scaler unscales first and skips
+        non-finite steps)."""
+        plugin = self.precision_plugin
+        if self._scaler_warned or not isinstance(plugin, MixedPrecision) or getattr(plugin, "scaler", None) is None:
+            return
+        if not any(isinstance(o, HeterogeneousAdamW) for o in self.optimizers):
+            return
+        self._scaler_warned = True
+        rank_zero_warn(
+            f"SuperOffloadStrategy with precision={plugin.precision!r} (a GradScaler): Lightning runs backward before "
+            "optimizer.step(), so the CPU AdamW update cannot overlap the backward pass and each step ends waiting "
+            "for the whole CPU update (the math is unchanged). Use precision='bf16-mixed' or 'bf16-true', which "
+            "need no loss scaling, to get the overlap.", category=UserWarning)
 
     def _install_clipping(self) -> None:
         """Route Lightning's post-backward clipping of our optimizers to the optimizer itself."""

@@ -58,7 +58,9 @@ Auto GPU tail (``gpu_fraction="auto"``, CUDA only)
     the next forward waited for the CPU (host-side wait in the pre-hooks) with the step period: above 3%
     it moves the last-processed host buckets (the earliest layers) to the GPU, worth 0.85x the wait in
     measured CPU time; when instead the first bucket the forward needs had been ready for more than 15%
-    of the period, it moves GPU-tail parameters back to the host.
+    of the period, it moves GPU-tail parameters back to the host. Growth is bounded by the GPU memory the
+    allocator can still obtain minus a headroom of max(1 GiB, 5% of the GPU) and by ``max_gpu_fraction``; a
+    move that runs out of memory leaves its bucket on the host and stops the growth; both warn once.
 
 Math
     Identical to ``torch.nn.utils.clip_grad_norm_`` followed by ``torch.optim.AdamW(fused=True)`` on the fp32
@@ -96,15 +98,67 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
+from lightning_gh.offload import superoffload_memory as _memory
 from lightning_gh.offload.superoffload_memory import HostBuffer, check_host_memory
 
-__all__ = ["HeterogeneousAdamW"]
+__all__ = ["HeterogeneousAdamW", "validate_options"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HP_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 # Auto tail: re-check stalls at these pipelined steps (counted from the step that built the layout).
 _AUTO_CHECK_STEPS = (3, 5, 7, 9, 11)
 _AUTO_STALL_SHARE = 0.03
+# GPU memory the auto tail always leaves free: the larger of 1 GiB and 5% of the device, for what the next
+# forward allocates beyond the allocator's cache (a longer batch, fragmentation) and for other processes.
+_TAIL_HEADROOM_MIN_BYTES = 1 << 30
+_TAIL_HEADROOM_SHARE = 0.05
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def validate_options(
+    *,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    gpu_fraction: float | str = "auto",
+    max_gpu_fraction: float | None = None,
+    max_grad_norm: float | None = None,
+    max_grad_value: float | None = None,
+    cpu_threads: int | None = None,
+    bucket_size: int = 1 << 24,
+    pipeline_trigger: str = "backward",
+) -> None:
+    """Check :class:`HeterogeneousAdamW`'s options; ``SuperOffloadStrategy`` runs the same checks on its own
+    arguments, so both fail with the same message. Raises ``ValueError`` naming the argument, the value and
+    what is allowed."""
+    if not (_is_number(lr) and lr >= 0):
+        raise ValueError(f"lr={lr!r} must be a float >= 0.")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas={betas!r} must be a pair of floats in [0, 1).")
+    if not (_is_number(eps) and eps >= 0):
+        raise ValueError(f"eps={eps!r} must be a float >= 0.")
+    if not (_is_number(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"weight_decay={weight_decay!r} must be a float >= 0.")
+    if not (gpu_fraction == "auto" or (_is_number(gpu_fraction) and 0.0 <= gpu_fraction <= 1.0)):
+        raise ValueError(f"gpu_fraction={gpu_fraction!r} must be a float in [0, 1] or 'auto'.")
+    if max_gpu_fraction is not None and not (_is_number(max_gpu_fraction) and 0.0 <= max_gpu_fraction <= 1.0):
+        raise ValueError(f"max_gpu_fraction={max_gpu_fraction!r} must be a float in [0, 1] or None.")
+    if max_grad_norm is not None and not (_is_number(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a float > 0 or None.")
+    if max_grad_value is not None and not (_is_number(max_grad_value) and max_grad_value > 0):
+        raise ValueError(f"max_grad_value={max_grad_value!r} must be a float > 0 or None.")
+    if cpu_threads is not None and not (isinstance(cpu_threads, int) and not isinstance(cpu_threads, bool)
+                                        and cpu_threads >= 1):
+        raise ValueError(f"cpu_threads={cpu_threads!r} must be an int >= 1 or None.")
+    if not (isinstance(bucket_size, int) and not isinstance(bucket_size, bool) and bucket_size >= 1):
+        raise ValueError(f"bucket_size={bucket_size!r} must be a positive int (parameters per bucket).")
+    if pipeline_trigger not in ("backward", "closure"):
+        raise ValueError(f"pipeline_trigger={pipeline_trigger!r} must be 'backward' or 'closure'.")
 
 
 def _adamw_group_defaults() -> dict[str, Any]:
@@ -205,7 +259,12 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
             stays on the GPU and is updated there with fused AdamW. ``"auto"``: all on the host at first, then,
             over the first pipelined steps, move the last-arriving buckets to the GPU while the next forward
             measurably waits for the CPU. ``0.0`` saves the most GPU memory. Without CUDA: the tail runs on the
-            CPU in ``step()`` (same math) and ``"auto"`` means ``0.0``.
+            CPU in ``step()`` (same math) and ``"auto"`` means ``0.0``. The auto tail grows only into free GPU
+            memory (see ``max_gpu_fraction``).
+        max_gpu_fraction: upper bound on the share of parameters (by count) the auto tail may keep on the GPU,
+            or ``None`` (bounded by free GPU memory only). Each move is also bounded by the GPU memory the
+            allocator can still obtain minus a headroom of ``max(1 GiB, 5%`` of the device``)``; a move that
+            runs out of memory anyway leaves the bucket on the host. Ignored unless ``gpu_fraction="auto"``.
         speculative: start CPU updates before the gradient norm is known and undo them exactly if the step
             must be clipped or skipped. ``False``: each bucket waits for the decision (no 12 B/param backup).
         max_grad_norm: clip the global gradient L2 norm to this value (as ``clip_grad_norm_``), or ``None``.
@@ -244,31 +303,15 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         max_grad_value: float | None = None,
         skip_nonfinite: bool = True,
         bucket_size: int = 1 << 24,
+        max_gpu_fraction: float | None = None,
         module: nn.Module | None = None,
         pipeline_trigger: Literal["backward", "closure"] = "backward",
         host_memory_check: bool = True,
     ) -> None:
-        if not (isinstance(lr, (int, float)) and lr >= 0):
-            raise ValueError(f"lr={lr!r} must be a float >= 0.")
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"betas={betas!r} must be a pair of floats in [0, 1).")
-        if not (isinstance(eps, (int, float)) and eps >= 0):
-            raise ValueError(f"eps={eps!r} must be a float >= 0.")
-        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
-            raise ValueError(f"weight_decay={weight_decay!r} must be a float >= 0.")
-        if not (gpu_fraction == "auto" or (isinstance(gpu_fraction, (int, float)) and not isinstance(gpu_fraction, bool)
-                                           and 0.0 <= gpu_fraction <= 1.0)):
-            raise ValueError(f"gpu_fraction={gpu_fraction!r} must be a float in [0, 1] or 'auto'.")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a float > 0 or None.")
-        if max_grad_value is not None and not (isinstance(max_grad_value, (int, float)) and max_grad_value > 0):
-            raise ValueError(f"max_grad_value={max_grad_value!r} must be a float > 0 or None.")
-        if cpu_threads is not None and not (isinstance(cpu_threads, int) and cpu_threads >= 1):
-            raise ValueError(f"cpu_threads={cpu_threads!r} must be an int >= 1 or None.")
-        if not (isinstance(bucket_size, int) and bucket_size >= 1):
-            raise ValueError(f"bucket_size={bucket_size!r} must be a positive int (parameters per bucket).")
-        if pipeline_trigger not in ("backward", "closure"):
-            raise ValueError(f"pipeline_trigger={pipeline_trigger!r} must be 'backward' or 'closure'.")
+        validate_options(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gpu_fraction=gpu_fraction,
+                         max_gpu_fraction=max_gpu_fraction, max_grad_norm=max_grad_norm,
+                         max_grad_value=max_grad_value, cpu_threads=cpu_threads, bucket_size=bucket_size,
+                         pipeline_trigger=pipeline_trigger)
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module or None, got {type(module).__name__}.")
 
@@ -278,6 +321,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
         self.gpu_fraction = gpu_fraction
+        self.max_gpu_fraction = None if max_gpu_fraction is None else float(max_gpu_fraction)
         self.speculative = bool(speculative)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.max_grad_value = None if max_grad_value is None else float(max_grad_value)
@@ -335,7 +379,9 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         self.stats: dict[str, Any] = {"steps": 0, "clipped_steps": 0, "skipped_steps": 0, "rollbacks": 0,
                                       "speculative_buckets": 0, "prefetched_backups": 0, "last_stall_ms": 0.0,
                                       "last_slack_ms": None, "cpu_ms_per_step": 0.0, "tail_moves": 0,
-                                      "tail_moves_back": 0}
+                                      "tail_moves_back": 0, "tail_limited": 0, "tail_move_failures": 0}
+        self._tail_warned = False
+        self._tail_blocked = False
         self._plan = None
         if host_memory_check:  # early, before the first step allocates anything
             total = sum(s.numel for s in self._slots if s.param.requires_grad)
@@ -473,6 +519,13 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         for h in self._hook_handles + self._module_hooks:
             h.remove()
         self._hook_handles, self._module_hooks = [], []
+        if self._cuda:
+            # A dropped step's gradient copies or a last copy back may still be reading or writing the host
+            # buffers: they must finish before the pages are unregistered (and later freed).
+            for stream in (self._copy_stream, self._h2d_stream):
+                if stream is not None:
+                    with contextlib.suppress(Exception):
+                        stream.synchronize()
         for b in self._buckets:
             for buf in (b.master_buf, b.grad_buf):
                 if buf is not None:
@@ -783,23 +836,34 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
             off += s.numel
         self._buckets.append(b)
 
-    def _make_device_slot(self, s: _Slot, host_state: dict[str, torch.Tensor] | None = None) -> None:
+    def _make_device_slot(self, s: _Slot) -> None:
+        self._install_device_state(s, self._device_state(s, None))
+        self._apply_pending(s)
+
+    def _device_state(self, s: _Slot, host_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor | None]:
+        """Allocate (and fill from ``host_state``) a parameter's GPU-tail state without touching the slot, so an
+        allocation that fails leaves the slot as it was."""
         p = s.param
         dev = p.device
-        s.residency, s.bucket = "device", None
-        s.exp_avg = torch.zeros(p.shape, dtype=torch.float32, device=dev)
-        s.exp_avg_sq = torch.zeros(p.shape, dtype=torch.float32, device=dev)
-        s.dev_master = None if p.dtype == torch.float32 else p.detach().to(torch.float32)
-        s.step = torch.zeros((), dtype=torch.float32, device=dev)
-        s.master = s.grad = None
+        st: dict[str, torch.Tensor | None] = {
+            "exp_avg": torch.zeros(p.shape, dtype=torch.float32, device=dev),
+            "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=dev),
+            "dev_master": None if p.dtype == torch.float32 else p.detach().to(torch.float32),
+            "step": torch.zeros((), dtype=torch.float32, device=dev),
+        }
         if host_state is not None:
-            s.exp_avg.copy_(host_state["exp_avg"].view(p.shape))
-            s.exp_avg_sq.copy_(host_state["exp_avg_sq"].view(p.shape))
-            s.step.copy_(host_state["step"])
-            if s.dev_master is not None:
-                s.dev_master.copy_(host_state["master"].view(p.shape))
-        else:
-            self._apply_pending(s)
+            st["exp_avg"].copy_(host_state["exp_avg"].view(p.shape))
+            st["exp_avg_sq"].copy_(host_state["exp_avg_sq"].view(p.shape))
+            st["step"].copy_(host_state["step"])
+            if st["dev_master"] is not None:
+                st["dev_master"].copy_(host_state["master"].view(p.shape))
+        return st
+
+    @staticmethod
+    def _install_device_state(s: _Slot, st: dict[str, torch.Tensor | None]) -> None:
+        s.residency, s.bucket = "device", None
+        s.exp_avg, s.exp_avg_sq, s.dev_master, s.step = st["exp_avg"], st["exp_avg_sq"], st["dev_master"], st["step"]
+        s.master = s.grad = None
 
     def _apply_pending(self, s: _Slot) -> None:
         st = self._pending_state.get(s.index)
@@ -839,11 +903,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
             self.synchronize()
             # Moving CPU work w to the GPU shortens the wait by a little more than w (the moved layers' own
             # forward now runs before the first host bucket is needed): move a bit less, re-check later.
-            need, moved = 0.85 * stall, 0.0
-            while self._buckets and moved < need:
-                b = self._buckets[-1]  # the last-processed host bucket holds the earliest layers
-                moved += b.cpu_ms
-                self._move_bucket_to_device(b)
+            if self._grow_tail(0.85 * stall) == 0:
+                return
         elif len(slacks) == 2 and min(slacks) > 0.15 * period and device_slots:
             # The CPU finished well before the forward needed its work: give some parameters back to the host.
             host_numel = sum(b.numel for b in self._buckets)
@@ -866,16 +927,82 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         self._stalls.clear()
         self._slack.clear()
 
-    def _move_bucket_to_device(self, b: _Bucket) -> None:
+    @staticmethod
+    def _tail_bytes(slots: Iterable[_Slot]) -> int:
+        """GPU bytes these parameters cost in the tail: fp32 moments, an fp32 master for non-fp32 weights, and
+        the gradient, which stays on the GPU until ``zero_grad`` instead of being freed as it lands on the host."""
+        return sum(s.numel * (8 + (0 if s.param.dtype == torch.float32 else 4) + s.param.element_size())
+                   for s in slots)
+
+    def _grow_tail(self, need_ms: float) -> int:
+        """Move host buckets, last-processed first (the earliest layers), to the GPU tail until they account
+        for ``need_ms`` of measured CPU time, within ``max_gpu_fraction`` and the free GPU memory less the
+        headroom. Returns the number of buckets moved."""
+        total = sum(s.numel for s in self._slots if s.step is not None)
+        cap = None if self.max_gpu_fraction is None else int(self.max_gpu_fraction * total) - self.device_numel
+        room = _memory.device_memory_room(self.device)
+        budget = None
+        if room is not None:
+            free, device_total = room
+            budget = free - max(_TAIL_HEADROOM_MIN_BYTES, int(_TAIL_HEADROOM_SHARE * device_total))
+        moved_ms, count = 0.0, 0
+        while self._buckets and moved_ms < need_ms and not self._tail_blocked:
+            b = self._buckets[-1]
+            nbytes = self._tail_bytes(b.slots)
+            if cap is not None and b.numel > cap:
+                self._warn_tail_limit(f"max_gpu_fraction={self.max_gpu_fraction} would be exceeded "
+                                      f"({self.device_numel:,} of {total:,} parameters are on the GPU)")
+                break
+            if budget is not None and nbytes > budget:
+                self._warn_tail_limit(
+                    f"the next bucket needs {nbytes / 2**20:.0f} MiB of GPU memory and only "
+                    f"{max(budget, 0) / 2**20:.0f} MiB are free beyond the headroom of "
+                    f"max(1 GiB, {_TAIL_HEADROOM_SHARE:.0%} of the GPU)")
+                break
+            if not self._move_bucket_to_device(b):
+                self._tail_blocked = True  # the allocator disagrees with the free-memory estimate: stop growing
+                self._warn_tail_limit(f"moving {nbytes / 2**20:.0f} MiB to the GPU ran out of memory; the bucket "
+                                      f"stays on the host and the tail stops growing")
+                break
+            moved_ms += b.cpu_ms
+            count += 1
+            if cap is not None:
+                cap -= b.numel
+            if budget is not None:
+                budget -= nbytes
+        return count
+
+    def _warn_tail_limit(self, why: str) -> None:
+        self.stats["tail_limited"] += 1
+        if not self._tail_warned:
+            self._tail_warned = True
+            warnings.warn(
+                f"HeterogeneousAdamW (gpu_fraction='auto'): the next forward waits for the CPU update, but the GPU "
+                f"tail cannot grow: {why}. Training continues with {self.device_numel:,} parameters on the GPU; "
+                f"the wait for the CPU stays. (Warned once.)", stacklevel=4)
+
+    def _move_bucket_to_device(self, b: _Bucket) -> bool:
+        """Give bucket ``b``'s state to the GPU tail. Returns ``False``, with the bucket unchanged on the host,
+        when the GPU runs out of memory on the way."""
         with self._state_lock:
-            for s in b.slots:
-                state = {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step, "master": s.master}
-                self._make_device_slot(s, state)
+            staged: list[tuple[_Slot, dict[str, torch.Tensor | None]]] | None = []
+            try:
+                for s in b.slots:
+                    host = {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step, "master": s.master}
+                    staged.append((s, self._device_state(s, host)))
+            except torch.cuda.OutOfMemoryError:
+                staged = None  # drop what was allocated; the host state was only read
+            if staged is None:
+                self.stats["tail_move_failures"] += 1
+                return False
+            for s, st in staged:
+                self._install_device_state(s, st)
             self._buckets.remove(b)
             for buf in (b.master_buf, b.grad_buf):
                 buf.release()
             b.master_buf = b.grad_buf = None
         self.stats["tail_moves"] += 1
+        return True
 
     def _move_slots_to_host(self, slots: list[_Slot]) -> None:
         with self._state_lock:
@@ -1150,21 +1277,23 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **kwargs: Any) -> HeterogeneousAdamW:
-        """Build from a ``torch.optim.AdamW`` (its param groups, hyper-parameters and any state)."""
+        """Build from a ``torch.optim.AdamW``: its param groups (the same dict objects, shared with ``optimizer``
+        so schedulers bound to either see one learning rate), hyper-parameters and any state. Use the new
+        optimizer only afterwards."""
         if not isinstance(optimizer, torch.optim.AdamW):
             if isinstance(optimizer, torch.optim.Adam) and getattr(optimizer, "defaults", {}).get("decoupled_weight_decay"):
                 pass
             else:
                 raise TypeError(f"HeterogeneousAdamW.from_optimizer needs a torch.optim.AdamW, got "
                                 f"{type(optimizer).__name__} (Adam's weight decay is L2, not decoupled).")
-        groups = []
         for g in optimizer.param_groups:
-            ng = dict(g)
-            ng["params"] = list(g["params"])
             for key in ("amsgrad", "maximize"):
-                if ng.get(key):
+                if g.get(key):
                     raise ValueError(f"the AdamW sets {key}=True, which HeterogeneousAdamW does not support.")
-            groups.append(ng)
+        # The new optimizer takes over the very same param-group dicts (torch's add_param_group keeps the dict it
+        # is given), so an LR scheduler still bound to the old optimizer, e.g. inside a SequentialLR, writes the
+        # learning rate this optimizer reads.
+        groups = list(optimizer.param_groups)
         d = optimizer.defaults
         new = cls(groups, lr=float(d["lr"]), betas=tuple(d["betas"]), eps=d["eps"], weight_decay=d["weight_decay"], **kwargs)
         if optimizer.state:

@@ -30,6 +30,7 @@ __all__ = [
     "HostMemoryPlan",
     "available_host_bytes",
     "check_host_memory",
+    "device_memory_room",
     "host_bytes_per_param",
 ]
 
@@ -110,6 +111,29 @@ def check_host_memory(host_params: int, speculative_backup: bool, headroom: floa
             f"To fit: {'; '.join(tips)}; or pass host_memory_check=False to skip this check."
         )
     return plan
+
+
+def device_memory_room(device: torch.device | str) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of a CUDA device as this process's allocator sees them, or ``None`` for a
+    device that is not CUDA (or when the driver cannot be asked).
+
+    ``free`` is what the driver reports free (``torch.cuda.mem_get_info``), lowered to what is left under a
+    ``torch.cuda.set_per_process_memory_fraction`` cap. Memory torch's caching allocator already holds is not
+    counted as free: after an optimizer step it mostly holds the activations the next forward needs again.
+    The optimizer's GPU tail asks this before it grows (tests replace it to simulate a small GPU).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = torch.cuda.get_per_process_memory_fraction(device) \
+            if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    except (RuntimeError, AssertionError):
+        return None
+    if fraction < 1.0:
+        free = min(free, max(0, int(fraction * total) - torch.cuda.memory_reserved(device)))
+    return int(free), int(total)
 
 
 class HostBuffer:

@@ -23,12 +23,13 @@ from lightning_gh.demo import LlamaLM, MarkovDataModule
 from lightning_gh.graphs import CUDAGraphCapture, GraphReport
 from lightning_gh.graphs._lightning import current_hook, in_hook, set_closure_result
 from lightning_gh.graphs.buffers import StaticInputs, UnsupportedBatch, batch_signature, signature_difference
+from lightning_gh.graphs.capture import _frozen_logs
 from lightning_gh.graphs.detect import (SYNC_WARNING, Finding, SyncMonitor, combine, dynamic_shape_finding,
-                                        setup_findings, sync_finding)
+                                        scheduler_finding, setup_findings, sync_finding)
 from lightning_gh.graphs.detect import _precision_finding
-from lightning_gh.graphs.logs import LogRecorder, logged_value_problem
-from lightning_gh.graphs.optim import (CapturableOptimizer, OptimizerGuard, make_capturable,
-                                       unsupported_optimizer_reason)
+from lightning_gh.graphs.logs import LogRecorder, detached, logged_value_problem
+from lightning_gh.graphs.optim import (CapturableOptimizer, OptimizerGuard, live_tensors, make_capturable,
+                                       move_lr_into_tensors, reassigned_lr_groups, unsupported_optimizer_reason)
 from lightning_gh.graphs.part import demo_part
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,7 +251,118 @@ def test_precision_findings():
         pass
 
     f = _precision_finding(FP8Plugin("bf16-mixed", "cuda"))
-    assert f.cause == "precision" and "FP8Plugin has not been verified" in f.message
+    assert f.cause == "precision"
+    assert "FP8Plugin is not captured: its combination with whole-step capture has not been verified yet" in f.message
+    assert "host" not in f.message  # no claim about where a recipe keeps its scaling state
+
+
+def _cpu_adamw():
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, betas=(0.9, 0.99))
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=10), "OneCycleLR cycles the momentum"),
+    (lambda o: torch.optim.lr_scheduler.CyclicLR(o, 1e-4, 1e-2, step_size_up=4), "CyclicLR cycles the momentum"),
+    (lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=10, cycle_momentum=False), None),
+    (lambda o: torch.optim.lr_scheduler.CyclicLR(o, 1e-4, 1e-2, cycle_momentum=False), None),
+    (lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=10, base_momentum=0.9,
+                                                   max_momentum=0.9), None),
+    (lambda o: torch.optim.lr_scheduler.CyclicLR(o, 1e-4, 1e-2, base_momentum=0.9, max_momentum=0.9), None),
+    (lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0), None),
+])
+def test_momentum_cycling_schedulers_are_found_at_setup(make, expected):
+    opt = _cpu_adamw()
+    sched = make(opt)
+    f = scheduler_finding([sched])
+    if expected is None:
+        assert f is None
+        return
+    assert f.cause == "momentum-schedule" and expected in f.message and "cycle_momentum=False" in f.message
+    # what the finding predicts: the scheduler writes new betas on every step, which a graph would bake in
+    seen = set()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+        seen.add(opt.param_groups[0]["betas"])
+    assert len(seen) == 3
+
+
+def test_logs_of_live_tensors_are_not_frozen():
+    """A logged tensor replays correctly when the graph computes it (pool) or changes it in place every step
+    (parameters, the optimizer's lr tensors and state); anything else would log its capture-time value."""
+    opt, params, lrs = _adamw_with_state()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    computed = torch.ones(4)  # stands in for an output of the graph, allocated from its pool
+    pool = [(computed.untyped_storage().data_ptr(), computed.untyped_storage().data_ptr() + computed.nbytes)]
+    rec = LogRecorder(lambda name, value, **kw: None)
+    logged = {"loss": computed[1:], "weight": params[0][0], "lr": lrs[1], "exp_avg": opt.state[params[0]]["exp_avg"],
+              "adam_step": opt.state[params[1]]["step"], "sched_lr": sched.get_last_lr()[0], "host": torch.zeros(1)}
+    for name, value in logged.items():
+        rec.record("training_step", (name, value), {})
+    live = (*params, *live_tensors(opt, lrs))
+    assert _frozen_logs(rec, pool, live) == ["sched_lr", "host"]  # get_last_lr() hands out a copy
+    assert _frozen_logs(rec, [], params) == ["loss", "lr", "exp_avg", "adam_step", "sched_lr", "host"]
+
+
+def test_logged_tensors_that_the_step_updates_are_copied_at_the_call():
+    """Lightning takes a logged value at the call; a parameter or optimizer state logged before the update must be
+    re-issued with that value, not the updated one (a capture copies it inside the graph, at the same place)."""
+    opt, params, lrs = _adamw_with_state()
+    step = opt.state[params[0]]["step"]
+    loss = torch.tensor(2.0)
+    rec = LogRecorder(lambda name, value, **kw: None,
+                      snapshot=frozenset(t.untyped_storage().data_ptr() for t in (*params, *live_tensors(opt, lrs))))
+    rec.record("training_step", ("adam_step", step), {})
+    rec.record("training_step", (), {"name": "d", "value": {"w": params[0][0, 0], "loss": loss}})
+    step.add_(1)  # the optimizer update, later in the step
+    params[0].data.mul_(2)
+    assert rec.calls[0].args[1].item() == 2 and rec.given[0].args[1].data_ptr() == step.data_ptr()
+    assert torch.equal(rec.calls[1].kwargs["value"]["w"], rec.given[1].kwargs["value"]["w"] / 2)
+    assert rec.calls[1].kwargs["value"]["loss"].data_ptr() == loss.data_ptr()  # what the step computes: as is
+    assert [n for n, _ in rec.logged_tensors()] == ["adam_step", "d.loss", "d.w"]  # the tensors as given
+
+
+def test_lr_assignments_are_found_and_moved_into_the_tensors():
+    opt, _, lrs = _adamw_with_state()
+    assert reassigned_lr_groups(opt.param_groups, lrs) == [] and move_lr_into_tensors(opt.param_groups, lrs) == []
+    opt.param_groups[1]["lr"] = torch.tensor([0.5])  # another tensor, as a user might assign
+    assert reassigned_lr_groups(opt.param_groups, lrs) == [1]
+    assert move_lr_into_tensors(opt.param_groups, lrs) == [1]
+    assert opt.param_groups[1]["lr"] is lrs[1] and lrs[1].shape == () and lrs[1].item() == 0.5
+
+
+def test_eager_fallback_leaves_its_own_gradients_in_grad():
+    """After an eager step between replays (the last, smaller batch) .grad must hold that step's gradients, in the
+    captured tensors the later replays write (the GPU test checks the whole run against the eager one)."""
+    cb = CUDAGraphCapture()
+    p, q, r, s = (torch.nn.Parameter(torch.zeros(3)) for _ in range(4))
+    last_replay = [torch.full((3,), 7.0) for _ in range(3)]  # the captured tensors, holding the last replay's values
+    cb._static_grads = [(p, last_replay[0]), (q, last_replay[1]), (r, None), (s, last_replay[2])]
+    s.grad = last_replay[2]
+
+    def eager_step():
+        p.grad = torch.ones(3)  # zero_grad(set_to_none=True), then backward: a fresh tensor
+        q.grad = None  # no gradient in this step
+        r.grad = torch.full((3,), 2.0)  # a gradient where the graph made none
+        s.grad.zero_().add_(3.0)  # zero_grad(set_to_none=False): accumulated into the captured tensor itself
+
+    cb._eager_step(eager_step, "smaller batch")
+    assert p.grad is last_replay[0] and torch.equal(p.grad, torch.ones(3))
+    assert q.grad is None and torch.equal(r.grad, torch.full((3,), 2.0))
+    assert s.grad is last_replay[2] and torch.equal(s.grad, torch.full((3,), 3.0))
+    # the next replay points these two back at what the graph wrote
+    assert [(a is q, b is last_replay[1]) for a, b in cb._grads_to_repoint[:1]] == [(True, True)]
+    assert len(cb._grads_to_repoint) == 2 and cb._grads_to_repoint[1][0] is r and cb._grads_to_repoint[1][1] is None
+    assert cb.report.fallbacks == {"smaller batch": 1}
+
+
+def test_detached_keeps_storage_and_structure():
+    w = torch.ones(2, requires_grad=True)
+    out = detached({"loss": w * 2, "extra": {"x": w * 3, "n": 1}, "s": "a"})
+    assert not out["loss"].requires_grad and not out["extra"]["x"].requires_grad
+    assert out["extra"]["n"] == 1 and out["s"] == "a" and detached(5) == 5
+    t = w * 2
+    assert detached(t).data_ptr() == t.data_ptr()
 
 
 def test_optimizer_support():

@@ -224,17 +224,40 @@ def test_optimizer_state_restored_in_place_into_the_captured_tensors(tmp_path):
     assert cb.report.replayed_steps == 27 and cb.report.captures == 1
 
 
+class GradTrace(Callback):
+    """What ``.grad`` holds after every step: each gradient's sum (float64) and address; full copies after the
+    smaller batches."""
+
+    def __init__(self):
+        self.sums, self.ptrs, self.small = [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        grads = [p.grad for p in pl_module.parameters()]
+        self.sums.append([None if g is None else g.double().sum().item() for g in grads])
+        self.ptrs.append([None if g is None else g.data_ptr() for g in grads])
+        if batch[0].shape[0] != 4:
+            self.small.append([None if g is None else g.clone() for g in grads])
+
+
 def test_last_smaller_batch_runs_eagerly_and_is_counted(tmp_path):
     # 6 full batches and one of 2 samples per epoch: steps 7, 14 and 21 are the smaller ones
-    eager, _, te = fit(tmp_path, [SameOptimizerArithmetic()], steps=21, samples=4 * 6 + 2, drop_last=False)
+    ge, gg = GradTrace(), GradTrace()
+    eager, _, te = fit(tmp_path, [SameOptimizerArithmetic(), ge], steps=21, samples=4 * 6 + 2, drop_last=False)
     cb = CUDAGraphCapture()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        graphed, _, tg = fit(tmp_path, [cb], steps=21, samples=4 * 6 + 2, drop_last=False)
+        graphed, _, tg = fit(tmp_path, [cb, gg], steps=21, samples=4 * 6 + 2, drop_last=False)
     # the eager steps do not meet autograd nodes left over from the capture stream
     assert not [w for w in caught if "AccumulateGrad node's stream" in str(w.message)]
     assert tg.logged == te.logged
     assert_same_params(eager, graphed)
+    # .grad after every step, the eager fallbacks included, holds that step's gradients (not the last replay's)...
+    assert len(gg.small) == 3 and gg.sums == ge.sums
+    for step_e, step_g in zip(ge.small, gg.small):
+        for a, b in zip(step_e, step_g):
+            assert (a is None and b is None) or torch.equal(a, b)
+    # ...and, from the capture on, lives in the captured tensors the replays write
+    assert all(ptrs == gg.ptrs[3] for ptrs in gg.ptrs[3:])
     r = cb.report
     assert r.eager_steps == 3 and r.replayed_steps == 21 - 3 - 3
     assert r.fallbacks == {"batch differs from the captured one (batch[0] is int64[2, 128] on cuda:0, captured "
@@ -300,6 +323,41 @@ def test_values_a_replay_would_freeze_are_refused(tmp_path, model_cls, expected)
     (model, trainer, tm), msgs = _warnings_of(lambda: fit(tmp_path, [cb], steps=10, model_cls=model_cls))
     assert len(msgs) == 1 and expected in msgs[0]
     assert cb.report.state == "eager" and trainer.global_step == 10 and len(set(tm.logged)) == 10
+
+
+class LogsOptimizerTensors(LlamaLM):
+    """Logs tensors kept up to date in place: the lr tensor, Adam's step counter and a weight (before its update)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        opt = self.trainer.optimizers[0]
+        p = opt.param_groups[0]["params"][0]
+        self.log("lr_now", opt.param_groups[0]["lr"])
+        if "step" in opt.state.get(p, {}):
+            self.log("adam_step", opt.state[p]["step"])
+        self.log("w0", p.detach().reshape(-1)[0])
+        return loss
+
+
+class MetricTrace(Callback):
+    def __init__(self, keys):
+        self.keys, self.rows = keys, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        m = trainer.callback_metrics
+        self.rows.append({k: m[k].item() for k in self.keys if k in m})
+
+
+def test_logged_optimizer_tensors_replay_with_the_value_at_the_log_call(tmp_path):
+    keys = ("lr_now", "adam_step", "w0")
+    me, mg = MetricTrace(keys), MetricTrace(keys)
+    _, _, te = fit(tmp_path, [SameOptimizerArithmetic(), me], steps=12, model_cls=LogsOptimizerTensors)
+    cb = CUDAGraphCapture()
+    (_, _, tg), msgs = _warnings_of(lambda: fit(tmp_path, [cb, mg], steps=12, model_cls=LogsOptimizerTensors))
+    assert msgs == [] and cb.report.state == "captured" and cb.report.replayed_steps == 9
+    assert mg.rows == me.rows and tg.logged == te.logged
+    assert [r["adam_step"] for r in mg.rows[1:]] == list(range(1, 12))  # the count before this step's update
+    assert len({r["lr_now"] for r in mg.rows}) == 12 and len({r["w0"] for r in mg.rows}) == 12
 
 
 def test_fp16_grad_scaler_is_declined_and_the_run_is_plain(tmp_path):

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["UnsupportedBatch", "StaticInputs", "batch_devices", "batch_signature", "signature_difference"]
+__all__ = ["UnsupportedBatch", "StaticInputs", "batch_signature", "signature_difference"]
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
@@ -153,8 +153,3 @@ class StaticInputs:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._dst)
-
-
-def batch_devices(batch: Any) -> set[str]:
-    """Device types of the tensors in ``batch`` (a host tensor in a captured step means a host copy per step)."""
-    return {t.device.type for t in _tensors(batch, [])}

@@ -21,7 +21,8 @@ How a fit goes with this callback (single GPU, automatic optimization):
    working, autocast weight cache off), then replays it once for that batch.
 4. Every later step: copy the batch into the static inputs, replay, re-issue the recorded ``self.log`` calls
    (with this step's values), hand the loss to Lightning's loop. A batch of another shape (the last, smaller
-   batch of an epoch) runs eagerly and is counted. Before each replay the optimizer is checked: a float
+   batch of an epoch) runs eagerly and is counted; its gradients are copied into the captured gradient tensors,
+   which ``.grad`` keeps pointing at. Before each replay the optimizer is checked: a float
    assigned to ``param_group["lr"]`` is moved into the lr tensor; a state replaced by ``load_state_dict`` is
    copied back into the captured tensors (restore in place); a changed baked-in hyperparameter triggers a
    recapture.
@@ -41,7 +42,7 @@ import functools
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,8 +56,9 @@ from lightning_gh.graphs._lightning import current_hook, set_closure_result
 from lightning_gh.graphs.buffers import StaticInputs, UnsupportedBatch, batch_signature
 from lightning_gh.graphs.detect import (Finding, SyncMonitor, is_library_file, combine, dynamic_shape_finding,
                                         setup_findings, sync_finding)
-from lightning_gh.graphs.logs import LogRecorder
-from lightning_gh.graphs.optim import CapturableOptimizer, OptimizerGuard, assign_scalar, make_capturable
+from lightning_gh.graphs.logs import LogRecorder, detached
+from lightning_gh.graphs.optim import (CapturableOptimizer, OptimizerGuard, live_tensors, make_capturable,
+                                       move_lr_into_tensors, reassigned_lr_groups)
 
 __all__ = ["CUDAGraphCapture", "GraphCaptureError", "GraphReport"]
 
@@ -144,14 +146,6 @@ def _fresh_output(output: Any) -> Any:
     return output
 
 
-def _detached(output: Any) -> Any:
-    if isinstance(output, Tensor):
-        return output.detach()
-    if isinstance(output, Mapping):
-        return type(output)((k, v.detach() if isinstance(v, Tensor) else v) for k, v in output.items())
-    return output
-
-
 def _output_finding(output: Any) -> Finding | None:
     if output is _NOTHING:
         return Finding("no-training-step", "optimizer_step did not run training_step (a custom optimizer_step that "
@@ -175,10 +169,17 @@ def _pool_segments(graph: torch.cuda.CUDAGraph) -> list[tuple[int, int]] | None:
         return None
 
 
-def _frozen_logs(recorder: LogRecorder, segments: list[tuple[int, int]], module: torch.nn.Module) -> list[str]:
-    """Names of logged tensors that the graph neither computes (outside its pool) nor updates in place (not a
-    parameter or buffer): a replay would leave them at their capture-time value."""
-    own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+def _frozen_logs(recorder: LogRecorder, segments: list[tuple[int, int]], live: Iterable[Tensor]) -> list[str]:
+    """Names of logged tensors that the graph neither computes (outside its pool) nor keeps up to date in place
+    (not on the storage of a ``live`` tensor): a replay would leave them at their capture-time value.
+
+    Args:
+        recorder: the ``self.log`` calls recorded during the capture.
+        segments: ``(start, end)`` addresses of the graph's pool (:func:`_pool_segments`).
+        live: tensors changed in place on every step: the module's parameters and buffers, the optimizer's lr
+            tensors (filled before each replay) and state tensors (updated by the step).
+    """
+    own = {t.untyped_storage().data_ptr() for t in live}
     out = []
     for name, t in recorder.logged_tensors():
         ptr = t.untyped_storage().data_ptr()
@@ -208,12 +209,14 @@ class CUDAGraphCapture(Callback):
     r"""Capture the whole training step (forward, loss, backward, clipping, optimizer) once and replay it.
 
     Works with an unchanged LightningModule whose ``training_step`` returns the loss (and may ``self.log``
-    tensors) and whose ``configure_optimizers`` returns Adam or AdamW, with or without an LR scheduler.
-    ``Trainer(gradient_clip_val=...)``, ``precision="bf16-mixed"``, validation and checkpoint save/resume work.
-    Off a CUDA GPU it warns once and the run is exactly the plain run. What cannot be captured (a host sync
-    such as ``.item()`` in the step, batch shapes that change every step, an fp16 ``GradScaler``, gradient
-    accumulation, multi-GPU strategies, other optimizers) is reported in one warning naming the cause, and the
-    run continues eagerly. :attr:`report` says what happened (:class:`GraphReport`).
+    tensors) and whose ``configure_optimizers`` returns Adam or AdamW, with or without an LR scheduler that
+    changes the learning rate only. ``Trainer(gradient_clip_val=...)``, ``precision="bf16-mixed"``, validation
+    and checkpoint save/resume work. Off a CUDA GPU it warns once and the run is exactly the plain run. What
+    cannot be captured (a host sync such as ``.item()`` in the step, batch shapes that change every step, an
+    fp16 ``GradScaler``, gradient accumulation, multi-GPU strategies, other optimizers, a scheduler that cycles
+    the momentum, the FP8 precision plugins, whose combination with capture is not verified yet) is reported
+    in one warning naming the cause, and the run continues eagerly. :attr:`report` says what happened
+    (:class:`GraphReport`).
 
     Args:
         warmup_steps: eager steps before the capture, at least 2: the first ones initialise the optimizer state
@@ -285,6 +288,7 @@ class CUDAGraphCapture(Callback):
         self._static_output: Any = None
         self._captured_logs: LogRecorder | None = None
         self._static_grads: list[tuple[Tensor, Tensor | None]] = []
+        self._grads_to_repoint: list[tuple[Tensor, Tensor | None]] = []
         self._guard: OptimizerGuard | None = None
 
     # ----------------------------------------------------------------------------------------------------------
@@ -446,17 +450,29 @@ class CUDAGraphCapture(Callback):
         main.wait_stream(self._side)
         return out
 
-    def _lr_into_tensors(self) -> None:
-        """Move a learning rate that was assigned (a float, or another tensor) into the lr tensor the step reads."""
+    def _live_tensors(self) -> list[Tensor]:
+        """Tensors kept up to date in place on every step (see :func:`_frozen_logs`)."""
+        assert self._module is not None and self._capturable is not None
+        return [*self._module.parameters(), *self._module.buffers(),
+                *live_tensors(self._capturable.optimizer, self._capturable.lr_tensors)]
+
+    @staticmethod
+    def _storages(tensors: Iterable[Tensor]) -> frozenset[int]:
+        return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+
+    def _lr_in_step_finding(self) -> Finding | None:
+        """After a rehearsed or captured step: a learning rate assigned inside it, which a graph would freeze."""
         assert self._capturable is not None
-        for group, lr_t in zip(self._capturable.optimizer.param_groups, self._capturable.lr_tensors):
-            lr = group["lr"]
-            if lr is not lr_t:
-                assign_scalar(lr_t, lr)
-                group["lr"] = lr_t
+        groups = reassigned_lr_groups(self._capturable.optimizer.param_groups, self._capturable.lr_tensors)
+        if not groups:
+            return None
+        return Finding("lr-in-step", f"param group {groups[0]}'s learning rate is assigned a new value inside the "
+                                     "step (e.g. in optimizer_step); a graph would freeze it: use an LR scheduler, "
+                                     "or fill_ the lr tensor in place")
 
     def _warmup_step(self, run: Callable[[], Any], closure: Any) -> Any:
-        self._lr_into_tensors()
+        assert self._capturable is not None
+        move_lr_into_tensors(self._capturable.optimizer.param_groups, self._capturable.lr_tensors)
         try:
             sig = batch_signature(self._batch)
         except UnsupportedBatch as e:
@@ -480,7 +496,7 @@ class CUDAGraphCapture(Callback):
         batch = self._batch
         self._static = StaticInputs(batch)
         assert self._original_log is not None and self._module is not None
-        recorder = LogRecorder(self._original_log)
+        recorder = LogRecorder(self._original_log, snapshot=self._storages(self._live_tensors()))
         monitor = SyncMonitor(enabled=self.detect_syncs)
 
         def step() -> Any:
@@ -490,20 +506,14 @@ class CUDAGraphCapture(Callback):
 
         with self._capturing(recorder), _autocast_cache_off(), monitor:
             out = self._on_side_stream(step)
-            output = _detached(self._last_output)
+            output = detached(self._last_output)
         self._last_output = _NOTHING
         recorder.reissue(self._module, self._original_log)
         self.report.warmup_steps += 1
-        findings = [f for f in (sync_finding(monitor.events), _output_finding(output)) if f is not None]
+        findings = [sync_finding(monitor.events), _output_finding(output)]
         findings += [Finding("logged-value", m) for m in recorder.findings(self._device)]
-        assert self._capturable is not None
-        for i, (group, lr_t) in enumerate(zip(self._capturable.optimizer.param_groups, self._capturable.lr_tensors)):
-            if group["lr"] is not lr_t:
-                findings.append(Finding("lr-in-step", f"param group {i}'s learning rate is assigned a new value "
-                                                      "inside the step (e.g. in optimizer_step); a graph would freeze "
-                                                      "it: use an LR scheduler, or fill_ the lr tensor in place"))
-                break
-        finding = combine(findings)
+        findings.append(self._lr_in_step_finding())
+        finding = combine([f for f in findings if f is not None])
         if finding is not None:
             self._give_up(finding)
         else:
@@ -512,7 +522,8 @@ class CUDAGraphCapture(Callback):
 
     def _capture(self, run: Callable[[], Any], closure: Any) -> Any:
         assert self._static is not None and self._original_log is not None and self._capturable is not None
-        recorder = LogRecorder(self._original_log)
+        live = self._live_tensors()
+        recorder = LogRecorder(self._original_log, snapshot=self._storages(live))
         graph = torch.cuda.CUDAGraph()
         self._static.copy_from(self._batch)
         t0 = time.perf_counter()
@@ -523,7 +534,7 @@ class CUDAGraphCapture(Callback):
                     run()
                 # Detached: the captured loss needs no autograd graph, and holding one would keep the AccumulateGrad
                 # nodes made on the capture stream alive into later eager steps on the main stream.
-                output = _detached(self._last_output)
+                output = detached(self._last_output)
                 self._last_output = _NOTHING
         except Exception as e:  # a capture that fails has executed nothing: run the step eagerly
             del graph
@@ -533,16 +544,16 @@ class CUDAGraphCapture(Callback):
         problem = _output_finding(output)
         segments = _pool_segments(graph)
         frozen = []
-        if segments is not None and self._module is not None:
-            frozen = _frozen_logs(recorder, segments, self._module)
+        if segments is not None:
+            frozen = _frozen_logs(recorder, segments, live)
         if problem is None and frozen:
             problem = Finding("logged-value", f"self.log({frozen[0]!r}) gets a tensor that the step does not compute "
                                               "(made before the step, e.g. by scheduler.get_last_lr()); a replay would "
-                                              "keep logging its capture-time value (log a value computed in the step, "
-                                              "or use LearningRateMonitor for the learning rate)")
-        if problem is None and any(g["lr"] is not t for g, t in zip(self._capturable.optimizer.param_groups,
-                                                                     self._capturable.lr_tensors)):
-            problem = Finding("lr-in-step", "the learning rate was assigned inside the captured step")
+                                              "keep logging its capture-time value (log a value computed in the step; "
+                                              "for the learning rate, the optimizer's param_groups[i]['lr'] or "
+                                              "LearningRateMonitor)")
+        if problem is None:
+            problem = self._lr_in_step_finding()
         if problem is not None:
             del graph
             self._give_up(problem)
@@ -565,6 +576,10 @@ class CUDAGraphCapture(Callback):
         assert self._module is not None and self._trainer is not None and self._original_log is not None
         self._static.copy_from(self._batch)
         self._graph.replay()
+        if self._grads_to_repoint:
+            for p, g in self._grads_to_repoint:
+                p.grad = g
+            self._grads_to_repoint = []
         self._captured_logs.reissue(self._module, self._original_log)
         set_closure_result(closure, _fresh_output(self._static_output), self._trainer.accumulate_grad_batches)
         self.report.replayed_steps += 1
@@ -596,9 +611,24 @@ class CUDAGraphCapture(Callback):
         try:
             return run()
         finally:
-            # The eager step set the gradients to fresh tensors; the graph reads and writes the captured ones.
-            for p, g in self._static_grads:
+            self._adopt_eager_grads()
+
+    def _adopt_eager_grads(self) -> None:
+        """After an eager step ``p.grad`` holds that step's fresh gradients, while the graph writes the captured
+        ones. Copy the eager values into the captured tensors and point ``p.grad`` back at them, so code reading
+        ``.grad`` now sees this step's gradients and after each later replay sees that replay's. A parameter whose
+        gradient is None on one side keeps the eager value (None included) until the next replay re-points it."""
+        later = []
+        for p, g in self._static_grads:
+            eager = p.grad
+            if eager is g:  # zero_grad(set_to_none=False) accumulated into the captured tensor itself
+                continue
+            if eager is not None and g is not None:
+                g.copy_(eager)
                 p.grad = g
+            else:
+                later.append((p, g))
+        self._grads_to_repoint = later
 
     # ----------------------------------------------------------------------------------------------------------
     # giving up

@@ -4,7 +4,8 @@ Three kinds of checks, each giving a :class:`Finding` (a short cause and one sen
 
 * when training starts, from the configuration (:func:`setup_findings`): no CUDA, a strategy other than one device,
   manual optimization, gradient accumulation, an fp16 ``GradScaler`` (its ``step`` reads ``found_inf`` on the
-  host), an unverified precision plugin, an optimizer without capturable state, known incompatible callbacks;
+  host), an unverified precision plugin, an optimizer without capturable state, a scheduler that cycles the
+  momentum (:func:`scheduler_finding`), known incompatible callbacks;
 * while one warm-up step is rehearsed eagerly with CUDA's sync debug mode on (:class:`SyncMonitor`): any
   host<->device synchronization (``.item()``, ``.cpu()``, ``print(tensor)``, ``torch.cuda.synchronize()``,
   a tensor in a Python ``if``), reported with the user's file and line (:func:`sync_finding`);
@@ -35,7 +36,7 @@ from lightning_gh.graphs.buffers import signature_difference
 from lightning_gh.graphs.optim import unsupported_optimizer_reason
 
 __all__ = ["Finding", "SyncEvent", "SyncMonitor", "SYNC_WARNING", "combine", "dynamic_shape_finding", "is_library_file",
-           "setup_findings", "sync_finding"]
+           "scheduler_finding", "setup_findings", "sync_finding"]
 
 # The text of the warning CUDA's sync debug mode raises (c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync).
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -83,9 +84,48 @@ def _precision_finding(plugin: Any) -> Finding | None:
                        "every step; use precision='bf16-mixed' (no scaler) to capture the step")
     if type(plugin) not in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
         return Finding("precision",
-                       f"precision plugin {type(plugin).__name__} has not been verified under whole-step capture "
-                       "(verified: '32-true', 'bf16-mixed', 'bf16-true'; Lightning's '16-true' and '64-true' are "
-                       "allowed); FP8 recipes keep scaling state on the host")
+                       f"precision plugin {type(plugin).__name__} is not captured: its combination with whole-step "
+                       "capture has not been verified yet (this covers the FP8 plugins; verified: '32-true', "
+                       "'bf16-mixed', 'bf16-true'; Lightning's '16-true' and '64-true' are allowed)")
+    return None
+
+
+def _momentum_bounds(scheduler: Any) -> list[tuple[Any, Any]] | None:
+    """``(base, max)`` momentum per param group of a momentum-cycling scheduler (None when not known)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.CyclicLR):
+        base, top = getattr(scheduler, "base_momentums", None), getattr(scheduler, "max_momentums", None)
+        return list(zip(base, top)) if base is not None and top is not None else None
+    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
+    if groups is None or not all("base_momentum" in g and "max_momentum" in g for g in groups):
+        return None
+    return [(g["base_momentum"], g["max_momentum"]) for g in groups]
+
+
+def scheduler_finding(schedulers: Sequence[Any]) -> Finding | None:
+    """The finding for a scheduler that cycles Adam's beta1 (``OneCycleLR`` or ``CyclicLR`` with
+    ``cycle_momentum=True``, their default), or ``None``.
+
+    Such a scheduler assigns a new ``param_group["betas"]`` on every step. The betas are Python numbers that a
+    captured step bakes in, so every change would force a re-capture until ``max_recaptures`` gives up: the
+    capture would be abandoned within a few steps, so it is not attempted.
+
+    Args:
+        schedulers: the fit's LR schedulers (``[c.scheduler for c in trainer.lr_scheduler_configs]``).
+    """
+    for sched in schedulers:
+        if not isinstance(sched, (torch.optim.lr_scheduler.OneCycleLR, torch.optim.lr_scheduler.CyclicLR)):
+            continue
+        if not getattr(sched, "cycle_momentum", False):
+            continue
+        bounds = _momentum_bounds(sched)
+        if bounds is not None and all(b == m for b, m in bounds):
+            continue  # the same betas value on every step: nothing the graph baked in changes
+        name = type(sched).__name__
+        return Finding("momentum-schedule",
+                       f"{name} cycles the momentum (cycle_momentum=True, the default), assigning a new "
+                       "param_group['betas'] every step; a captured step bakes the betas in, so it would be "
+                       f"re-captured every step and then abandoned (construct {name} with cycle_momentum=False, "
+                       "or base_momentum equal to max_momentum, to capture the step)")
     return None
 
 
@@ -125,6 +165,9 @@ def setup_findings(trainer: Any, pl_module: Any) -> list[Finding]:
         reason = unsupported_optimizer_reason(trainer.optimizers[0])
         if reason:
             out.append(Finding("optimizer", reason))
+    f = scheduler_finding([c.scheduler for c in getattr(trainer, "lr_scheduler_configs", [])])
+    if f:
+        out.append(f)
     import inspect
 
     try:

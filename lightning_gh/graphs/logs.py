@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_gh.graphs._lightning import in_hook
 
-__all__ = ["LogCall", "LogRecorder", "logged_value_problem"]
+__all__ = ["LogCall", "LogRecorder", "detached", "logged_value_problem"]
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,19 @@ def logged_value_problem(name: str, value: Any, device: torch.device) -> str | N
             "and cannot be replayed (log it from on_train_batch_end or on_train_epoch_end)")
 
 
-def _detach(value: Any) -> Any:
+def detached(value: Any) -> Any:
+    """``value`` with every tensor detached (on the same storage), inside mappings too; anything else as is.
+
+    Used for logged values and for the step output: both outlive the step, and one that kept its autograd graph
+    would keep a capture's AccumulateGrad nodes (bound to the capture stream) alive into later eager steps.
+
+    Args:
+        value: a tensor, a mapping of values, or anything else.
+    """
     if isinstance(value, Tensor):
         return value.detach()
     if isinstance(value, Mapping):
-        return type(value)((k, _detach(v)) for k, v in value.items())
+        return type(value)((k, detached(v)) for k, v in value.items())
     return value
 
 
@@ -92,15 +100,36 @@ class LogRecorder:
 
     Args:
         signature_of: the original ``LightningModule.log`` (bound), used to find the value among the arguments.
+        snapshot: storage addresses of tensors that the step itself changes in place later on (parameters, buffers,
+            optimizer state). A logged tensor on one of them is copied where it is logged (inside a capture the
+            copy is part of the graph), because Lightning takes the value at the call, and re-issuing the tensor
+            after the step would hand it the updated one.
+
+    Attributes:
+        calls: what :meth:`reissue` passes to ``log`` (with the copies).
+        given: the calls as they were made (what :meth:`findings` and :meth:`logged_tensors` look at).
     """
 
     signature_of: Callable[..., Any]
-    calls: list[LogCall] = field(default_factory=list)
+    snapshot: frozenset[int] = field(default=frozenset(), kw_only=True)
+    calls: list[LogCall] = field(default_factory=list, init=False)
+    given: list[LogCall] = field(default_factory=list, init=False)
 
     def record(self, hook: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        # Detached: Lightning detaches logged values anyway, and a recorded loss that kept its autograd graph would
-        # keep the capture's AccumulateGrad nodes (bound to the capture stream) alive into later eager steps.
-        self.calls.append(LogCall(hook, tuple(_detach(a) for a in args), {k: _detach(v) for k, v in kwargs.items()}))
+        # Detached: Lightning detaches logged values anyway (see `detached` for why it matters here).
+        given = LogCall(hook, tuple(detached(a) for a in args), {k: detached(v) for k, v in kwargs.items()})
+        self.given.append(given)
+        if self.snapshot:
+            given = LogCall(hook, tuple(self._copy(a) for a in given.args),
+                            {k: self._copy(v) for k, v in given.kwargs.items()})
+        self.calls.append(given)
+
+    def _copy(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value.clone() if value.untyped_storage().data_ptr() in self.snapshot else value
+        if isinstance(value, Mapping):
+            return type(value)((k, self._copy(v)) for k, v in value.items())
+        return value
 
     def _bound(self, call: LogCall) -> inspect.BoundArguments:
         return inspect.signature(self.signature_of).bind(*call.args, **call.kwargs)
@@ -108,7 +137,7 @@ class LogRecorder:
     def findings(self, device: torch.device) -> list[str]:
         """A message for every recorded call whose value would not replay correctly."""
         out = []
-        for call in self.calls:
+        for call in self.given:
             try:
                 a = self._bound(call).arguments
             except TypeError as e:  # Lightning itself would reject the call; let it say so when re-issued
@@ -120,9 +149,9 @@ class LogRecorder:
         return out
 
     def logged_tensors(self) -> list[tuple[str, Tensor]]:
-        """``(name, tensor)`` for every tensor value among the recorded calls."""
+        """``(name, tensor)`` for every tensor value among the recorded calls, as given."""
         out: list[tuple[str, Tensor]] = []
-        for call in self.calls:
+        for call in self.given:
             try:
                 a = self._bound(call).arguments
             except TypeError:

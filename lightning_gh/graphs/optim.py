@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "CapturableOptimizer", "GuardResult", "OptimizerGuard", "assign_scalar",
-           "make_capturable", "unsupported_optimizer_reason"]
+           "live_tensors", "make_capturable", "move_lr_into_tensors", "reassigned_lr_groups",
+           "unsupported_optimizer_reason"]
 
 # Adam and AdamW take capturable=True and a tensor lr in their fused, foreach and single-tensor paths.
 SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
@@ -193,13 +195,8 @@ class OptimizerGuard:
             failure = self._restore_in_place(repaired)
             if failure:
                 return GuardResult("eager", failure, tuple(repaired))
-        for i, (group, lr_t) in enumerate(zip(self._groups, self.lr_tensors)):
-            lr = group["lr"]
-            if lr is not lr_t:
-                # A scheduler or user code assigned a new value: move it into the tensor the graph reads.
-                assign_scalar(lr_t, lr)
-                group["lr"] = lr_t
-                repaired.append(f"lr of param group {i}")
+        # A scheduler or user code may have assigned a new value: move it into the tensor the graph reads.
+        repaired += [f"lr of param group {i}" for i in move_lr_into_tensors(self._groups, self.lr_tensors)]
         for i, (group, baked) in enumerate(zip(self._groups, self._baked)):
             for k, v in baked.items():
                 if k not in group or not _same(group[k], v):
@@ -242,6 +239,43 @@ class OptimizerGuard:
             st.update(self._tensors.get(p, {}))
         repaired.append("optimizer state (restored in place into the captured tensors)")
         return ""
+
+
+def reassigned_lr_groups(groups: Sequence[dict[str, Any]], lr_tensors: Sequence[Tensor]) -> list[int]:
+    """Indices of the param groups whose ``"lr"`` is no longer their lr tensor (a value was assigned to it).
+
+    Args:
+        groups: the optimizer's param groups.
+        lr_tensors: the per-group lr tensors (from :func:`make_capturable`), in the same order.
+    """
+    return [i for i, (group, lr_t) in enumerate(zip(groups, lr_tensors)) if group["lr"] is not lr_t]
+
+
+def move_lr_into_tensors(groups: Sequence[dict[str, Any]], lr_tensors: Sequence[Tensor]) -> list[int]:
+    """Write every assigned learning rate (a float, or another tensor) into its group's lr tensor in place, and
+    put the tensor back into the group. Returns the indices of the groups repaired.
+
+    Args:
+        groups: the optimizer's param groups.
+        lr_tensors: the per-group lr tensors the step reads, in the same order.
+    """
+    moved = reassigned_lr_groups(groups, lr_tensors)
+    for i in moved:
+        assign_scalar(lr_tensors[i], groups[i]["lr"])
+        groups[i]["lr"] = lr_tensors[i]
+    return moved
+
+
+def live_tensors(optimizer: torch.optim.Optimizer, lr_tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The optimizer's tensors that keep changing in place across replays: the lr tensors (filled by schedulers and
+    :meth:`OptimizerGuard.check` before each replay) and every state tensor (updated by the captured step).
+
+    Args:
+        optimizer: the captured optimizer.
+        lr_tensors: the per-group lr tensors (from :func:`make_capturable`).
+    """
+    state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, Tensor)]
+    return [*lr_tensors, *state]
 
 
 def assign_scalar(dst: Tensor, value: Any) -> None:

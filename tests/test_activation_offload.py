@@ -256,7 +256,7 @@ def test_pool_allocates_only_in_the_first_step():
 
 
 def test_host_memory_guard_raises_a_clear_error_and_leaves_no_hooks(monkeypatch):
-    monkeypatch.setattr(act, "available_host_memory", lambda: 4 * 2**20)
+    monkeypatch.setattr(act, "available_host_bytes", lambda: 4 * 2**20)
     model, cfg = _llama()
     batch = _batch(cfg)
     off = offload_activations(model, "all", host_memory_fraction=0.5, backend="host-copy", min_tensor_bytes=1024)
@@ -266,6 +266,80 @@ def test_host_memory_guard_raises_a_clear_error_and_leaves_no_hooks(monkeypatch)
     _, grads = _step(model, batch)  # a plain step afterwards: no hook left behind
     assert off.stats.saved_tensors == saved
     assert off.pool.reserved_bytes <= 0.5 * (4 * 2**20 + off.pool.reserved_bytes)
+
+
+def _guarded_pool(monkeypatch, total=200 * 2**20, fraction=0.5):
+    """A pool on a host with ``total`` bytes, of which the pool's own buffers are no longer available."""
+    pool = act.HostBufferPool(pin=False, host_memory_fraction=fraction)
+    monkeypatch.setattr(act, "available_host_bytes", lambda: total - pool.reserved_bytes)
+    return pool
+
+
+def test_pool_with_growing_sizes_stays_under_the_guard_while_little_is_in_use(monkeypatch):
+    mib = 2**20
+    pool = _guarded_pool(monkeypatch)  # the guard allows 100 MiB
+    for step in range(30):  # one buffer per step, 4, 6, 8, ... 62 MiB: never more than 62 MiB in use
+        buf = pool.acquire((4 + 2 * step) * mib)
+        assert buf.tensor.numel() >= (4 + 2 * step) * mib
+        pool.release(buf)
+        assert pool.in_use_bytes == 0 and pool.reserved_bytes <= 100 * mib
+    assert pool.dropped > 0  # old free buffers made room
+    # A smaller request is served by a free buffer that is large enough, not by a new one.
+    allocations = pool.allocations
+    held = pool.acquire(5 * mib)
+    assert pool.allocations == allocations and pool.larger_reuses == 1 and held.size == 62 * mib
+    # What is in use still counts: holding more than the guard allows is a clear error.
+    with pytest.raises(HostMemoryError, match=r"0.06 GiB in use.*host_memory_fraction=0.5"):
+        pool.acquire(60 * mib)
+
+
+def test_pool_best_fit_picks_the_smallest_large_enough_buffer():
+    mib = 2**20
+    pool = act.HostBufferPool(pin=False)
+    big, mid, small = pool.acquire(16 * mib), pool.acquire(8 * mib), pool.acquire(2 * mib)
+    for b in (big, mid, small):
+        pool.release(b)
+    assert pool.acquire(5 * mib) is mid and pool.acquire(7 * mib) is big
+    assert pool.allocations == 3 and pool.larger_reuses == 2
+
+
+def test_pool_drops_the_oldest_free_buffer_first(monkeypatch):
+    mib = 2**20
+    pool = _guarded_pool(monkeypatch, total=100 * mib)  # the guard allows 50 MiB
+    a, b = pool.acquire(16 * mib), pool.acquire(16 * mib)
+    pool.release(a)
+    pool.release(b)  # a came back first
+    c = pool.acquire(32 * mib)  # 64 MiB would be over: drop one free buffer, the oldest
+    assert pool.dropped == 1 and pool._free[16 * mib] == [b] and pool.reserved_bytes == 48 * mib
+    pool.release(c)
+
+
+def test_pool_clear_drops_buffers_given_back_later(monkeypatch):
+    mib = 2**20
+    pool = act.HostBufferPool(pin=False)
+    a, b = pool.acquire(4 * mib), pool.acquire(8 * mib)
+    pool.release(a)
+    pool.clear()
+    assert pool.reserved_bytes == 8 * mib  # only b, still in use
+    pool.release(b)
+    assert pool.reserved_bytes == 0 and pool.in_use_bytes == 0
+    c = pool.acquire(8 * mib)  # the pool stays usable, with new buffers
+    assert c is not b and pool.allocations == 3 and pool.reserved_bytes == 8 * mib
+
+
+def test_variable_sequence_lengths_reuse_the_pool_and_keep_gradients():
+    model, cfg = _llama()
+    off = offload_activations(model, "all", **CPU)
+    allocations = []
+    for seq in (cfg.seq_len, cfg.seq_len // 2, cfg.seq_len // 4, cfg.seq_len):
+        tokens, targets = _batch(cfg)
+        batch = tokens[:, :seq], targets[:, :seq]
+        _, grads0 = _step(model, batch)
+        _, grads = _step(model, batch, off)
+        assert _equal(grads, grads0)
+        allocations.append(off.pool.allocations)
+    assert off.stats.last_offloaded_bytes > 0 and off.pool.in_use_bytes == 0
+    assert off.pool.larger_reuses > 0 and allocations == allocations[:1] * 4  # shorter batches: no new buffer
 
 
 def test_copies_are_waited_for_and_reloads_prefetched_in_plan_order():
@@ -338,6 +412,20 @@ def test_whole_model_compile_is_a_clear_error():
     with pytest.raises(RuntimeError, match="torch.compile'd module.*Compile each block instead"):
         off.begin_forward()
     assert off._hooks_ctx is None
+
+
+def test_per_block_compile_with_aot_eager_is_bitwise_equal():
+    model, cfg = _llama()
+    for i, blk in enumerate(model.layers):
+        model.layers[i] = torch.compile(blk, backend="aot_eager")
+    batch = _batch(cfg)
+    _, grads0 = _step(model, batch)
+    off = offload_activations(model, "all", **CPU)
+    for _ in range(2):
+        _, grads = _step(model, batch, off)
+        assert _equal(grads, grads0)
+    assert off.stats.offloaded_tensors > 0 and off.stats.last_offloaded_by_block[0] > 0
+    assert off.stats.reloaded_bytes == off.stats.offloaded_bytes and off.stats.on_demand_reloads == 0
 
 
 def test_find_blocks():
@@ -423,11 +511,41 @@ def test_callback_refuses_cuda_graph_capture():
         _fit([ActivationOffload(policy="all", **CPU), CUDAGraphCapture()], steps=1)
 
 
+class _RequireOffload(L.Callback):
+    """Fails the run (on every rank) when the ActivationOffload engine moved nothing there."""
+
+    def on_train_end(self, trainer, pl_module):
+        (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
+        moved = cb.engine.stats.offloaded_tensors if cb.engine is not None else 0
+        if moved == 0 or cb.engine.stats.reloaded_bytes != cb.engine.stats.offloaded_bytes:
+            raise AssertionError(f"rank {trainer.global_rank}/{trainer.world_size}: ActivationOffload moved "
+                                 f"{moved} tensors")
+
+
+def test_require_offload_check_fails_when_nothing_is_offloaded():
+    with pytest.raises(AssertionError, match="rank 0/1: ActivationOffload moved 0 tensors"):
+        _fit([ActivationOffload(policy=0, **CPU), _RequireOffload()], steps=1)
+
+
 def test_callback_under_ddp_matches_plain_ddp():
     kw = dict(devices=2, strategy="ddp_spawn")
     plain, _ = _fit([], steps=2, **{**kw})
-    model, _ = _fit([ActivationOffload(policy="all", **CPU)], steps=2, **kw)
+    model, _ = _fit([ActivationOffload(policy="all", **CPU), _RequireOffload()], steps=2, **kw)
     assert _equal(list(model.parameters()), list(plain.parameters()))
+
+
+@pytest.mark.parametrize("name", ["FSDPStrategy", "ModelParallelStrategy"])
+def test_callback_refuses_fsdp_strategies_at_setup(name):
+    import types
+
+    import lightning.pytorch.strategies as strategies
+
+    strategy = getattr(strategies, name)()
+    cb = ActivationOffload(policy="all", **CPU)
+    with pytest.raises(MisconfigurationException, match=f"does not support strategy {name}.*Supported: one device or DDP"):
+        cb.setup(types.SimpleNamespace(strategy=strategy), None, "fit")
+    cb.setup(types.SimpleNamespace(strategy=strategies.DDPStrategy()), None, "fit")  # DDP passes
+    cb.setup(types.SimpleNamespace(strategy=strategies.SingleDeviceStrategy("cpu")), None, "fit")
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -5,6 +5,7 @@ The engine is entered when a training batch starts and left just before the back
 under ``torch.no_grad()`` are untouched, and each micro-batch of gradient accumulation is one offloaded
 forward/backward. Works under DDP (each rank offloads its own activations), with bf16/fp16 autocast and
 with activation checkpointing (it then offloads only what checkpointing still saves: the blocks' inputs).
+FSDP and ModelParallel strategies are refused at setup (see :func:`check_strategy`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,37 @@ from torch import nn
 from lightning_gh.offload.activation_policy import OffloadPlan, Prediction
 from lightning_gh.offload.activations import ActivationOffloader, validate_options
 
-__all__ = ["ActivationOffload", "activation_offload_part"]
+__all__ = ["ActivationOffload", "activation_offload_part", "check_strategy"]
 
 _MIB = 2**20
+
+
+def check_strategy(strategy: Any) -> None:
+    """Raise ``MisconfigurationException`` for strategies the engine is not tested with: FSDP and
+    ModelParallel (FSDP2).
+
+    The engine tells parameters from activations by the storages the parameters have when a forward begins.
+    FSDP gathers each block's sharded weights during the forward into new storages, so the gathered weights
+    would be offloaded as activations, and FSDP may free that storage while a side-stream copy still reads it.
+    The callback calls this in ``setup``.
+
+    Args:
+        strategy: the trainer's strategy (``trainer.strategy``).
+
+    Example::
+
+        check_strategy(DDPStrategy())   # fine
+        check_strategy(FSDPStrategy())  # MisconfigurationException naming FSDPStrategy and what is supported
+    """
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        raise MisconfigurationException(
+            f"ActivationOffload does not support strategy {type(strategy).__name__} yet: FSDP gathers the sharded "
+            "weights during the forward, so the engine would offload the gathered weights as activations and FSDP "
+            "could free their memory while a copy still reads it. Supported: one device or DDP "
+            "(strategy='auto', 'ddp', 'ddp_spawn'). Remove ActivationOffload, or use activation checkpointing "
+            "with FSDP.")
 
 
 class ActivationOffload(L.Callback):
@@ -95,6 +124,10 @@ class ActivationOffload(L.Callback):
         return self._generate_state_key(policy=self.policy)
 
     # ------------------------------------------------------------------------------------- lifecycle
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            check_strategy(trainer.strategy)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for cb in trainer.callbacks:

@@ -121,6 +121,21 @@ def assert_same(model_a: nn.Module, opt_a, model_b: nn.Module, opt_b) -> None:
 
 @pytest.mark.parametrize("speculative", [True, False])
 @pytest.mark.parametrize("gpu_fraction", [0.0, 0.4])
+
+def offload_step(model, opt, sched, step):
+    """One optimizer step of the offloaded run: two micro-batches, the injected non-finite step, the schedule."""
+    h = inject_nonfinite(model) if step == NONFINITE_STEP else None
+    first, last = batches(step)
+    with opt.accumulating():
+        loss_fn(model, first).backward()
+    loss_fn(model, last).backward()
+    if h is not None:
+        h.remove()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+    opt.synchronize()
+
 def test_matches_torch_adamw_bitwise(speculative, gpu_fraction):
     ref_model, ref_opt, clipped = train_reference()
     model, opt = train_ours(speculative=speculative, gpu_fraction=gpu_fraction, force_speculation=True)
@@ -360,17 +375,7 @@ def test_moving_buckets_between_host_and_gpu_tail_keeps_the_math():
             device = [opt._slots[i] for i in opt._order if opt._slots[i].residency == "device"]
             opt._move_slots_to_host(device[: len(device) // 2])
             assert opt.stats["tail_moves_back"] == 1
-        h = inject_nonfinite(model) if step == NONFINITE_STEP else None
-        first, last = batches(step)
-        with opt.accumulating():
-            loss_fn(model, first).backward()
-        loss_fn(model, last).backward()
-        if h is not None:
-            h.remove()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        opt.synchronize()
+        offload_step(model, opt, sched, step)
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
 
@@ -418,17 +423,7 @@ def test_auto_tail_growth_is_bounded_by_free_gpu_memory_and_survives_oom(monkeyp
             assert opt.stats["tail_move_failures"] == 1 and opt._tail_blocked
             monkeypatch.setattr(HeterogeneousAdamW, "_device_state", real)
             assert opt._grow_tail(float("inf")) == 0  # blocked after an OOM
-        h = inject_nonfinite(model) if step == NONFINITE_STEP else None
-        first, last = batches(step)
-        with opt.accumulating():
-            loss_fn(model, first).backward()
-        loss_fn(model, last).backward()
-        if h is not None:
-            h.remove()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        opt.synchronize()
+        offload_step(model, opt, sched, step)
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
 

@@ -119,9 +119,6 @@ def assert_same(model_a: nn.Module, opt_a, model_b: nn.Module, opt_b) -> None:
         assert float(sa[k]["step"]) == float(sb[k]["step"])
 
 
-@pytest.mark.parametrize("speculative", [True, False])
-@pytest.mark.parametrize("gpu_fraction", [0.0, 0.4])
-
 def offload_step(model, opt, sched, step):
     """One optimizer step of the offloaded run: two micro-batches, the injected non-finite step, the schedule."""
     h = inject_nonfinite(model) if step == NONFINITE_STEP else None
@@ -136,6 +133,9 @@ def offload_step(model, opt, sched, step):
     sched.step()
     opt.synchronize()
 
+
+@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("gpu_fraction", [0.0, 0.4])
 def test_matches_torch_adamw_bitwise(speculative, gpu_fraction):
     ref_model, ref_opt, clipped = train_reference()
     model, opt = train_ours(speculative=speculative, gpu_fraction=gpu_fraction, force_speculation=True)

@@ -64,7 +64,7 @@ CHILD = textwrap.dedent(
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning_gh.demo import LlamaLM, MarkovDataModule
     from lightning_gh.profiling.nvtx import NVTXRangeCallback
-    from lightning_gh.profiling._nvtx_backend import select_backend
+    from lightning_gh.profiling._nvtx_backend import push_pop_cost_us, select_backend
 
     TINY = json.loads(sys.argv[1]); out = sys.argv[2]; scenarios = sys.argv[3].split(",")
     accel = "gpu" if torch.cuda.is_available() else "cpu"
@@ -121,20 +121,8 @@ CHILD = textwrap.dedent(
         elif s == "raises":
             results[s] = fit("raises", cls=Boom, val_every=0, ckpt_every=0)
         elif s == "cost":
-            # One push+pop pair through the backend, as the callback makes it, nested in an open range so
-            # the tool's buffer is not flushed on every pop (it flushes when a thread's outermost range ends).
             b = select_backend("lgh_cost")
-            h = b.prepare("forward", 0xFF3498DB, "compute")
-            outer = b.prepare("outer", 0xFF000000, "step")
-            n = 20000
-            b.push(outer, 0)
-            t0 = time.perf_counter()
-            for i in range(n):
-                b.push(h, i)
-                b.pop()
-            pair = (time.perf_counter() - t0) / n
-            b.pop()
-            results[s] = {"backend": b.name, "tool_attached": b.tool_attached, "push_pop_us": pair * 1e6}
+            results[s] = {"backend": b.name, "tool_attached": b.tool_attached, "push_pop_us": push_pop_cost_us(b)}
     with open(out, "w") as f:
         json.dump(results, f)
     '''

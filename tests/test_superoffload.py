@@ -75,6 +75,26 @@ def train_reference(steps: int = STEPS, clip: float | None = CLIP):
     return model, opt, clipped
 
 
+def backward_micro_batches(model, opt, step):
+    """The two micro-batches of one step (the first accumulated), with the non-finite gradient on its step."""
+    h = inject_nonfinite(model) if step == NONFINITE_STEP else None
+    first, last = batches(step)
+    with opt.accumulating():
+        loss_fn(model, first).backward()
+    loss_fn(model, last).backward()
+    if h is not None:
+        h.remove()
+
+
+def offload_step(model, opt, sched, step):
+    """One optimizer step of the offloaded run: the micro-batches, the update, the schedule."""
+    backward_micro_batches(model, opt, step)
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+    opt.synchronize()
+
+
 def train_ours(steps: int = STEPS, clip: float | None = CLIP, model: nn.Module | None = None,
                opt: HeterogeneousAdamW | None = None, start: int = 0, force_speculation: bool = False, **kwargs):
     """Our optimizer on the same schedule. `force_speculation`: let the worker finish every bucket before
@@ -89,13 +109,7 @@ def train_ours(steps: int = STEPS, clip: float | None = CLIP, model: nn.Module |
         if sched is None:
             for g in opt.param_groups:
                 g["lr"] = g["initial_lr"] / (1 + 0.3 * step)
-        h = inject_nonfinite(model) if step == NONFINITE_STEP else None
-        first, last = batches(step)
-        with opt.accumulating():
-            loss_fn(model, first).backward()
-        loss_fn(model, last).backward()
-        if h is not None:
-            h.remove()
+        backward_micro_batches(model, opt, step)
         if force_speculation and opt.speculative and not opt._last_redo:
             opt._queue.join()
         opt.step()
@@ -117,21 +131,6 @@ def assert_same(model_a: nn.Module, opt_a, model_b: nn.Module, opt_b) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sa[k][key].cpu().float(), sb[k][key].cpu().float()), (k, key)
         assert float(sa[k]["step"]) == float(sb[k]["step"])
-
-
-def offload_step(model, opt, sched, step):
-    """One optimizer step of the offloaded run: two micro-batches, the injected non-finite step, the schedule."""
-    h = inject_nonfinite(model) if step == NONFINITE_STEP else None
-    first, last = batches(step)
-    with opt.accumulating():
-        loss_fn(model, first).backward()
-    loss_fn(model, last).backward()
-    if h is not None:
-        h.remove()
-    opt.step()
-    opt.zero_grad()
-    sched.step()
-    opt.synchronize()
 
 
 @pytest.mark.parametrize("speculative", [True, False])

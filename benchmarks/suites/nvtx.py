@@ -112,21 +112,10 @@ def _ranges_per_domain(log: Path | None) -> dict[str, int]:
 
 
 def _push_pop_us(domain: str) -> float | None:
-    from lightning_gh.profiling._nvtx_backend import select_backend
+    from lightning_gh.profiling._nvtx_backend import push_pop_cost_us, select_backend
 
     b = select_backend(domain)
-    if not b.tool_attached:
-        return None
-    h, outer = b.prepare("forward", 0xFF3498DB, "compute"), b.prepare("outer", 0xFF000000, "step")
-    n = 20000
-    b.push(outer, 0)
-    t0 = time.perf_counter()
-    for i in range(n):
-        b.push(h, i)
-        b.pop()
-    dt = time.perf_counter() - t0
-    b.pop()
-    return dt / n * 1e6
+    return push_pop_cost_us(b) if b.tool_attached else None
 
 
 def _fit(name: str, ctx: BenchContext, callbacks: list[Any], wrap: Callable[[], Any]) -> list[float]:

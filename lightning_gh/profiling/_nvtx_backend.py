@@ -22,9 +22,10 @@ Nothing here imports ``nvtx`` at module import time.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
-__all__ = ["BACKEND_ENV", "BACKEND_CHOICES", "Backend", "NvtxPackageBackend", "TorchBackend", "NullBackend",
+__all__ = ["push_pop_cost_us", "BACKEND_ENV", "BACKEND_CHOICES", "Backend", "NvtxPackageBackend", "TorchBackend", "NullBackend",
            "select_backend"]
 
 BACKEND_ENV = "LGH_NVTX_BACKEND"
@@ -178,3 +179,20 @@ def select_backend(domain: str, choice: str | None = None) -> Backend:
             return backend
         reasons.append(why)
     return NullBackend("; ".join(reasons))
+
+
+def push_pop_cost_us(backend: Backend, n: int = 20000) -> float:
+    """Mean cost of one push+pop pair through ``backend``, as the callback makes it, in microseconds.
+
+    The pairs are nested in an open outer range so that a tool's buffer is not flushed on every pop (tools flush
+    when a thread's outermost range ends).
+    """
+    h, outer = backend.prepare("forward", 0xFF3498DB, "compute"), backend.prepare("outer", 0xFF000000, "step")
+    backend.push(outer, 0)
+    t0 = time.perf_counter()
+    for i in range(n):
+        backend.push(h, i)
+        backend.pop()
+    dt = time.perf_counter() - t0
+    backend.pop()
+    return dt / n * 1e6

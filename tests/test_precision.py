@@ -148,11 +148,47 @@ def test_filter_on_the_large_reference_model():
     model = meta_llama("large")
     plan = LayerFilter().plan(model)
     assert len(plan.decisions) == 4 * 7 + 1
-    assert plan.skipped == {"layers.0.attn.wq": "first linear layer (input projection)", "head": "output head"}
-    assert plan.converted[0] == "layers.0.attn.wk" and "layers.3.mlp.w2" in plan.converted
+    first = "first linear layer (input projection)"
+    # wk and wv read the same normalised input as wq: the first projection is the three of them.
+    assert plan.skipped == {"layers.0.attn.wq": first, "layers.0.attn.wk": first, "layers.0.attn.wv": first,
+                            "head": "output head"}
+    assert plan.converted[0] == "layers.0.attn.wo" and "layers.1.attn.wq" in plan.converted
     d = plan.decisions["layers.2.mlp.w2"]
     assert (d.in_features, d.out_features, d.convert, d.reason) == (14336, 4096, True, "converted")
-    assert plan.summary().startswith("27 of 29 nn.Linear layers in fp8")
+    assert plan.summary().startswith("25 of 29 nn.Linear layers in fp8")
+
+
+def test_filter_first_projection_siblings_and_vocab_sized_head():
+    class HFStyle(nn.Module):
+        """A head that is not last in module order, and q/k/v named like Hugging Face models."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(512, 64)
+            self.lm_head = nn.Linear(64, 512)
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
+            self.o_proj = nn.Linear(64, 64)  # same in_features but reads the attention output: not a sibling
+            self.up = nn.Linear(64, 128)
+            self.down = nn.Linear(128, 64)
+
+    plan = LayerFilter(min_dim=0).plan(HFStyle())
+    assert plan.decisions["lm_head"].reason == "output head"
+    assert plan.decisions["down"].reason == "output head"  # last in module order
+    first = "first linear layer (input projection)"
+    # lm_head comes first in module order but is the head: the first projection is q/k/v
+    assert plan.skipped == {"lm_head": "output head", "q_proj": first, "k_proj": first, "v_proj": first,
+                            "down": "output head"}
+    assert plan.converted == ["o_proj", "up"]
+    plan = LayerFilter(min_dim=0, skip_head=False).plan(HFStyle())
+    assert plan.skipped == {"q_proj": first, "k_proj": first, "v_proj": first}
+
+    fused = nn.ModuleDict({"attn": nn.ModuleDict({"c_attn": nn.Linear(64, 192), "c_proj": nn.Linear(64, 64)}),
+                           "out": nn.Linear(64, 64)})
+    plan = LayerFilter(min_dim=0, skip_head=False).plan(fused)
+    assert plan.skipped == {"attn.c_attn": "first linear layer (input projection)"}  # no q/k/v name: alone
+
+    tiny = LayerFilter(min_dim=0).plan(meta_llama("tiny"))  # vocab 64 == dim 64: square layers are not heads
+    assert tiny.decisions["layers.1.attn.wo"].convert and tiny.decisions["layers.0.mlp.w2"].convert
 
 
 def test_filter_skips_gemms_too_small_to_gain():
@@ -160,7 +196,7 @@ def test_filter_skips_gemms_too_small_to_gain():
     assert plan.converted == []
     assert plan.decisions["layers.1.attn.wk"].reason == "too small to gain: min(in, out)=256 < min_dim=1024"
     medium = LayerFilter().plan(meta_llama("medium"))  # dim 2048: every block layer is big enough
-    assert len(medium.converted) == 8 * 7 - 1
+    assert len(medium.converted) == 8 * 7 - 3
     everything = LayerFilter(min_dim=0, skip_head=False, skip_first=False).plan(meta_llama("small"))
     assert len(everything.converted) == len(everything.decisions)
 

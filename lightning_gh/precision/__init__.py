@@ -13,6 +13,7 @@ Example::
 """
 
 from lightning_gh.precision.ao import TorchAOFloat8Precision
+from lightning_gh.precision.auto import AutoFloat8Precision, Fp8Choice, choose_fp8
 from lightning_gh.precision.layer_filter import LayerDecision, LayerFilter, LayerPlan
 from lightning_gh.precision.registry import (
     FP8UnavailableError,
@@ -24,6 +25,9 @@ from lightning_gh.precision.registry import (
 from lightning_gh.precision.te import TEFloat8Precision
 
 __all__ = [
+    "AutoFloat8Precision",
+    "Fp8Choice",
+    "choose_fp8",
     "FP8UnavailableError",
     "LayerDecision",
     "LayerFilter",

@@ -79,8 +79,8 @@ class TorchAOFloat8Precision(MixedPrecision):
             each optimizer step. ``None`` (default): on when the recipe is tensorwise and the Trainer's strategy is
             ``ModelParallelStrategy`` (FSDP2). Only the tensorwise recipe supports it.
         convert_only_if_compiled: leave the model in bf16-mixed (with a warning) when it is not compiled, since
-            eager torchao fp8 is slower than bf16. ``fp8-auto`` sets this; by default the layers are converted and
-            a warning says the model should be compiled.
+            eager torchao fp8 is slower than bf16. By default the layers are converted and a warning says the
+            model should be compiled (``fp8-auto`` only picks torchao for a compiled model).
         emulate: emulate the fp8 matmuls in higher precision (torchao's ``emulate``) and skip the hardware check.
             For functional tests on a CPU; never faster.
         config: a full ``torchao.float8.Float8LinearConfig`` instead of ``recipe`` (advanced).

@@ -4,12 +4,16 @@ A layer is converted when all of these hold:
 
 1. it is an ``nn.Linear`` (or a subclass) and not already converted;
 2. both weight dimensions are multiples of 16 (what the fp8 tensor-core GEMMs accept);
-3. it is not the output head (``skip_head``): the last ``nn.Linear`` in module order, and any ``nn.Linear``
-   whose weight is shared with an ``nn.Embedding`` (a tied head). Logits feed a softmax over the whole
-   vocabulary, where fp8's 3 mantissa bits cost the most accuracy;
-4. it is not the first ``nn.Linear`` in module order (``skip_first``): the input projection, which sees raw
-   features rather than normalised activations. In a Llama with an embedding table that is
-   ``layers.0.attn.wq``, about 2% of the fp8 GEMM work on the ``large`` preset;
+3. it is not the output head (``skip_head``): the last ``nn.Linear`` in module order, any ``nn.Linear``
+   whose weight is shared with an ``nn.Embedding`` (a tied head), and any widening ``nn.Linear`` whose
+   ``out_features`` equals an embedding's vocabulary size (a head that is not last in module order).
+   Logits feed a softmax over the whole vocabulary, where fp8's 3 mantissa bits cost the most accuracy;
+4. it is not the model's first projection (``skip_first``): the first ``nn.Linear`` in module order that
+   is not a head, and its siblings that read the same input. Siblings are recognised by structure and name: ``nn.Linear``
+   children of the same parent with the same ``in_features`` whose names are query/key/value projections
+   (``wq``/``wk``/``wv``, ``q_proj``/``k_proj``/``v_proj``, ``query``/``key``/``value``, ...). In a Llama that
+   is ``layers.0.attn.wq``, ``wk`` and ``wv``, about 2% of the fp8 GEMM work on the ``large`` preset;
+   keeping only ``wq`` would leave its siblings quantising the very same input;
 5. its name matches an ``include`` pattern when any are given, and no ``exclude`` pattern;
 6. its GEMM is big enough to gain (``min_dim``): fp8 adds a cast (and, for the weight gradient, a
    transpose) of each operand, memory-bound work of order ``tokens*(in+out)``, against a saving
@@ -28,8 +32,8 @@ Example::
     >>> with torch.device("meta"):
     ...     model = Llama(preset("large"))
     >>> plan = LayerFilter().plan(model)
-    >>> plan.converted[:3]
-    ['layers.0.attn.wk', 'layers.0.attn.wv', 'layers.0.attn.wo']
+    >>> plan.converted[:2]
+    ['layers.0.attn.wo', 'layers.0.mlp.w1']
     >>> plan.decisions["head"].reason
     'output head'
 """
@@ -37,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -49,6 +54,8 @@ __all__ = ["LayerFilter", "LayerDecision", "LayerPlan", "clean_name", "DEFAULT_M
 DEFAULT_MIN_DIM = 1024
 FP8_MULTIPLE = 16
 _WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+# Last name segments of query/key/value projections across common LLM code bases (Llama, HF, GPT-NeoX, BERT).
+_QKV_NAME = re.compile(r"^(w_?[qkv]|[qkv]|[qkv]_?proj|[qkv]_lin|query|key|value)$", re.IGNORECASE)
 
 
 def clean_name(name: str) -> str:
@@ -187,8 +194,12 @@ class LayerFilter:
             if isinstance(module, nn.Linear) and id(module) not in seen:
                 seen.add(id(module))
                 linears.append((clean_name(raw), module))
-        embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        first = linears[0][0] if linears else None
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        embedding_weights = {id(m.weight) for m in embeddings}
+        vocab_sizes = {m.num_embeddings for m in embeddings}
+        # A head is never the model's first projection, even when it comes first in module order (HF models).
+        first = _first_group([(n, m) for n, m in linears
+                              if id(m.weight) not in embedding_weights and not _vocab_head(m, vocab_sizes)])
         last = linears[-1][0] if linears else None
 
         plan = LayerPlan()
@@ -198,21 +209,22 @@ class LayerFilter:
                 plan.decisions[name] = LayerDecision(name, lin.in_features, lin.out_features, True,
                                                      "converted earlier")
                 continue
-            reason = self._reason(name, lin, first, last, embedding_weights)
+            reason = self._reason(name, lin, first, last, embedding_weights, vocab_sizes)
             plan.decisions[name] = LayerDecision(name, lin.in_features, lin.out_features, reason is None,
                                                  reason or "converted")
         return plan
 
-    def _reason(self, name: str, lin: nn.Linear, first: str | None, last: str | None,
-                embedding_weights: set[int]) -> str | None:
+    def _reason(self, name: str, lin: nn.Linear, first: set[str], last: str | None,
+                embedding_weights: set[int], vocab_sizes: set[int]) -> str | None:
         if self.include and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
             return f"not matched by include={list(self.include)}"
         for p in self.exclude:
             if fnmatch.fnmatchcase(name, p):
                 return f"excluded by pattern {p!r}"
-        if self.skip_head and (name == last or id(lin.weight) in embedding_weights):
+        if self.skip_head and (name == last or id(lin.weight) in embedding_weights
+                               or _vocab_head(lin, vocab_sizes)):
             return "output head"
-        if self.skip_first and name == first:
+        if self.skip_first and name in first:
             return "first linear layer (input projection)"
         for dim_name, dim in (("in_features", lin.in_features), ("out_features", lin.out_features)):
             if dim % FP8_MULTIPLE:
@@ -221,6 +233,25 @@ class LayerFilter:
         if smaller < self.min_dim:
             return f"too small to gain: min(in, out)={smaller} < min_dim={self.min_dim}"
         return None
+
+
+def _vocab_head(lin: nn.Linear, vocab_sizes: set[int]) -> bool:
+    return lin.out_features in vocab_sizes and lin.out_features > lin.in_features
+
+
+def _first_group(linears: list[tuple[str, nn.Linear]]) -> set[str]:
+    """The first ``nn.Linear`` and the query/key/value siblings that read its input (see rule 4)."""
+    if not linears:
+        return set()
+    name, lin = linears[0]
+    parent, _, leaf = name.rpartition(".")
+    group = {name}
+    if _QKV_NAME.match(leaf):
+        for other, olin in linears[1:]:
+            o_parent, _, o_leaf = other.rpartition(".")
+            if o_parent == parent and olin.in_features == lin.in_features and _QKV_NAME.match(o_leaf):
+                group.add(other)
+    return group
 
 
 FIELDS = ("include", "exclude", "skip_head", "skip_first", "min_dim")

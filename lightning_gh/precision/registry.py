@@ -32,7 +32,7 @@ from lightning_gh import hardware
 
 __all__ = [
     "precision", "list_precisions", "precision_names", "unavailable_reason", "FP8UnavailableError",
-    "AUTO_ORDER", "TE_EXTRA", "AO_EXTRA", "export_bf16_state_dict",
+    "TE_EXTRA", "AO_EXTRA", "export_bf16_state_dict",
 ]
 
 TE_EXTRA = "pip install 'lightning-gh[te]'"
@@ -65,11 +65,6 @@ FP8_NAMES: dict[str, _Fp8Name] = {
 LIGHTNING_NAMES = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true",
                    "transformer-engine", "transformer-engine-float16")
 LIGHTNING_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-# fp8-auto tries these in order and takes the first available one. Transformer Engine leads because it is
-# fast without torch.compile (Lightning's TE plugin: 1.58x over bf16-mixed, eager, on the H200); torchao
-# tensorwise needs the model compiled to gain (1.31x compiled, 0.56x eager), so fp8-auto only converts with
-# it when the model is compiled and otherwise trains in bf16-mixed.
-AUTO_ORDER = ("fp8-te-delayed", "fp8-ao-tensorwise")
 
 
 def precision_names() -> list[str]:
@@ -252,26 +247,19 @@ def precision(name: str, **options: Any):
 
 
 def _auto(**options: Any):
-    """fp8-auto: the first available name in ``AUTO_ORDER``, else bf16-mixed with a warning saying why."""
-    hw = hardware.detect()
-    why = hw.fp8_unsupported_reason()
-    tried: list[str] = []
+    """fp8-auto: an ``AutoFloat8Precision`` that picks the recipe at setup, or bf16-mixed now when no fp8 can run."""
+    why = hardware.detect().fp8_unsupported_reason()
     if why is None:
-        for name in AUTO_ORDER:
-            reason = unavailable_reason(name)
-            if reason is None:
-                fp8_options = {k: v for k, v in options.items() if k not in ("device", "scaler")}
-                if FP8_NAMES[name].backend == "ao":
-                    # Eager torchao fp8 is slower than bf16: auto converts only a compiled model.
-                    fp8_options.setdefault("convert_only_if_compiled", True)
-                plugin = precision(name, **fp8_options)
-                plugin.name = f"fp8-auto ({name})"
-                return plugin
-            tried.append(f"{name}: {reason}")
-        why = "no fp8 backend is usable (" + "; ".join(tried) + ")"
-    warnings.warn(f"precision 'fp8-auto' falls back to bf16-mixed: {why}.", UserWarning, stacklevel=3)
-    rest = {k: v for k, v in options.items() if k in ("device", "scaler")}  # fp8-only options do not apply
-    return precision("bf16-mixed", **rest)
+        te, ao = te_missing_reason(), ao_missing_reason()
+        if te and ao:
+            why = f"no fp8 backend is usable (Transformer Engine: {te}; torchao: {ao})"
+    if why:
+        warnings.warn(f"precision 'fp8-auto' falls back to bf16-mixed: {why}.", UserWarning, stacklevel=3)
+        rest = {k: v for k, v in options.items() if k in ("device", "scaler")}  # fp8-only options do not apply
+        return precision("bf16-mixed", **rest)
+    from lightning_gh.precision.auto import AutoFloat8Precision
+
+    return AutoFloat8Precision(**{k: v for k, v in options.items() if k not in ("device", "scaler")})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -394,24 +382,22 @@ def demo_part(cfg: Any, hw: hardware.HardwareInfo, out: Any) -> Any:
     """
     from lightning_gh.demo.model import Llama, preset
     from lightning_gh.demo.run import Part
+    from lightning_gh.precision.auto import choose_fp8
     from lightning_gh.precision.layer_filter import LayerFilter
 
     title = "fp8 precision (fp8-auto)"
     why = hw.fp8_unsupported_reason()
     if why:
         return Part(title, False, why)
-    usable = [n for n in AUTO_ORDER if unavailable_reason(n) is None]
-    if not usable:
-        return Part(title, False, "no fp8 backend installed (" + "; ".join(
-            f"{n}: {unavailable_reason(n)}" for n in AUTO_ORDER) + "); the GPU trains in bf16-mixed")
-    if FP8_NAMES[usable[0]].backend == "ao":
-        return Part(title, False, "only torchao is installed and the demo model is not compiled (eager torchao fp8 is "
-                                  f"slower than bf16); {TE_EXTRA} to train the demo in fp8")
+    # The demo trains an uncompiled model on one device: the same rule fp8-auto applies at setup.
+    choice = choose_fp8(False, "SingleDeviceStrategy", te_missing_reason(), ao_missing_reason())
+    if choice.name is None:
+        return Part(title, False, f"{choice.reason}; the GPU trains in bf16-mixed")
     with torch.device("meta"):
         plan = LayerFilter().plan(Llama(preset(cfg.preset)))
     if not plan.converted:
         return Part(title, False, f"no layer of the '{cfg.preset}' preset is big enough to gain from fp8 "
                                   f"(all too small, first or head); the GPU trains in bf16-mixed")
     plugin = precision("fp8-auto")
-    return Part(title, True, f"{plugin.name}: {plan.summary(limit=2)}", plugins=[plugin],
+    return Part(title, True, f"fp8-auto will choose {choice.name}: {plan.summary(limit=2)}", plugins=[plugin],
                 trainer_kwargs={"precision": None})

@@ -124,3 +124,16 @@ def test_lightning_module_roundtrips_a_checkpoint(tmp_path, cpu_trainer_kwargs):
     assert loaded.config == model.config
     for a, b in zip(loaded.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_compiled_loss_matches_the_eager_loss():
+    torch.manual_seed(0)
+    model = LlamaLM.from_preset("tiny", compile_loss=True)
+    batch = (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    eager = model.loss(batch)
+    model.configure_model()  # what Lightning calls at setup: wraps the loss in torch.compile
+    from lightning_gh.demo.model import _cross_entropy
+
+    assert model._cross_entropy is not _cross_entropy
+    torch.testing.assert_close(model.loss(batch), eager, rtol=1e-5, atol=1e-5)
+    assert model.hparams.compile_loss is True

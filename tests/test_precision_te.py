@@ -190,6 +190,24 @@ def test_plugin_checkpoint_restores_matching_layers_and_warns_about_the_rest(plu
         plugin_without_te("current").load_state_dict(ckpt)
 
 
+def test_ddp_reduces_delayed_scaling_amax_over_the_data_parallel_group(monkeypatch):
+    """Runs without TE: the group the plugin passes to TE's autocast under DDP (one gloo process stands in)."""
+    import torch.distributed as dist
+
+    from lightning_gh.precision.te import amax_reduction_group
+
+    assert amax_reduction_group("delayed") is None  # no process group
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert amax_reduction_group("delayed") is None  # one process: nothing to agree on
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+        assert amax_reduction_group("delayed") is dist.group.WORLD and dist.group.WORLD is not None
+        for recipe in ("current", "block"):  # scales from the tensor at hand: no history to share
+            assert amax_reduction_group(recipe) is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_compile_with_delayed_scaling_is_refused_with_the_way_out():
     with pytest.raises(ValueError, match="DelayedScaling cannot be traced by torch.compile.*fp8-te-current"):
         precision("fp8-te-delayed", compile_te_layers=True)

@@ -230,6 +230,10 @@ class Llama(nn.Module):
         return self.head(self.norm(x))
 
 
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 class LlamaLM(L.LightningModule):
     """The reference LightningModule: next-token cross-entropy with AdamW and a linear warm-up.
 
@@ -241,6 +245,8 @@ class LlamaLM(L.LightningModule):
         betas: AdamW betas.
         fused_adamw: use the fused AdamW kernel on CUDA (ignored on the CPU).
         compile: wrap the decoder in ``torch.compile`` in ``configure_model``.
+        compile_loss: also compile the loss (logits upcast + cross-entropy) so the fp32 logits are never
+            materialised; with a 32k vocabulary that is a few ms and ~1 GB per 8k tokens.
 
     Example::
 
@@ -258,6 +264,7 @@ class LlamaLM(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         fused_adamw: bool = True,
         compile: bool = False,
+        compile_loss: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(config, dict):
@@ -268,10 +275,13 @@ class LlamaLM(L.LightningModule):
             raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0.")
         self.save_hyperparameters({"config": config.to_dict(), "lr": lr, "weight_decay": weight_decay,
                                    "warmup_steps": warmup_steps, "betas": tuple(betas),
-                                   "fused_adamw": fused_adamw, "compile": compile})
+                                   "fused_adamw": fused_adamw, "compile": compile,
+                                   "compile_loss": compile_loss})
         self.config = config
         self.model = Llama(config)
         self._compile = compile
+        self._compile_loss = compile_loss
+        self._cross_entropy = _cross_entropy
 
     @classmethod
     def from_preset(cls, name: str, overrides: dict[str, Any] | None = None, **kwargs: Any) -> LlamaLM:
@@ -281,14 +291,15 @@ class LlamaLM(L.LightningModule):
         if self._compile and not getattr(self, "_compiled", False):
             self.model = torch.compile(self.model)
             self._compiled = True
+        if self._compile_loss and self._cross_entropy is _cross_entropy:
+            self._cross_entropy = torch.compile(_cross_entropy)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, targets = batch
-        logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self._cross_entropy(self(tokens), targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

@@ -106,6 +106,21 @@ def te_autocast(recipe: Any, group: Any = None) -> AbstractContextManager:
     return fn(enabled=True, fp8_recipe=recipe, **kwargs)
 
 
+def amax_reduction_group(recipe: str) -> Any:
+    """The process group whose ranks share DelayedScaling's amax history, or ``None`` (no reduction).
+
+    Under DDP every rank holds the same weights but sees different activations; without a reduction each rank's
+    amax history, and so its fp8 scales, drift apart, and replicas quantise the same weights differently. TE
+    reduces the histories over this group once per step. Current and block scaling compute scales from the tensor
+    at hand (no history), so they need no group; passing one would add a collective per quantised tensor.
+    """
+    if recipe != "delayed" or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if torch.distributed.get_world_size() < 2:
+        return None
+    return torch.distributed.group.WORLD
+
+
 _CLASSES: dict[tuple[str, bool], type] = {}
 
 
@@ -325,6 +340,7 @@ class TEFloat8Precision(Precision):
         self.plan: LayerPlan | None = None
         self._converted: dict[str, nn.Module] = {}
         self._pending_fp8_meta: dict[str, Any] | None = None
+        self._amax_group: Any = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, recipe={self.recipe!r})"
@@ -393,7 +409,10 @@ class TEFloat8Precision(Precision):
         if self.weights_dtype is not None:
             module.to(dtype=self.weights_dtype)
         self._restore_fp8_meta()  # a checkpoint entry loaded before conversion
-        rank_zero_info(f"{self.name}: {plan.summary()}")
+        # DDP launches its processes before setup, so the process group exists here.
+        self._amax_group = amax_reduction_group(self.recipe)
+        rank_zero_info(f"{self.name}: {plan.summary()}"
+                       + (" (amax histories reduced over the data-parallel group)" if self._amax_group else ""))
         if is_compiled(module):
             how = ("traced by torch.compile (compile_te_layers=True)" if self.compile_te_layers else
                    "run eagerly between compiled regions (a graph break around each; "
@@ -408,7 +427,7 @@ class TEFloat8Precision(Precision):
     def forward_context(self) -> Generator[None, None, None]:
         with ExitStack() as stack:
             stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-            stack.enter_context(te_autocast(self.te_recipe))
+            stack.enter_context(te_autocast(self.te_recipe, self._amax_group))
             yield
 
     def convert_input(self, data: Any) -> Any:

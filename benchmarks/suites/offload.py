@@ -8,6 +8,12 @@ Lightning ``Trainer(precision="bf16-mixed")`` full steps (forward, backward, fus
   checkpointing         per-block activation checkpointing (non-reentrant checkpoint_wrapper)
   ours auto / all / K=2 lightning_gh.ActivationOffload(policy=...)
   ckpt + ours auto      checkpointing, and ActivationOffload on what it still saves
+  recompute only        ActivationOffload(policy=0, recompute="selective"): no offload, every block recomputes
+                        all but its matmul and attention outputs (selective activation checkpointing)
+  ours auto + recompute ActivationOffload(policy="auto", recompute="selective"): offload what the link hides,
+                        selective recompute in the other blocks
+  ours auto + full recompute   the same with recompute="full" in the other blocks
+  --offload-variants picks some of them ("no offload" always runs first: it is the ratio base).
   peak activation memory = the step's peak allocation minus parameters and optimizer state; loss parity
   = the largest |loss - plain loss| over all steps.
 Out of memory, then not: the batch doubled under torch.cuda.set_per_process_memory_fraction set between
@@ -47,6 +53,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skip-oom", action="store_true", help="skip the out-of-memory demonstration")
     parser.add_argument("--skip-fwdbwd", action="store_true", help="skip the plain PyTorch fwd+bwd rows")
     parser.add_argument("--k", type=int, default=2, help="K of the fixed-K variant (default 2)")
+    parser.add_argument("--offload-variants", default=None,
+                        help="comma-separated variant names to run (case-insensitive), e.g. "
+                             "'checkpointing,ours auto,recompute only,ours auto + recompute'; 'no offload' always "
+                             "runs first. Default: all")
+
+
+def _chosen(ctx: BenchContext, names: list[str]) -> set[str]:
+    """The variants to run: all, or those --offload-variants names (an unknown name is an error)."""
+    arg = getattr(ctx.args, "offload_variants", None)
+    if not arg:
+        return set(names)
+    want = {w.strip().lower() for w in arg.split(",") if w.strip()}
+    by_lower = {n.lower(): n for n in names}
+    unknown = sorted(want - set(by_lower))
+    if unknown:
+        raise SystemExit(f"--offload-variants: unknown {unknown}; choose from {names}")
+    return {by_lower[w] for w in want} | {"no offload"}
 
 
 # ------------------------------------------------------------------------------------ Lightning parts
@@ -124,6 +147,8 @@ def _lightning_variant(ctx: BenchContext, cfg, name: str, callbacks: Callable[[]
                 r.extra["on_demand_reloads"] = s.on_demand_reloads
                 r.extra["pinned_allocations"] = cb.engine.pool.allocations if cb.engine.pool else None
                 r.extra["plan"] = cb.plan.describe() if cb.plan else None
+                r.extra["recomputed_blocks"] = s.last_recompute_blocks
+                r.extra["recompute_cache_gib"] = round(s.last_recompute_cached_bytes / GIB, 3)
     except Exception as e:  # an OOM is a result, not a crash of the suite
         r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if not isinstance(e, torch.OutOfMemoryError):
@@ -138,7 +163,7 @@ def _lightning_variant(ctx: BenchContext, cfg, name: str, callbacks: Callable[[]
 def _print_row(r: Result) -> None:
     ms = f"{r.median_ms:8.1f} ms" if r.median_ms else "       -   "
     act = r.extra.get("act_peak_gib")
-    print(f"[offload] {r.preset:>18} | {r.variant:<24} | {ms} | act {act if act is not None else '-':>7} GiB"
+    print(f"[offload] {r.preset:>18} | {r.variant:<26} | {ms} | act {act if act is not None else '-':>7} GiB"
           + (f" | {r.error}" if r.error else ""), flush=True)
 
 
@@ -229,16 +254,23 @@ def run(ctx: BenchContext) -> list[Result]:
             ("ours all", ours("all"), False),
             (f"ours K={k}", ours(k), False),
             ("ckpt + ours auto", ours("auto"), True),
+            ("recompute only", ours(0, recompute="selective"), False),
+            ("ours auto + recompute", ours("auto", recompute="selective"), False),
+            ("ours auto + full recompute", ours("auto", recompute="full"), False),
         ]
+        chosen = _chosen(ctx, [v[0] for v in variants])
         rows: dict[str, tuple[Result, _StepMemory]] = {}
         for variant, cbs, ckpt in variants:
+            if variant not in chosen:
+                continue
             r, probe, _ = _lightning_variant(ctx, cfg, variant, cbs, ckpt)
             rows[variant] = (r, probe)
             results.append(r)
         _parity(rows)
         _summary(name, "Lightning full step", [r for r, _ in rows.values()])
+        _goal(name, "Lightning full step", [r for r, _ in rows.values()])
 
-        if not ctx.args.skip_oom:
+        if not ctx.args.skip_oom and "ours all" in rows:
             results += _oom_demo(ctx, cfg, rows)
 
         if not ctx.args.skip_fwdbwd:
@@ -246,16 +278,25 @@ def run(ctx: BenchContext) -> list[Result]:
             ctx.args._preset_label = label
             fb = []
             tl: dict[str, Any] = {}
-            fb.append(_fwdbwd_variant(ctx, cfg, "no offload", label, lambda m: None, timeline=tl))
-            fb.append(_fwdbwd_variant(ctx, cfg, "save_on_cpu", label,
-                                      lambda m: (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))))
-            fb.append(_fwdbwd_variant(ctx, cfg, "checkpointing", label, lambda m: None, ckpt=True))
-            fb.append(_fwdbwd_variant(ctx, cfg, "ours auto", label, lambda m: offload_activations(m, "auto"),
-                                      timeline=tl))
-            fb.append(_fwdbwd_variant(ctx, cfg, "ours all", label, lambda m: offload_activations(m, "all"),
-                                      timeline=tl))
-            fb.append(_fwdbwd_variant(ctx, cfg, f"ours K={k}", label, lambda m: offload_activations(m, k)))
+            fwdbwd = [
+                ("no offload", lambda m: None, False, True),
+                ("save_on_cpu", lambda m: (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)), False, False),
+                ("checkpointing", lambda m: None, True, False),
+                ("ours auto", lambda m: offload_activations(m, "auto"), False, True),
+                ("ours all", lambda m: offload_activations(m, "all"), False, True),
+                (f"ours K={k}", lambda m: offload_activations(m, k), False, False),
+                ("recompute only", lambda m: offload_activations(m, 0, recompute="selective"), False, False),
+                ("ours auto + recompute", lambda m: offload_activations(m, "auto", recompute="selective"), False,
+                 True),
+                ("ours auto + full recompute", lambda m: offload_activations(m, "auto", recompute="full"), False,
+                 False),
+            ]
+            for variant, make, ckpt, with_timeline in fwdbwd:
+                if variant in chosen:
+                    fb.append(_fwdbwd_variant(ctx, cfg, variant, label, make, ckpt=ckpt,
+                                              timeline=tl if with_timeline else None))
             results += fb
+            _goal(label, "plain PyTorch fwd+bwd", fb)
             timelines[name] = tl
             _summary(label, "plain PyTorch fwd+bwd (the anchors' method)", fb, anchors=name == "medium")
     if timelines and ctx.out_dir:
@@ -263,6 +304,26 @@ def run(ctx: BenchContext) -> list[Result]:
         (ctx.out_dir / "offload_timelines.json").write_text(json.dumps(timelines))
     print(f"[offload] {GOAL}")
     return results
+
+
+def _goal(label: str, what: str, rows: list[Result], max_ratio: float = 1.10, min_saved: float = 0.40) -> None:
+    """Print, per variant, whether it meets the goal (both axes against 'no offload' of this run)."""
+    plain = next((r for r in rows if r.variant == "no offload" and r.timing and not r.error), None)
+    if plain is None:
+        print(f"[offload] {label}: goal not evaluated (no plain row)", flush=True)
+        return
+    base_ms, base_act = plain.median_ms, plain.extra["act_peak_gib"]
+    met, near = [], []
+    for r in rows:
+        if r is plain or r.error or not r.timing or r.extra.get("act_peak_gib") is None:
+            continue
+        ratio, saved = r.median_ms / base_ms, 1 - r.extra["act_peak_gib"] / base_act
+        cell = f"{r.variant} ({saved:.0%} less at {ratio:.2f}x)"
+        (met if ratio <= max_ratio and saved >= min_saved else near).append(cell)
+        r.extra["goal_met"] = ratio <= max_ratio and saved >= min_saved
+    print(f"[offload] {label} ({what}): {GOAL}")
+    print(f"[offload]   met by: {', '.join(met) if met else 'none'}")
+    print(f"[offload]   not met: {', '.join(near) if near else '-'}", flush=True)
 
 
 def _parity(rows: dict[str, tuple[Result, _StepMemory]]) -> None:

@@ -8,6 +8,7 @@ from lightning_gh.offload.activation_policy import (
     plan_all,
     plan_auto,
     plan_first_k,
+    plan_with_recompute,
     simulate,
 )
 from lightning_gh.offload.activations import (
@@ -37,5 +38,6 @@ __all__ = [
     "plan_all",
     "plan_auto",
     "plan_first_k",
+    "plan_with_recompute",
     "simulate",
 ]

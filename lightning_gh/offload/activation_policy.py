@@ -13,6 +13,10 @@ issued. Three policies:
   backward of the blocks after them, with transfer times inflated by ``margin``. A block's copies hide
   best when it runs early in the forward and late in the backward, so the prefix is the best choice.
 
+``plan_with_recompute`` adds recomputation to a plan: the blocks it does not offload recompute in the
+backward what they saved (``"selective"``: all but the matmul and attention outputs; ``"full"``: all but
+the block's inputs), and its forecast counts what they then keep.
+
 The timeline model (``simulate``) is deliberately simple and stated in full so its predictions can be
 checked: copies of block ``i`` start when block ``i`` ends (conservative; they really start as each
 tensor is saved), each direction of the link is one FIFO queue at its measured bandwidth, compute and
@@ -45,6 +49,7 @@ __all__ = [
     "plan_all",
     "plan_first_k",
     "plan_auto",
+    "plan_with_recompute",
 ]
 
 _MIB = 2**20
@@ -61,20 +66,26 @@ class BlockProfile:
         offloadable_bytes: bytes of saved activations the engine may move (after skipping parameters,
             small tensors and duplicate views).
         resident_bytes: other saved bytes of the block, which always stay on the device.
+        recompute_kept_bytes: bytes the block would keep if it recomputed (``"selective"``: its inputs and the
+            outputs of its matmuls and attention; ``"full"``: its inputs), measured in a step that did not;
+            ``None``: not measured.
     """
 
     forward_ms: float
     backward_ms: float
     offloadable_bytes: int
     resident_bytes: int = 0
+    recompute_kept_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_ms", "backward_ms"):
             v = getattr(self, name)
             if not v >= 0.0:
                 raise ValueError(f"BlockProfile.{name}={v!r} must be a non-negative number of milliseconds.")
-        for name in ("offloadable_bytes", "resident_bytes"):
+        for name in ("offloadable_bytes", "resident_bytes", "recompute_kept_bytes"):
             v = getattr(self, name)
+            if v is None and name == "recompute_kept_bytes":
+                continue
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"BlockProfile.{name}={v!r} must be a non-negative int.")
 
@@ -141,6 +152,7 @@ class Prediction:
     baseline_peak_bytes: int
     peak_bytes: int
     offloaded_bytes: int
+    recompute_freed_bytes: int = 0  # saved bytes the recomputing blocks no longer keep (per step)
 
     @property
     def stall_ms(self) -> float:
@@ -164,6 +176,9 @@ class OffloadPlan:
         prefetch_at: backward point whose start issues each block's reload (``i+1 .. N``).
         prediction: the timeline model's forecast, when the plan was made from a profile.
         notes: human-readable reasons (what limited the choice).
+        recompute: blocks that recompute their saved activations in the backward instead of keeping
+            them (never an offloaded block); see :func:`plan_with_recompute`.
+        recompute_mode: ``"selective"`` or ``"full"`` when ``recompute`` is not empty.
     """
 
     policy: str
@@ -172,6 +187,8 @@ class OffloadPlan:
     prefetch_at: tuple[int, ...]
     prediction: Prediction | None = None
     notes: tuple[str, ...] = field(default=())
+    recompute: tuple[int, ...] = ()
+    recompute_mode: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.budgets)
@@ -182,6 +199,13 @@ class OffloadPlan:
                 raise ValueError(f"OffloadPlan.release_at[{i}]={r} must be in [{i + 1}, {n + 1}].")
             if not i + 1 <= p <= n:
                 raise ValueError(f"OffloadPlan.prefetch_at[{i}]={p} must be in [{i + 1}, {n}].")
+        for i in self.recompute:
+            if not 0 <= i < n or self.offloads(i):
+                raise ValueError(f"OffloadPlan.recompute holds block {i}: it must be a block in [0, {n - 1}] "
+                                 "that the plan does not offload.")
+        if self.recompute and self.recompute_mode is None:
+            raise ValueError("OffloadPlan.recompute_mode must name the mode ('selective' or 'full') when "
+                             "recompute lists blocks.")
 
     @property
     def n_blocks(self) -> int:
@@ -207,17 +231,35 @@ class OffloadPlan:
                 parts.append(f"{i}({size}, wait@{_fwd_point_name(self.release_at[i], self.n_blocks)}, "
                              f"reload@{_bwd_point_name(self.prefetch_at[i], self.n_blocks)})")
             head = f"policy {self.policy}: offload blocks " + ", ".join(parts) + f" of {self.n_blocks}"
+        if self.recompute:
+            head += f"; {self.recompute_mode} recompute in blocks {_ranges(self.recompute)}"
         lines = [head]
         p = self.prediction
         if p is not None:
             pct = 100.0 * p.saving_bytes / p.baseline_peak_bytes if p.baseline_peak_bytes else 0.0
+            rc = (f", recompute keeps {p.recompute_freed_bytes / 2**30:.2f} GiB less"
+                  if self.recompute and p.recompute_freed_bytes else "")
             lines.append(
-                f"predicted: {p.offloaded_bytes / 2**30:.2f} GiB moved each way per step, saved-activation peak "
+                f"predicted: {p.offloaded_bytes / 2**30:.2f} GiB moved each way per step{rc}, saved-activation peak "
                 f"{p.baseline_peak_bytes / 2**30:.2f} -> {p.peak_bytes / 2**30:.2f} GiB ({pct:.0f}% less), "
                 f"stall {p.stall_ms:.2f} ms per step"
             )
         lines += list(self.notes)
         return "\n".join(lines)
+
+
+def _ranges(blocks: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    start = prev = None
+    for b in sorted(blocks) + [None]:
+        if b is not None and prev is not None and b == prev + 1:
+            prev = b
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = b
+    return ", ".join(out)
 
 
 def _fwd_point_name(point: int, n: int) -> str:
@@ -505,3 +547,64 @@ def plan_auto(
     if not best.offloaded_blocks:
         notes.append("the link hides no offload on this model and batch: nothing is offloaded")
     return OffloadPlan("auto", best.budgets, best.release_at, best.prefetch_at, best.prediction, tuple(notes))
+
+
+def plan_with_recompute(
+    plan: OffloadPlan,
+    mode: str | None,
+    profile: StepProfile | None = None,
+    d2h_gbps: float | None = None,
+    h2d_gbps: float | None = None,
+    margin: float = 0.0,
+) -> OffloadPlan:
+    """``plan`` with every block it does not offload recomputing in the backward (``mode=None``: none).
+
+    The offload part is unchanged: what the link hides does not depend on the other blocks' memory, and
+    recomputation only lengthens their backward, which leaves more time for the reloads. With a
+    ``profile`` whose blocks carry ``recompute_kept_bytes`` (measured for ``mode``), the forecast is redone
+    with the recomputing blocks keeping only that. The recompute time is not modelled: it is the
+    recomputed ops' forward time, added to the backward.
+
+    Args:
+        plan: an offload plan (its ``recompute`` is replaced).
+        mode: ``"selective"``, ``"full"`` or ``None``.
+        profile: the step the plan was made from (optional; for the forecast).
+        d2h_gbps / h2d_gbps / margin: as for :func:`plan_auto` (needed with ``profile``).
+
+    Example::
+
+        >>> plan = plan_with_recompute(plan_first_k(8, 1), "selective")
+        >>> plan.recompute
+        (1, 2, 3, 4, 5, 6, 7)
+    """
+    from dataclasses import replace
+
+    notes = tuple(x for x in plan.notes if not x.startswith("recompute:"))
+    pred = plan.prediction
+    if pred is not None and pred.recompute_freed_bytes:  # a forecast that counted recompute: not ours to reuse
+        pred = None
+    if mode is None:
+        return replace(plan, recompute=(), recompute_mode=None, prediction=pred, notes=notes)
+    if mode not in ("selective", "full"):
+        raise ValueError(f"mode={mode!r} is not valid; use None, 'selective' or 'full'.")
+    blocks = tuple(i for i in range(plan.n_blocks) if not plan.offloads(i))
+    if blocks and profile is not None and pred is not None and d2h_gbps and h2d_gbps \
+            and all(profile.blocks[i].recompute_kept_bytes is not None for i in blocks):
+        new_blocks = list(profile.blocks)
+        freed = 0
+        for i in blocks:
+            b = profile.blocks[i]
+            kept = min(b.saved_bytes, b.recompute_kept_bytes)
+            freed += b.saved_bytes - kept
+            new_blocks[i] = BlockProfile(b.forward_ms, b.backward_ms, 0, kept, b.recompute_kept_bytes)
+        after = simulate(replace(profile, blocks=tuple(new_blocks)), plan.budgets, plan.release_at, plan.prefetch_at,
+                         d2h_gbps, h2d_gbps, margin)
+        pred = Prediction(pred.forward_stall_ms, pred.backward_stall_ms, pred.baseline_peak_bytes, after.peak_bytes,
+                          pred.offloaded_bytes, freed)
+        saved = sum(profile.blocks[i].saved_bytes for i in blocks) / len(blocks) / _MIB
+        notes += (f"recompute: {mode} in blocks {_ranges(blocks)}: each keeps {saved - freed / len(blocks) / _MIB:.1f} "
+                  f"of the {saved:.1f} MiB it saved in the measured steps (mean); the recompute time (their "
+                  "recomputed ops' forward, in the backward) is not in the stall forecast",)
+    elif blocks:
+        notes += (f"recompute: {mode} in blocks {_ranges(blocks)} (saving not forecast: no measured profile)",)
+    return replace(plan, recompute=blocks, recompute_mode=mode if blocks else None, prediction=pred, notes=notes)

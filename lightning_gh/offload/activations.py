@@ -19,6 +19,11 @@ knows which block is running from forward pre/post hooks on the blocks. For bloc
   subclasses, blocks the plan keeps (by default the last one, whose activations backward uses first) and
   everything outside the blocks. Views and repeated saves of one storage within a block share one copy.
 
+With ``recompute="selective"`` (or ``"full"``), the blocks the plan does not offload recompute what they
+saved in the backward instead of keeping it (:mod:`lightning_gh.offload.recompute`): offload what the
+link can hide, recompute the cheap rest. Those blocks run inside a checkpoint whose own hooks shadow the
+engine's, so the engine sees (and keeps) only their inputs.
+
 Without CUDA, ``backend="auto"`` warns once and leaves the run untouched. ``backend="host-copy"`` runs the
 same hooks, plan and pool on any device, copying synchronously through a separate host buffer: it is the
 test mode that lets a CPU check that gradients are bitwise unchanged.
@@ -56,7 +61,9 @@ from lightning_gh.offload.activation_policy import (
     plan_auto,
     plan_first_k,
     plan_none,
+    plan_with_recompute,
 )
+from lightning_gh.offload.recompute import RECOMPUTE_MODES, BlockRecompute, heavy_output_bytes
 from lightning_gh.offload.superoffload_memory import available_host_bytes
 
 __all__ = [
@@ -435,6 +442,9 @@ class OffloadStats:
     last_resident_bytes: int = 0
     last_offloaded_by_block: list[int] = field(default_factory=list)
     peak_device_saved_bytes: int = 0
+    recompute_forwards: int = 0  # forwards in which some blocks recomputed
+    last_recompute_blocks: list[int] = field(default_factory=list)
+    last_recompute_cached_bytes: int = 0  # what the selective caches of those blocks held (not via the hooks)
 
 
 @dataclass(frozen=True)
@@ -475,6 +485,11 @@ class _Forward:
         self.bwd_point = n + 1
         self.prefetched: set[int] = set()
         self.marks: dict[Any, Any] = {}
+        # Profiling with recompute on: what each block would keep if it recomputed (see _make_post).
+        self.input_bytes = [0] * n
+        self.heavy_bytes: list[int | None] = [0] * n
+        self.input_nodes: dict[int, set[int]] = {}
+        self.seen_nodes: set[int] = set()
 
 
 # ------------------------------------------------------------------------------------------ the blocks
@@ -561,6 +576,11 @@ class ActivationOffloader:
             cast the parameter again when the backward needs it (bitwise the same; a parameter changed in
             place between forward and backward is an error). Frees about 2 bytes per parameter during the
             backward for one extra read of the weights.
+        recompute: ``None`` (default), ``"selective"`` or ``"full"``: the blocks the plan does not offload
+            recompute their saved activations in the backward. ``"selective"`` keeps the outputs of matmuls
+            and attention and recomputes the memory-bound rest (norms, rotary, SiLU, products, casts);
+            ``"full"`` keeps only the block inputs. ``"auto"`` measures the blocks without it, plans the
+            offload, then recomputes the blocks it does not offload (the log lists both).
         on_plan: called with each plan the engine adopts (default: log it at INFO).
     """
 
@@ -582,12 +602,13 @@ class ActivationOffloader:
         record_timeline: bool = False,
         dedupe_casts: bool = True,
         recompute_param_casts: bool = True,
+        recompute: str | None = None,
         on_plan: Callable[[OffloadPlan], None] | None = None,
     ) -> None:
         validate_options(policy=policy, min_tensor_bytes=min_tensor_bytes, skip_last_blocks=skip_last_blocks,
                          prefetch_blocks=prefetch_blocks, max_inflight_blocks=max_inflight_blocks, margin=margin,
                          profile_steps=profile_steps, host_memory_fraction=host_memory_fraction, backend=backend,
-                         bandwidth_gbps=bandwidth_gbps)
+                         bandwidth_gbps=bandwidth_gbps, recompute=recompute)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}.")
         self.model = model
@@ -605,6 +626,8 @@ class ActivationOffloader:
         self.record_timeline = record_timeline
         self.dedupe_casts = bool(dedupe_casts)
         self.recompute_param_casts = bool(recompute_param_casts)
+        self.recompute = recompute
+        self._rc: BlockRecompute | None = None
         self.on_plan = on_plan or (lambda plan: log.info("ActivationOffload %s", plan.describe()))
 
         self.stats = OffloadStats()
@@ -652,6 +675,9 @@ class ActivationOffloader:
         self._resolve()
         if plan.n_blocks != len(self.blocks):
             raise ValueError(f"plan has {plan.n_blocks} blocks, the model {len(self.blocks)}.")
+        if plan.recompute_mode != self.recompute or \
+                (self.recompute and set(plan.recompute) != set(range(plan.n_blocks)) - set(plan.offloaded_blocks)):
+            plan = plan_with_recompute(plan, self.recompute)
         self.plan = plan
         self.on_plan(plan)
 
@@ -700,6 +726,13 @@ class ActivationOffloader:
             self._module_hooks.append(blk.register_forward_hook(self._make_post(i), always_call=True))
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
+        if self._rc is not None and plan.recompute:
+            self._rc.reset_counts()
+            try:
+                self._rc.apply(plan.recompute)
+            except BaseException:
+                self.end_forward()
+                raise
 
     def end_forward(self) -> None:
         """Stop packing; wait (on the device) for every copy still in flight and release its memory."""
@@ -710,8 +743,16 @@ class ActivationOffloader:
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
+        applied: tuple[int, ...] = ()
+        if self._rc is not None:
+            applied = self._rc.applied
+            self._rc.remove()  # the backward recomputes through closures of its own, not through these
         if fwd is None:
             return
+        if applied:
+            self.stats.recompute_forwards += 1
+            self.stats.last_recompute_blocks = list(applied)
+            self.stats.last_recompute_cached_bytes = sum(self._rc.cached_bytes[i] or 0 for i in applied)
         with self._lock:
             for point in sorted(fwd.pending):
                 self._release_point(fwd, point)
@@ -726,8 +767,10 @@ class ActivationOffloader:
         if not fwd.profiling and self.policy != "auto" and self._last_fixed_report < 0:
             self._last_fixed_report = fwd.index
             log.info("ActivationOffload: first offloaded forward moved %.2f GiB (%d blocks), %.2f GiB of saved "
-                     "activations stayed in blocks", sum(fwd.used) / 2**30, len(fwd.plan.offloaded_blocks),
-                     sum(fwd.resident) / 2**30)
+                     "activations stayed in blocks%s", sum(fwd.used) / 2**30, len(fwd.plan.offloaded_blocks),
+                     sum(fwd.resident) / 2**30,
+                     f"; {len(applied)} blocks recomputed ({self.recompute}), their selective caches held "
+                     f"{self.stats.last_recompute_cached_bytes / 2**30:.2f} GiB" if applied else "")
 
     def end_backward(self) -> None:
         """Optional: mark the backward's end (lets ``"auto"`` measure block 0's backward exactly)."""
@@ -770,12 +813,16 @@ class ActivationOffloader:
             self._enabled = False
         self._resolved = True
         n = len(self.blocks)
+        if self._enabled and self.recompute is not None:
+            self._rc = BlockRecompute(self.blocks, self.recompute)
+            self._rc.check()  # already checkpointed, compiled or TE blocks: a clear error now, not mid-step
         if self._enabled and self.policy != "auto" and self.plan is None:
             if self.policy == "all":
-                self.plan = plan_all(n, self.skip_last_blocks, self.max_inflight_blocks, self.prefetch_blocks)
+                plan = plan_all(n, self.skip_last_blocks, self.max_inflight_blocks, self.prefetch_blocks)
             else:
-                self.plan = plan_first_k(n, int(self.policy), self.skip_last_blocks, self.max_inflight_blocks,
-                                         self.prefetch_blocks)
+                plan = plan_first_k(n, int(self.policy), self.skip_last_blocks, self.max_inflight_blocks,
+                                    self.prefetch_blocks)
+            self.plan = plan_with_recompute(plan, self.recompute)
             self.on_plan(self.plan)
 
     def _link_gbps(self) -> tuple[float, float]:
@@ -810,6 +857,8 @@ class ActivationOffloader:
                 fwd.current = index
                 if fwd.profiling:
                     fwd.marks[("fs", index)] = self._clock.mark()
+                    if self.recompute is not None:
+                        self._note_inputs(fwd, index, args)
                 self._event("block-start", index)
 
         return pre
@@ -823,11 +872,33 @@ class ActivationOffloader:
                 fwd.current = None
                 if fwd.profiling:
                     fwd.marks[("fe", index)] = self._clock.mark()
+                    if self.recompute == "selective":
+                        fwd.heavy_bytes[index] = heavy_output_bytes(output, fwd.input_nodes.pop(index, set()),
+                                                                    fwd.seen_nodes)
                 if index == fwd.n - 1:
                     self._release_point(fwd, fwd.n)
                 self._event("block-end", index)
 
         return post
+
+    def _note_inputs(self, fwd: _Forward, index: int, args: Any) -> None:
+        """A block's tensor inputs: what a recomputing block keeps (the checkpoint saves them), and where
+        the graph walk of its heavy outputs stops."""
+        nodes, ptrs, nbytes = set(), set(), 0
+        for a in args if isinstance(args, tuple) else (args,):
+            if not isinstance(a, torch.Tensor):
+                continue
+            if a.grad_fn is not None:
+                nodes.add(id(a.grad_fn))
+            try:
+                st = a.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if st.data_ptr() not in self._param_ptrs and st.data_ptr() not in ptrs:
+                ptrs.add(st.data_ptr())
+                nbytes += st.nbytes()
+        fwd.input_nodes[index] = nodes
+        fwd.input_bytes[index] = nbytes
 
     def _skip_reason(self, t: torch.Tensor, ptr: int, nbytes: int) -> str | None:
         if type(t) is not torch.Tensor:
@@ -1136,7 +1207,8 @@ class ActivationOffloader:
         if len(self._profiled) >= self.profile_steps:
             self.profile = _median_profile(self._profiled)
             d2h, h2d = self._link_gbps()
-            self.plan = plan_auto(self.profile, d2h, h2d, self.margin, self.skip_last_blocks)
+            plan = plan_auto(self.profile, d2h, h2d, self.margin, self.skip_last_blocks)
+            self.plan = plan_with_recompute(plan, self.recompute, self.profile, d2h, h2d, self.margin)
             self.on_plan(self.plan)
 
     def _measure(self, fwd: _Forward) -> StepProfile | None:
@@ -1152,7 +1224,13 @@ class ActivationOffloader:
                 b = ms(m[("b", i)], m[("b", i - 1)])
             else:
                 b = ms(m[("b", 0)], m["bwd_end"]) if "bwd_end" in m else 2.0 * f
-            blocks.append(BlockProfile(max(f, 0.0), max(b, 0.0), fwd.offloadable[i], fwd.resident[i]))
+            kept = None
+            if self.recompute is not None and fwd.heavy_bytes[i] is not None:
+                kept = fwd.input_bytes[i] + (fwd.heavy_bytes[i] if self.recompute == "selective" else 0)
+            # fwd.resident also counts offloadable bytes that stayed (all of them while profiling); the profile's
+            # resident bytes are the others, so that offloadable + resident is what the block saved.
+            resident = max(fwd.resident[i] - (fwd.offloadable[i] - fwd.used[i]), 0)
+            blocks.append(BlockProfile(max(f, 0.0), max(b, 0.0), fwd.offloadable[i], resident, kept))
         bstart = m.get(("b", n), m["fwd_end"])
         return StepProfile(tuple(blocks), max(ms(m[("fe", n - 1)], m["fwd_end"]), 0.0),
                            max(ms(bstart, m[("b", n - 1)]), 0.0), fwd.other)
@@ -1164,7 +1242,9 @@ def _median_profile(profiles: list[StepProfile]) -> StepProfile:
     blocks = tuple(
         BlockProfile(med(p.blocks[i].forward_ms for p in profiles), med(p.blocks[i].backward_ms for p in profiles),
                      int(med(p.blocks[i].offloadable_bytes for p in profiles)),
-                     int(med(p.blocks[i].resident_bytes for p in profiles)))
+                     int(med(p.blocks[i].resident_bytes for p in profiles)),
+                     None if any(p.blocks[i].recompute_kept_bytes is None for p in profiles)
+                     else int(med(p.blocks[i].recompute_kept_bytes for p in profiles)))
         for i in range(n))
     return StepProfile(blocks, med(p.tail_forward_ms for p in profiles), med(p.tail_backward_ms for p in profiles),
                        int(med(p.other_bytes for p in profiles)))
@@ -1190,7 +1270,7 @@ def _host_copy_gbps(nbytes: int = 64 * _MIB) -> float:
 
 def validate_options(*, policy: Any, min_tensor_bytes: Any, skip_last_blocks: Any, prefetch_blocks: Any,
                      max_inflight_blocks: Any, margin: Any, profile_steps: Any, host_memory_fraction: Any,
-                     backend: Any, bandwidth_gbps: Any) -> None:
+                     backend: Any, bandwidth_gbps: Any, recompute: Any = None) -> None:
     """Check the engine's (and the callback's) arguments; errors name the argument, value and what is allowed."""
     if isinstance(policy, bool) or not (policy in ("auto", "all") or (isinstance(policy, int) and policy >= 0)):
         raise ValueError(f"policy={policy!r} is not valid; use {POLICIES}.")
@@ -1208,6 +1288,9 @@ def validate_options(*, policy: Any, min_tensor_bytes: Any, skip_last_blocks: An
         raise ValueError(f"host_memory_fraction={host_memory_fraction!r} must be in (0, 1].")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not valid; use one of {BACKENDS}.")
+    if recompute is not None and (not isinstance(recompute, str) or recompute not in RECOMPUTE_MODES):
+        raise ValueError(f"recompute={recompute!r} is not valid; use None (keep what the blocks save), 'selective' "
+                         "(recompute all but matmul and attention outputs) or 'full' (keep only the block inputs).")
     if bandwidth_gbps is not None:
         vals = bandwidth_gbps if isinstance(bandwidth_gbps, (tuple, list)) else (bandwidth_gbps,)
         if len(vals) not in (1, 2) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0

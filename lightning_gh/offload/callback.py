@@ -5,7 +5,8 @@ The engine is entered when a training batch starts and left just before the back
 under ``torch.no_grad()`` are untouched, and each micro-batch of gradient accumulation is one offloaded
 forward/backward. Works under DDP (each rank offloads its own activations), with bf16/fp16 autocast and
 with activation checkpointing (it then offloads only what checkpointing still saves: the blocks' inputs).
-FSDP and ModelParallel strategies are refused at setup (see :func:`check_strategy`).
+FSDP and ModelParallel strategies are refused at setup (see :func:`check_strategy`). ``recompute=`` makes
+the blocks the plan does not offload recompute in the backward (see :mod:`lightning_gh.offload.recompute`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ class ActivationOffload(L.Callback):
             ``"host-copy"`` (synchronous copies through a host buffer on any device; for tests).
         bandwidth_gbps: link GB/s for ``"auto"`` (a number or ``(d2h, h2d)``); ``None`` measures it.
         record_timeline: keep the engine's memory events of the latest step (``engine.timeline``).
+        recompute: ``None`` (default: blocks keep what they save), ``"selective"`` or ``"full"``: the blocks the
+            plan does not offload recompute in the backward instead. ``"selective"`` keeps the outputs of the
+            matmuls and attention and recomputes the memory-bound ops (norms, rotary embeddings, SiLU, products,
+            casts) for a few percent of the step; ``"full"`` keeps only each block's input. With ``"auto"``:
+            offload what the link hides, recompute the cheap rest. Refused for blocks that are already
+            checkpointed, compiled, or run Transformer Engine layers.
 
     Example::
 
@@ -102,17 +109,19 @@ class ActivationOffload(L.Callback):
         backend: str = "auto",
         bandwidth_gbps: float | tuple[float, float] | None = None,
         record_timeline: bool = False,
+        recompute: str | None = None,
     ) -> None:
         super().__init__()
         self._options = dict(min_tensor_bytes=min_tensor_bytes, skip_last_blocks=skip_last_blocks,
                              prefetch_blocks=prefetch_blocks, max_inflight_blocks=max_inflight_blocks, margin=margin,
                              profile_steps=profile_steps, host_memory_fraction=host_memory_fraction, backend=backend,
-                             bandwidth_gbps=bandwidth_gbps)
+                             bandwidth_gbps=bandwidth_gbps, recompute=recompute)
         validate_options(policy=policy, **self._options)
         if blocks is not None and not isinstance(blocks, str) and isinstance(blocks, nn.Module):
             raise ValueError(f"blocks={type(blocks).__name__} must be a submodule name or a list of modules, "
                              "not a single module.")
         self.policy = policy
+        self.recompute = recompute
         self.blocks = blocks
         self.record_timeline = record_timeline
         self.engine: ActivationOffloader | None = None
@@ -191,7 +200,8 @@ def _plan_from_dict(d: dict[str, Any]) -> OffloadPlan:
     return OffloadPlan(
         policy=d["policy"], budgets=tuple(d["budgets"]), release_at=tuple(d["release_at"]),
         prefetch_at=tuple(d["prefetch_at"]), prediction=Prediction(**pred) if pred else None,
-        notes=tuple(d.get("notes", ())) + ("(restored from the checkpoint)",))
+        notes=tuple(d.get("notes", ())) + ("(restored from the checkpoint)",),
+        recompute=tuple(d.get("recompute", ())), recompute_mode=d.get("recompute_mode"))
 
 
 def activation_offload_part(cfg: Any, hw: Any, out: Any) -> Any:

@@ -1,0 +1,297 @@
+"""Offload + recompute: blocks the plan does not offload recompute what they saved (``recompute=``).
+
+On the CPU the engine runs in ``backend="host-copy"`` mode. Recomputing RMSNorm, rotary, SiLU, products and
+casts replays the same deterministic CPU kernels on the same inputs, so losses and gradients must be
+bitwise those of the plain run (on the GPU the same holds for these elementwise kernels; matmuls and
+attention are not recomputed under ``"selective"``).
+
+What a step keeps for its backward is measured with a dispatch mode that records every op's output
+storage and, after the forward, counts those still alive: selective checkpointing keeps its matmul and
+attention outputs in its own cache, not as saved tensors, so a ``saved_tensors_hooks`` counter would miss
+them and flatter the saving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule, preset
+from lightning_gh.offload import ActivationOffload, offload_activations
+from lightning_gh.offload.activation_policy import BlockProfile, StepProfile, plan_auto, plan_first_k, \
+    plan_with_recompute
+from lightning_gh.offload.recompute import BlockRecompute
+
+CPU = dict(backend="host-copy", min_tensor_bytes=1024)
+
+
+def _llama(n_layers=3, seed=0):
+    cfg = preset("tiny", n_layers=n_layers)
+    torch.manual_seed(seed)
+    return Llama(cfg), cfg
+
+
+def _batch(cfg, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def _step(model, batch, ctx=None, autocast=torch.bfloat16):
+    model.zero_grad(set_to_none=True)
+    tokens, targets = batch
+    ac = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+    with ctx if ctx is not None else contextlib.nullcontext(), ac:
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class _LiveOutputs(TorchDispatchMode):
+    """Records each op's output storages; ``alive()``: those still referenced (what the forward keeps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.outputs.append((func, StorageWeakRef(st), st.data_ptr(), st.nbytes()))
+        return out
+
+    def alive(self):
+        live = {}
+        for func, ref, ptr, nbytes in self.outputs:
+            if not ref.expired():
+                live.setdefault(ptr, (func, nbytes))
+        return live
+
+
+def _kept_after_forward(model, batch, ctx):
+    tokens, targets = batch
+    with _LiveOutputs() as rec, ctx, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+    live = rec.alive()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(n for _, n in live.values()), sum(1 for f, _ in live.values() if f is torch.ops.aten.mm.default)
+
+
+# --------------------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("policy", [0, 1, "auto"])
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_gradients_and_losses_bitwise_equal_with_recompute(policy, mode):
+    model, cfg = _llama()
+    batch = _batch(cfg)
+    loss0, grads0 = _step(model, batch)
+    off = offload_activations(model, policy, recompute=mode, profile_steps=1, bandwidth_gbps=1e6, **CPU)
+    for _ in range(3):  # "auto": warm-up, one profiled step, then the plan with recompute
+        loss, grads = _step(model, batch, off)
+        assert torch.equal(loss, loss0) and _equal(grads, grads0)
+    offloaded = set(off.plan.offloaded_blocks)
+    assert off.stats.last_recompute_blocks == [i for i in range(3) if i not in offloaded]
+    assert off.plan.recompute == tuple(off.stats.last_recompute_blocks) and off.plan.recompute_mode == mode
+    assert off.stats.reloaded_bytes == off.stats.offloaded_bytes and off.stats.on_demand_reloads == 0
+    assert all("forward" not in b.__dict__ for b in model.layers)  # unwrapped once the forward ended
+
+
+def test_selective_keeps_the_matmul_outputs_and_fewer_bytes_than_no_recompute():
+    model, cfg = _llama()
+    batch = _batch(cfg)
+    plain, mm_plain = _kept_after_forward(model, batch, offload_activations(model, 0, **CPU))
+    sel_engine = offload_activations(model, 0, recompute="selective", **CPU)
+    sel, mm_sel = _kept_after_forward(model, batch, sel_engine)
+    full, mm_full = _kept_after_forward(model, batch, offload_activations(model, 0, recompute="full", **CPU))
+    assert full < sel < plain
+    assert mm_sel == 7 * 3  # q, k, v, o, w1, w3, w2 in each of the 3 blocks
+    assert mm_full == 0 and mm_plain < mm_sel  # plain keeps only the mm outputs later ops saved (v, w1, w3)
+    # The engine's own count of the selective caches: the matmul and attention outputs (with logsumexp).
+    t, kv = cfg.batch_size * cfg.seq_len, cfg.n_kv_heads * cfg.head_dim
+    mm_bytes = t * (2 * cfg.dim + 2 * kv + 2 * cfg.ffn_dim + cfg.dim) * 2
+    attn_bytes = t * cfg.dim * 2 + cfg.batch_size * cfg.n_heads * cfg.seq_len * 4
+    assert sel_engine.stats.last_recompute_cached_bytes == 3 * (mm_bytes + attn_bytes)
+
+
+def test_auto_measures_without_recompute_and_forecasts_what_it_keeps(caplog):
+    model, cfg = _llama()
+    batch = _batch(cfg)
+    # A slow link: nothing hides, so every block recomputes.
+    off = offload_activations(model, "auto", recompute="selective", profile_steps=1, bandwidth_gbps=1e-3, **CPU)
+    with caplog.at_level(logging.INFO, logger="lightning_gh.offload.activations"):
+        for _ in range(3):
+            _step(model, batch, off)
+    assert off.stats.recompute_forwards == 1  # the warm-up and the profiled step ran without it
+    assert off.plan.offloaded_blocks == () and off.plan.recompute == (0, 1, 2)
+    prof = off.profile.blocks
+    # The profiled step saw everything the blocks save; the forecast of what they keep matches what the
+    # recomputing step then held (inputs as resident bytes + the selective caches) within 3%.
+    kept_forecast = sum(b.recompute_kept_bytes for b in prof)
+    kept_real = off.stats.last_resident_bytes + off.stats.last_recompute_cached_bytes
+    assert abs(kept_forecast - kept_real) <= 0.03 * kept_real
+    assert all(b.recompute_kept_bytes < 0.7 * b.saved_bytes for b in prof)
+    p = off.plan.prediction
+    assert p.recompute_freed_bytes == sum(b.saved_bytes - b.recompute_kept_bytes for b in prof)
+    assert p.peak_bytes < p.baseline_peak_bytes
+    assert "selective recompute in blocks 0-2" in caplog.text and "recompute keeps" in caplog.text
+
+
+# ------------------------------------------------------------------------------------- the planner
+
+
+def test_plan_with_recompute_takes_the_blocks_not_offloaded_and_forecasts_the_peak():
+    mib = 2**20
+    prof = StepProfile(tuple(BlockProfile(2.0, 4.0, 100 * mib, 0, 40 * mib) for _ in range(8)),
+                       other_bytes=50 * mib)
+    plan = plan_auto(prof, d2h_gbps=20.0, h2d_gbps=20.0)
+    assert 0 < len(plan.offloaded_blocks) < 8
+    hybrid = plan_with_recompute(plan, "selective", prof, 20.0, 20.0, 0.25)
+    assert hybrid.budgets == plan.budgets and hybrid.release_at == plan.release_at
+    assert set(hybrid.recompute) == set(range(8)) - set(plan.offloaded_blocks)
+    n_rc = len(hybrid.recompute)
+    assert hybrid.prediction.recompute_freed_bytes == n_rc * 60 * mib
+    assert hybrid.prediction.peak_bytes < plan.prediction.peak_bytes
+    assert hybrid.prediction.baseline_peak_bytes == plan.prediction.baseline_peak_bytes
+    assert hybrid.prediction.stall_ms == plan.prediction.stall_ms
+    assert "selective recompute in blocks" in hybrid.describe()
+    stripped = plan_with_recompute(hybrid, None)
+    assert stripped.recompute == () and stripped.prediction is None  # its forecast counted recompute
+    fixed = plan_with_recompute(plan_first_k(8, 2), "full")
+    assert fixed.recompute == tuple(range(2, 8)) and "not forecast" in fixed.describe()
+    with pytest.raises(ValueError, match="recompute holds block 0"):
+        type(plan)(plan.policy, plan.budgets, plan.release_at, plan.prefetch_at, recompute=(0,),
+                   recompute_mode="selective")
+    with pytest.raises(ValueError, match="mode='cheap'"):
+        plan_with_recompute(plan, "cheap")
+
+
+# ------------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("bad", ["cheap", True, 1, "SELECTIVE"])
+def test_bad_recompute_value_names_argument_value_and_choices(bad):
+    match = rf"recompute={bad!r} is not valid; use None .*'selective'.*'full'"
+    with pytest.raises(ValueError, match=match):
+        ActivationOffload(policy="auto", recompute=bad)
+    with pytest.raises(ValueError, match=match):
+        offload_activations(torch.nn.Linear(2, 2), "auto", recompute=bad)
+
+
+def test_already_checkpointed_or_compiled_blocks_are_refused_not_wrapped_twice():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model, cfg = _llama()
+    model.layers[1] = checkpoint_wrapper(model.layers[1])
+    off = offload_activations(model, 0, recompute="selective", blocks="layers", **CPU)
+    with pytest.raises(ValueError, match=r"recompute='selective': block 1 \(CheckpointWrapper\) is wrapped in"):
+        off.begin_forward()
+    model, cfg = _llama()
+    model.layers[0] = torch.compile(model.layers[0], backend="aot_eager")
+    with pytest.raises(ValueError, match="block 0 .* torch.compile'd"):
+        offload_activations(model, 0, recompute="full", blocks="layers", **CPU).begin_forward()
+    # Two engines on one model: the second sees the first's wrapper during the first's forward.
+    model, cfg = _llama()
+    first = offload_activations(model, 0, recompute="selective", **CPU)
+    second = BlockRecompute(list(model.layers), "full")
+    with first:
+        with pytest.raises(ValueError, match="already recomputes under another ActivationOffload engine"):
+            second.apply([0])
+    assert all("forward" not in b.__dict__ for b in model.layers)
+
+
+def test_no_grad_forward_is_untouched():
+    model, cfg = _llama()
+    off = offload_activations(model, 0, recompute="selective", **CPU)
+    with torch.no_grad(), off:
+        assert all("forward" not in b.__dict__ for b in model.layers)
+        model(_batch(cfg)[0])
+    assert off.stats.recompute_forwards == 0 and off.stats.saved_tensors == 0
+
+
+def test_gradient_accumulation_two_forwards_before_one_backward():
+    model, cfg = _llama()
+    b1, b2 = _batch(cfg, 1), _batch(cfg, 2)
+
+    def run(ctx):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for tokens, targets in (b1, b2):
+            with ctx, torch.autocast("cpu", dtype=torch.bfloat16):
+                losses.append(F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten()))
+        (losses[0] + losses[1]).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = run(contextlib.nullcontext())
+    off = offload_activations(model, 1, recompute="selective", **CPU)
+    assert _equal(run(off), plain)
+    assert off.stats.recompute_forwards == 2 and off.stats.on_demand_reloads == 0
+
+
+# ------------------------------------------------------------------------------------- Lightning
+
+
+def _fit(callbacks, steps=3, accumulate=1, val=0, **kw):
+    L.seed_everything(0, verbose=False)
+    model = LlamaLM.from_preset("tiny", overrides=dict(n_layers=3), lr=3e-3)
+    dm = MarkovDataModule.for_model(model)
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate,
+                        limit_val_batches=val, val_check_interval=2 if val else None, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks, **kw)
+    trainer.fit(model, dm)
+    return model, trainer
+
+
+def test_callback_parity_over_steps_with_accumulation_validation_and_bf16():
+    kw = dict(accumulate=2, val=2, precision="bf16-mixed", steps=4)
+    plain, _ = _fit([], **kw)
+    cb = ActivationOffload(policy="auto", recompute="selective", profile_steps=1, bandwidth_gbps=1e6, **CPU)
+    model, _ = _fit([cb], **kw)
+    assert _equal(list(model.parameters()), list(plain.parameters()))
+    assert cb.plan.recompute == (2,) and cb.plan.offloaded_blocks == (0, 1)
+    assert cb.engine.stats.forwards == 8 and cb.engine.stats.recompute_forwards == 6  # 2 profiling micro-batches
+    assert all("forward" not in b.__dict__ for b in model.model.layers)
+
+
+def test_callback_keeps_the_hybrid_plan_across_resume():
+    cb = ActivationOffload(policy="auto", recompute="selective", profile_steps=1, bandwidth_gbps=1e6, **CPU)
+    _fit([cb], steps=3)
+    cb2 = ActivationOffload(policy="auto", recompute="selective", profile_steps=1, **CPU)
+    cb2.load_state_dict(cb.state_dict())
+    _fit([cb2], steps=1)
+    assert cb2.plan.recompute == cb.plan.recompute == (2,) and cb2.engine.stats.recompute_forwards == 1
+    cb3 = ActivationOffload(policy="auto", profile_steps=1, **CPU)  # resumed without recompute: none applied
+    cb3.load_state_dict(cb.state_dict())
+    _fit([cb3], steps=1)
+    assert cb3.plan.recompute == () and cb3.engine.stats.recompute_forwards == 0
+
+
+class _RequireRecompute(L.Callback):
+    """Fails the run (on every rank) when the engine recomputed nothing there."""
+
+    def on_train_end(self, trainer, pl_module):
+        (cb,) = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
+        if cb.engine is None or cb.engine.stats.recompute_forwards == 0:
+            raise AssertionError(f"rank {trainer.global_rank}: no forward recomputed")
+
+
+def test_callback_under_ddp_matches_plain_ddp():
+    kw = dict(devices=2, strategy="ddp_spawn", steps=2)
+    plain, _ = _fit([], **kw)
+    model, _ = _fit([ActivationOffload(policy=1, recompute="selective", **CPU), _RequireRecompute()], **kw)
+    assert _equal(list(model.parameters()), list(plain.parameters()))

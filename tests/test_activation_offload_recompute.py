@@ -27,7 +27,7 @@ from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule, preset
 from lightning_gh.offload import ActivationOffload, offload_activations
 from lightning_gh.offload.activation_policy import BlockProfile, StepProfile, plan_auto, plan_first_k, \
     plan_with_recompute
-from lightning_gh.offload.recompute import BlockRecompute
+from lightning_gh.offload.recompute import BlockRecompute, is_norm_act_module
 
 CPU = dict(backend="host-copy", min_tensor_bytes=1024)
 
@@ -36,6 +36,34 @@ def _llama(n_layers=3, seed=0):
     cfg = preset("tiny", n_layers=n_layers)
     torch.manual_seed(seed)
     return Llama(cfg), cfg
+
+
+class SwiGLUGate(torch.nn.Module):
+    """``silu(gate) * up`` as a parameter-free module: what ``recompute="norm-act"`` can checkpoint alone."""
+
+    calls = 0
+
+    def forward(self, gate, up):
+        SwiGLUGate.calls += 1
+        return F.silu(gate) * up
+
+
+class _GatedMLP(torch.nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.w1, self.w3, self.w2 = mlp.w1, mlp.w3, mlp.w2
+        self.gate = SwiGLUGate()
+
+    def forward(self, x):
+        return self.w2(self.gate(self.w1(x), self.w3(x)))
+
+
+def _gated_llama(n_layers=3, seed=0):
+    """The demo Llama with its SiLU gate product in a module of its own (same parameters, same numbers)."""
+    model, cfg = _llama(n_layers, seed)
+    for blk in model.layers:
+        blk.mlp = _GatedMLP(blk.mlp)
+    return model, cfg
 
 
 def _batch(cfg, seed=1):
@@ -95,9 +123,9 @@ def _kept_after_forward(model, batch, ctx):
 
 
 @pytest.mark.parametrize("policy", [0, 1, "auto"])
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "full", "norm-act"])
 def test_gradients_and_losses_bitwise_equal_with_recompute(policy, mode):
-    model, cfg = _llama()
+    model, cfg = _gated_llama() if mode == "norm-act" else _llama()
     batch = _batch(cfg)
     loss0, grads0 = _step(model, batch)
     off = offload_activations(model, policy, recompute=mode, profile_steps=1, bandwidth_gbps=1e6, **CPU)
@@ -108,7 +136,7 @@ def test_gradients_and_losses_bitwise_equal_with_recompute(policy, mode):
     assert off.stats.last_recompute_blocks == [i for i in range(3) if i not in offloaded]
     assert off.plan.recompute == tuple(off.stats.last_recompute_blocks) and off.plan.recompute_mode == mode
     assert off.stats.reloaded_bytes == off.stats.offloaded_bytes and off.stats.on_demand_reloads == 0
-    assert all("forward" not in b.__dict__ for b in model.layers)  # unwrapped once the forward ended
+    assert all("forward" not in m.__dict__ for m in model.modules())  # unwrapped once the forward ended
 
 
 def test_selective_keeps_the_matmul_outputs_and_fewer_bytes_than_no_recompute():
@@ -128,27 +156,60 @@ def test_selective_keeps_the_matmul_outputs_and_fewer_bytes_than_no_recompute():
     assert sel_engine.stats.last_recompute_cached_bytes == 3 * (mm_bytes + attn_bytes)
 
 
-def test_auto_measures_without_recompute_and_forecasts_what_it_keeps(caplog):
-    model, cfg = _llama()
+@pytest.mark.parametrize("mode", ["selective", "norm-act"])
+def test_auto_measures_without_recompute_then_forecasts_from_the_first_recomputing_forward(caplog, mode):
+    model, cfg = _gated_llama()
     batch = _batch(cfg)
     # A slow link: nothing hides, so every block recomputes.
-    off = offload_activations(model, "auto", recompute="selective", profile_steps=1, bandwidth_gbps=1e-3, **CPU)
+    plans = []
+    off = offload_activations(model, "auto", recompute=mode, profile_steps=1, bandwidth_gbps=1e-3,
+                              on_plan=plans.append, **CPU)
+    for _ in range(2):  # warm-up and profiled step, without recompute
+        _step(model, batch, off)
+    assert off.stats.recompute_forwards == 0 and plans == []
+    # Step 3 adopts the plan (its recompute saving not forecast yet), recomputes, and forecasts from that.
     with caplog.at_level(logging.INFO, logger="lightning_gh.offload.activations"):
-        for _ in range(3):
-            _step(model, batch, off)
-    assert off.stats.recompute_forwards == 1  # the warm-up and the profiled step ran without it
-    assert off.plan.offloaded_blocks == () and off.plan.recompute == (0, 1, 2)
-    prof = off.profile.blocks
-    # The profiled step saw everything the blocks save; the forecast of what they keep matches what the
-    # recomputing step then held (inputs as resident bytes + the selective caches) within 3%.
-    kept_forecast = sum(b.recompute_kept_bytes for b in prof)
-    kept_real = off.stats.last_resident_bytes + off.stats.last_recompute_cached_bytes
-    assert abs(kept_forecast - kept_real) <= 0.03 * kept_real
-    assert all(b.recompute_kept_bytes < 0.7 * b.saved_bytes for b in prof)
+        off.on_plan = lambda plan: (plans.append(plan), logging.getLogger("lightning_gh.offload.activations")
+                                    .info(plan.describe()))
+        _step(model, batch, off)
+        _step(model, batch, off)  # later forwards do not forecast again
+    assert len(plans) == 2 and off.plan is plans[1] and off.stats.recompute_forwards == 2
+    assert plans[0].recompute == plans[1].recompute == (0, 1, 2)
+    assert plans[0].prediction.recompute_freed_bytes == 0 and "not forecast yet" in plans[0].describe()
+    saved = [b.saved_bytes for b in off.profile.blocks]
+    # The forecast uses exactly what the recomputing forward kept: through the hooks plus the selective caches.
+    kept = off.stats.last_recompute_kept_by_block
+    assert [b.recompute_kept_bytes for b in off.profile.blocks] == [kept[i] for i in range(3)]
+    assert sum(kept.values()) == off.stats.last_resident_bytes + off.stats.last_recompute_cached_bytes
     p = off.plan.prediction
-    assert p.recompute_freed_bytes == sum(b.saved_bytes - b.recompute_kept_bytes for b in prof)
+    assert p.recompute_freed_bytes == sum(s - kept[i] for i, s in enumerate(saved)) > 0
     assert p.peak_bytes < p.baseline_peak_bytes
-    assert "selective recompute in blocks 0-2" in caplog.text and "recompute keeps" in caplog.text
+    assert all(kept[i] < (0.7 if mode == "selective" else 0.95) * saved[i] for i in range(3))
+    assert f"{mode} recompute in blocks 0-2" in caplog.text and "recompute keeps" in caplog.text
+    assert "without recompute (mean, both measured)" in caplog.text
+
+
+def test_norm_act_recomputes_only_norms_and_gates_and_keeps_less_than_plain():
+    model, cfg = _gated_llama()
+    batch = _batch(cfg)
+    regions = [type(m).__name__ for m in model.layers[0].modules() if is_norm_act_module(m)]
+    assert regions == ["RMSNorm", "RMSNorm", "SwiGLUGate"]
+    assert not any(is_norm_act_module(m) for m in (torch.nn.SiLU(), torch.nn.GLU(), torch.nn.Linear(2, 2)))
+    plain, mm_plain = _kept_after_forward(model, batch, offload_activations(model, 0, **CPU))
+    eng = offload_activations(model, 0, recompute="norm-act", **CPU)
+    SwiGLUGate.calls = 0
+    kept, mm_kept = _kept_after_forward(model, batch, eng)
+    assert SwiGLUGate.calls == 2 * 3  # each gate ran in the forward and once more in the backward
+    assert mm_kept == mm_plain  # no matmul output is kept or dropped
+    # Per block at least the SiLU output (bf16, tokens x ffn) is gone; the norms' fp32 outputs on the CPU too.
+    t = cfg.batch_size * cfg.seq_len
+    assert plain - kept >= 3 * t * (cfg.ffn_dim * 2 + 2 * cfg.dim * 4)
+    assert eng.stats.last_recompute_cached_bytes == 0 and eng.stats.last_recompute_blocks == [0, 1, 2]
+    # Marked modules: lgh_recompute=True forces a region, False forbids one.
+    model.layers[0].attn_norm.lgh_recompute = False
+    model.layers[0].attn.lgh_recompute = True
+    rc = BlockRecompute(list(model.layers), "norm-act")
+    assert [type(m).__name__ for m in rc.regions[0]] == ["Attention", "RMSNorm", "SwiGLUGate"]
 
 
 # ------------------------------------------------------------------------------------- the planner
@@ -204,6 +265,8 @@ def test_already_checkpointed_or_compiled_blocks_are_refused_not_wrapped_twice()
     model.layers[0] = torch.compile(model.layers[0], backend="aot_eager")
     with pytest.raises(ValueError, match="block 0 .* torch.compile'd"):
         offload_activations(model, 0, recompute="full", blocks="layers", **CPU).begin_forward()
+    with pytest.raises(ValueError, match="block 0 .* torch.compile'd"):
+        offload_activations(model, 0, recompute="norm-act", blocks="layers", **CPU).begin_forward()
     # Two engines on one model: the second sees the first's wrapper during the first's forward.
     model, cfg = _llama()
     first = offload_activations(model, 0, recompute="selective", **CPU)
@@ -212,6 +275,12 @@ def test_already_checkpointed_or_compiled_blocks_are_refused_not_wrapped_twice()
         with pytest.raises(ValueError, match="already recomputes under another ActivationOffload engine"):
             second.apply([0])
     assert all("forward" not in b.__dict__ for b in model.layers)
+    first = offload_activations(model, 0, recompute="norm-act", **CPU)
+    with first:
+        assert "forward" in model.layers[0].attn_norm.__dict__ and "forward" not in model.layers[0].__dict__
+        with pytest.raises(ValueError, match=r"recompute='selective': block 0 .*already recomputes under another"):
+            BlockRecompute(list(model.layers), "selective").apply([0])
+    assert all("forward" not in m.__dict__ for m in model.modules())
 
 
 def test_no_grad_forward_is_untouched():
@@ -223,8 +292,9 @@ def test_no_grad_forward_is_untouched():
     assert off.stats.recompute_forwards == 0 and off.stats.saved_tensors == 0
 
 
-def test_gradient_accumulation_two_forwards_before_one_backward():
-    model, cfg = _llama()
+@pytest.mark.parametrize("mode", ["selective", "norm-act"])
+def test_gradient_accumulation_two_forwards_before_one_backward(mode):
+    model, cfg = _gated_llama()
     b1, b2 = _batch(cfg, 1), _batch(cfg, 2)
 
     def run(ctx):
@@ -237,7 +307,7 @@ def test_gradient_accumulation_two_forwards_before_one_backward():
         return [p.grad.clone() for p in model.parameters()]
 
     plain = run(contextlib.nullcontext())
-    off = offload_activations(model, 1, recompute="selective", **CPU)
+    off = offload_activations(model, 1, recompute=mode, **CPU)
     assert _equal(run(off), plain)
     assert off.stats.recompute_forwards == 2 and off.stats.on_demand_reloads == 0
 

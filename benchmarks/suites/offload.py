@@ -13,6 +13,9 @@ Lightning ``Trainer(precision="bf16-mixed")`` full steps (forward, backward, fus
   ours auto + recompute ActivationOffload(policy="auto", recompute="selective"): offload what the link hides,
                         selective recompute in the other blocks
   ours auto + full recompute   the same with recompute="full" in the other blocks
+  norm-act only         ActivationOffload(policy=0, recompute="norm-act"): no offload, every block checkpoints
+                        only its norm and gated-activation modules (no dispatch mode)
+  ours auto + norm-act  ActivationOffload(policy="auto", recompute="norm-act")
   --offload-variants picks some of them ("no offload" always runs first: it is the ratio base).
   peak activation memory = the step's peak allocation minus parameters and optimizer state; loss parity
   = the largest |loss - plain loss| over all steps.
@@ -231,6 +234,20 @@ def _fwdbwd_variant(ctx: BenchContext, cfg, name: str, label: str, make_ctx: Cal
 # ------------------------------------------------------------------------------------------- suite
 
 
+def _print_norm_act_regions(cfg) -> None:
+    """Which submodules of one block recompute="norm-act" checkpoints (built on the meta device: no memory)."""
+    from lightning_gh.demo.model import Block
+    from lightning_gh.offload.recompute import is_norm_act_module
+
+    try:
+        with torch.device("meta"):
+            blk = Block(cfg)
+        names = [n for n, m in blk.named_modules() if m is not blk and is_norm_act_module(m)]
+    except Exception as e:  # the demo's Block changed shape: say so, the run goes on
+        names = [f"? ({type(e).__name__}: {e})"]
+    print(f"[offload] recompute='norm-act' checkpoints in each block: {', '.join(names) or 'nothing'}")
+
+
 def run(ctx: BenchContext) -> list[Result]:
     if not ctx.cuda:
         raise SystemExit("suite offload measures GPU memory and copies over the host link: run it on a CUDA GPU")
@@ -257,8 +274,12 @@ def run(ctx: BenchContext) -> list[Result]:
             ("recompute only", ours(0, recompute="selective"), False),
             ("ours auto + recompute", ours("auto", recompute="selective"), False),
             ("ours auto + full recompute", ours("auto", recompute="full"), False),
+            ("norm-act only", ours(0, recompute="norm-act"), False),
+            ("ours auto + norm-act", ours("auto", recompute="norm-act"), False),
         ]
         chosen = _chosen(ctx, [v[0] for v in variants])
+        if any("norm-act" in v for v in chosen):
+            _print_norm_act_regions(cfg)
         rows: dict[str, tuple[Result, _StepMemory]] = {}
         for variant, cbs, ckpt in variants:
             if variant not in chosen:
@@ -289,6 +310,9 @@ def run(ctx: BenchContext) -> list[Result]:
                 ("ours auto + recompute", lambda m: offload_activations(m, "auto", recompute="selective"), False,
                  True),
                 ("ours auto + full recompute", lambda m: offload_activations(m, "auto", recompute="full"), False,
+                 False),
+                ("norm-act only", lambda m: offload_activations(m, 0, recompute="norm-act"), False, False),
+                ("ours auto + norm-act", lambda m: offload_activations(m, "auto", recompute="norm-act"), False,
                  False),
             ]
             for variant, make, ckpt, with_timeline in fwdbwd:

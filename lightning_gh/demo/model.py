@@ -171,15 +171,24 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class SwiGLUGate(nn.Module):
+    """``silu(gate) * up``. A module of its own (no parameters) so that memory tools can recompute it:
+    ``ActivationOffload(recompute="norm-act")`` checkpoints it instead of keeping its SiLU output."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+        self.gate = SwiGLUGate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.gate(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):

@@ -66,9 +66,8 @@ class BlockProfile:
         offloadable_bytes: bytes of saved activations the engine may move (after skipping parameters,
             small tensors and duplicate views).
         resident_bytes: other saved bytes of the block, which always stay on the device.
-        recompute_kept_bytes: bytes the block would keep if it recomputed (``"selective"``: its inputs and the
-            outputs of its matmuls and attention; ``"full"``: its inputs), measured in a step that did not;
-            ``None``: not measured.
+        recompute_kept_bytes: bytes the block keeps when it recomputes, measured in the first forward in which
+            it did (what reached the engine's hooks plus the selective cache); ``None``: not measured.
     """
 
     forward_ms: float
@@ -178,7 +177,7 @@ class OffloadPlan:
         notes: human-readable reasons (what limited the choice).
         recompute: blocks that recompute their saved activations in the backward instead of keeping
             them (never an offloaded block); see :func:`plan_with_recompute`.
-        recompute_mode: ``"selective"`` or ``"full"`` when ``recompute`` is not empty.
+        recompute_mode: ``"norm-act"``, ``"selective"`` or ``"full"`` when ``recompute`` is not empty.
     """
 
     policy: str
@@ -204,7 +203,7 @@ class OffloadPlan:
                 raise ValueError(f"OffloadPlan.recompute holds block {i}: it must be a block in [0, {n - 1}] "
                                  "that the plan does not offload.")
         if self.recompute and self.recompute_mode is None:
-            raise ValueError("OffloadPlan.recompute_mode must name the mode ('selective' or 'full') when "
+            raise ValueError("OffloadPlan.recompute_mode must name the mode ('norm-act', 'selective' or 'full') when "
                              "recompute lists blocks.")
 
     @property
@@ -561,13 +560,13 @@ def plan_with_recompute(
 
     The offload part is unchanged: what the link hides does not depend on the other blocks' memory, and
     recomputation only lengthens their backward, which leaves more time for the reloads. With a
-    ``profile`` whose blocks carry ``recompute_kept_bytes`` (measured for ``mode``), the forecast is redone
+    ``profile`` whose blocks carry ``recompute_kept_bytes`` (measured with ``mode`` on), the forecast is redone
     with the recomputing blocks keeping only that. The recompute time is not modelled: it is the
     recomputed ops' forward time, added to the backward.
 
     Args:
         plan: an offload plan (its ``recompute`` is replaced).
-        mode: ``"selective"``, ``"full"`` or ``None``.
+        mode: ``"norm-act"``, ``"selective"``, ``"full"`` or ``None``.
         profile: the step the plan was made from (optional; for the forecast).
         d2h_gbps / h2d_gbps / margin: as for :func:`plan_auto` (needed with ``profile``).
 
@@ -585,8 +584,8 @@ def plan_with_recompute(
         pred = None
     if mode is None:
         return replace(plan, recompute=(), recompute_mode=None, prediction=pred, notes=notes)
-    if mode not in ("selective", "full"):
-        raise ValueError(f"mode={mode!r} is not valid; use None, 'selective' or 'full'.")
+    if mode not in ("norm-act", "selective", "full"):
+        raise ValueError(f"mode={mode!r} is not valid; use None, 'norm-act', 'selective' or 'full'.")
     blocks = tuple(i for i in range(plan.n_blocks) if not plan.offloads(i))
     if blocks and profile is not None and pred is not None and d2h_gbps and h2d_gbps \
             and all(profile.blocks[i].recompute_kept_bytes is not None for i in blocks):
@@ -603,8 +602,10 @@ def plan_with_recompute(
                           pred.offloaded_bytes, freed)
         saved = sum(profile.blocks[i].saved_bytes for i in blocks) / len(blocks) / _MIB
         notes += (f"recompute: {mode} in blocks {_ranges(blocks)}: each keeps {saved - freed / len(blocks) / _MIB:.1f} "
-                  f"of the {saved:.1f} MiB it saved in the measured steps (mean); the recompute time (their "
-                  "recomputed ops' forward, in the backward) is not in the stall forecast",)
+                  f"of the {saved:.1f} MiB it saved without recompute (mean, both measured); the recompute time "
+                  "(their recomputed ops' forward, in the backward) is not in the stall forecast",)
     elif blocks:
-        notes += (f"recompute: {mode} in blocks {_ranges(blocks)} (saving not forecast: no measured profile)",)
+        why = ("measured in the first recomputing forward, then logged" if profile is not None
+               else "no measured profile")
+        notes += (f"recompute: {mode} in blocks {_ranges(blocks)} (saving not forecast yet: {why})",)
     return replace(plan, recompute=blocks, recompute_mode=mode if blocks else None, prediction=pred, notes=notes)

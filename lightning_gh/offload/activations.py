@@ -19,10 +19,12 @@ knows which block is running from forward pre/post hooks on the blocks. For bloc
   subclasses, blocks the plan keeps (by default the last one, whose activations backward uses first) and
   everything outside the blocks. Views and repeated saves of one storage within a block share one copy.
 
-With ``recompute="selective"`` (or ``"full"``), the blocks the plan does not offload recompute what they
-saved in the backward instead of keeping it (:mod:`lightning_gh.offload.recompute`): offload what the
-link can hide, recompute the cheap rest. Those blocks run inside a checkpoint whose own hooks shadow the
-engine's, so the engine sees (and keeps) only their inputs.
+With ``recompute="norm-act"``, ``"selective"`` or ``"full"``, the blocks the plan does not offload
+recompute what they saved in the backward instead of keeping it (:mod:`lightning_gh.offload.recompute`):
+offload what the link can hide, recompute the cheap rest. Under ``"selective"``/``"full"`` those blocks run
+inside a checkpoint whose own hooks shadow the engine's, so the engine sees (and keeps) only their inputs;
+under ``"norm-act"`` only their norm and gate modules do. What the recomputing blocks keep is measured in
+the first forward that recomputes, and the plan's forecast is redone from that measurement.
 
 Without CUDA, ``backend="auto"`` warns once and leaves the run untouched. ``backend="host-copy"`` runs the
 same hooks, plan and pool on any device, copying synchronously through a separate host buffer: it is the
@@ -63,7 +65,7 @@ from lightning_gh.offload.activation_policy import (
     plan_none,
     plan_with_recompute,
 )
-from lightning_gh.offload.recompute import RECOMPUTE_MODES, BlockRecompute, heavy_output_bytes
+from lightning_gh.offload.recompute import RECOMPUTE_MODES, BlockRecompute
 from lightning_gh.offload.superoffload_memory import available_host_bytes
 
 __all__ = [
@@ -445,6 +447,8 @@ class OffloadStats:
     recompute_forwards: int = 0  # forwards in which some blocks recomputed
     last_recompute_blocks: list[int] = field(default_factory=list)
     last_recompute_cached_bytes: int = 0  # what the selective caches of those blocks held (not via the hooks)
+    # per recomputing block: what it kept (bytes through the hooks + its selective cache), latest forward
+    last_recompute_kept_by_block: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -485,11 +489,6 @@ class _Forward:
         self.bwd_point = n + 1
         self.prefetched: set[int] = set()
         self.marks: dict[Any, Any] = {}
-        # Profiling with recompute on: what each block would keep if it recomputed (see _make_post).
-        self.input_bytes = [0] * n
-        self.heavy_bytes: list[int | None] = [0] * n
-        self.input_nodes: dict[int, set[int]] = {}
-        self.seen_nodes: set[int] = set()
 
 
 # ------------------------------------------------------------------------------------------ the blocks
@@ -576,11 +575,14 @@ class ActivationOffloader:
             cast the parameter again when the backward needs it (bitwise the same; a parameter changed in
             place between forward and backward is an error). Frees about 2 bytes per parameter during the
             backward for one extra read of the weights.
-        recompute: ``None`` (default), ``"selective"`` or ``"full"``: the blocks the plan does not offload
-            recompute their saved activations in the backward. ``"selective"`` keeps the outputs of matmuls
-            and attention and recomputes the memory-bound rest (norms, rotary, SiLU, products, casts);
-            ``"full"`` keeps only the block inputs. ``"auto"`` measures the blocks without it, plans the
-            offload, then recomputes the blocks it does not offload (the log lists both).
+        recompute: ``None`` (default), ``"norm-act"``, ``"selective"`` or ``"full"``: the blocks the plan does
+            not offload recompute part of their saved activations in the backward. ``"norm-act"`` checkpoints
+            only their normalisation and gated-activation modules (no dispatch mode; see
+            :func:`lightning_gh.offload.recompute.is_norm_act_module`); ``"selective"`` keeps the outputs of
+            matmuls and attention and recomputes the memory-bound rest (norms, rotary, SiLU, products, casts)
+            through a dispatch mode; ``"full"`` keeps only the block inputs. ``"auto"`` measures the blocks
+            without it, plans the offload, recomputes the blocks it does not offload (the log lists both),
+            and forecasts the saving again from the first recomputing forward's measurement.
         on_plan: called with each plan the engine adopts (default: log it at INFO).
     """
 
@@ -628,6 +630,7 @@ class ActivationOffloader:
         self.recompute_param_casts = bool(recompute_param_casts)
         self.recompute = recompute
         self._rc: BlockRecompute | None = None
+        self._rc_forecast_done = False
         self.on_plan = on_plan or (lambda plan: log.info("ActivationOffload %s", plan.describe()))
 
         self.stats = OffloadStats()
@@ -753,6 +756,8 @@ class ActivationOffloader:
             self.stats.recompute_forwards += 1
             self.stats.last_recompute_blocks = list(applied)
             self.stats.last_recompute_cached_bytes = sum(self._rc.cached_bytes[i] or 0 for i in applied)
+            self.stats.last_recompute_kept_by_block = {
+                i: fwd.resident[i] + fwd.used[i] + (self._rc.cached_bytes[i] or 0) for i in applied}
         with self._lock:
             for point in sorted(fwd.pending):
                 self._release_point(fwd, point)
@@ -764,6 +769,8 @@ class ActivationOffloader:
             self.stats.last_offloaded_by_block = list(fwd.used)
             self.stats.last_resident_bytes = sum(fwd.resident)
             self._event("forward-end", fwd.n)
+        if applied:
+            self._forecast_recompute(fwd.plan)
         if not fwd.profiling and self.policy != "auto" and self._last_fixed_report < 0:
             self._last_fixed_report = fwd.index
             log.info("ActivationOffload: first offloaded forward moved %.2f GiB (%d blocks), %.2f GiB of saved "
@@ -777,6 +784,30 @@ class ActivationOffloader:
         for fwd in self._profiles:
             if "bwd_end" not in fwd.marks and fwd.bwd_point <= fwd.n:
                 fwd.marks["bwd_end"] = self._clock.mark()
+
+    def _forecast_recompute(self, plan: OffloadPlan) -> None:
+        """Redo the plan's forecast once, from what the recomputing blocks kept in this (their first) forward.
+
+        Measured, not predicted from the graph: the first forward that recomputes counts, per block, the
+        bytes that reached the engine (inputs of the checkpoints, and for ``"norm-act"`` everything the block
+        saves outside its norm and gate modules) plus what the selective caches hold. Needs the profile the
+        plan was made from (``"auto"``); a fixed or restored plan states no forecast.
+        """
+        if self._rc_forecast_done or self.profile is None or plan is not self.plan \
+                or plan.prediction is None or not plan.recompute:
+            return
+        kept = self.stats.last_recompute_kept_by_block
+        if set(kept) != set(plan.recompute):
+            return
+        from dataclasses import replace
+
+        blocks = tuple(replace(b, recompute_kept_bytes=kept[i]) if i in kept else b
+                       for i, b in enumerate(self.profile.blocks))
+        self.profile = replace(self.profile, blocks=blocks)
+        self._rc_forecast_done = True
+        d2h, h2d = self._link_gbps()
+        self.plan = plan_with_recompute(plan, self.recompute, self.profile, d2h, h2d, self.margin)
+        self.on_plan(self.plan)
 
     def close(self) -> None:
         """Remove hooks and drop the free host buffers."""
@@ -857,8 +888,6 @@ class ActivationOffloader:
                 fwd.current = index
                 if fwd.profiling:
                     fwd.marks[("fs", index)] = self._clock.mark()
-                    if self.recompute is not None:
-                        self._note_inputs(fwd, index, args)
                 self._event("block-start", index)
 
         return pre
@@ -872,33 +901,11 @@ class ActivationOffloader:
                 fwd.current = None
                 if fwd.profiling:
                     fwd.marks[("fe", index)] = self._clock.mark()
-                    if self.recompute == "selective":
-                        fwd.heavy_bytes[index] = heavy_output_bytes(output, fwd.input_nodes.pop(index, set()),
-                                                                    fwd.seen_nodes)
                 if index == fwd.n - 1:
                     self._release_point(fwd, fwd.n)
                 self._event("block-end", index)
 
         return post
-
-    def _note_inputs(self, fwd: _Forward, index: int, args: Any) -> None:
-        """A block's tensor inputs: what a recomputing block keeps (the checkpoint saves them), and where
-        the graph walk of its heavy outputs stops."""
-        nodes, ptrs, nbytes = set(), set(), 0
-        for a in args if isinstance(args, tuple) else (args,):
-            if not isinstance(a, torch.Tensor):
-                continue
-            if a.grad_fn is not None:
-                nodes.add(id(a.grad_fn))
-            try:
-                st = a.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue
-            if st.data_ptr() not in self._param_ptrs and st.data_ptr() not in ptrs:
-                ptrs.add(st.data_ptr())
-                nbytes += st.nbytes()
-        fwd.input_nodes[index] = nodes
-        fwd.input_bytes[index] = nbytes
 
     def _skip_reason(self, t: torch.Tensor, ptr: int, nbytes: int) -> str | None:
         if type(t) is not torch.Tensor:
@@ -1224,13 +1231,10 @@ class ActivationOffloader:
                 b = ms(m[("b", i)], m[("b", i - 1)])
             else:
                 b = ms(m[("b", 0)], m["bwd_end"]) if "bwd_end" in m else 2.0 * f
-            kept = None
-            if self.recompute is not None and fwd.heavy_bytes[i] is not None:
-                kept = fwd.input_bytes[i] + (fwd.heavy_bytes[i] if self.recompute == "selective" else 0)
             # fwd.resident also counts offloadable bytes that stayed (all of them while profiling); the profile's
             # resident bytes are the others, so that offloadable + resident is what the block saved.
             resident = max(fwd.resident[i] - (fwd.offloadable[i] - fwd.used[i]), 0)
-            blocks.append(BlockProfile(max(f, 0.0), max(b, 0.0), fwd.offloadable[i], resident, kept))
+            blocks.append(BlockProfile(max(f, 0.0), max(b, 0.0), fwd.offloadable[i], resident))
         bstart = m.get(("b", n), m["fwd_end"])
         return StepProfile(tuple(blocks), max(ms(m[("fe", n - 1)], m["fwd_end"]), 0.0),
                            max(ms(bstart, m[("b", n - 1)]), 0.0), fwd.other)
@@ -1289,8 +1293,9 @@ def validate_options(*, policy: Any, min_tensor_bytes: Any, skip_last_blocks: An
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not valid; use one of {BACKENDS}.")
     if recompute is not None and (not isinstance(recompute, str) or recompute not in RECOMPUTE_MODES):
-        raise ValueError(f"recompute={recompute!r} is not valid; use None (keep what the blocks save), 'selective' "
-                         "(recompute all but matmul and attention outputs) or 'full' (keep only the block inputs).")
+        raise ValueError(f"recompute={recompute!r} is not valid; use None (keep what the blocks save), 'norm-act' "
+                         "(recompute the norm and gated-activation modules), 'selective' (recompute all but matmul "
+                         "and attention outputs) or 'full' (keep only the block inputs).")
     if bandwidth_gbps is not None:
         vals = bandwidth_gbps if isinstance(bandwidth_gbps, (tuple, list)) else (bandwidth_gbps,)
         if len(vals) not in (1, 2) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0

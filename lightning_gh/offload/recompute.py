@@ -1,11 +1,21 @@
-"""Recompute in the backward what a transformer block saved for it: selectively (the cheap ops) or fully.
+"""Recompute in the backward what a transformer block saved for it: its norms and gates, its cheap ops, or all.
+
+``"norm-act"`` needs no dispatch mode: inside the block, the normalisation modules and the gated activation
+modules each run in a small non-reentrant checkpoint (Megatron-LM calls this recomputing the ``layernorm``
+and activation modules). What such a module saves inside (an unfused norm's fp32 normalised input, the
+SiLU output that the gate product saves) is recomputed from the module's inputs when the backward reaches
+it; everything else the block saves still goes through the offload engine's hooks. Which modules: see
+:func:`is_norm_act_module`. Torch's own fused norms (``F.rms_norm``/``F.layer_norm`` on CUDA) save only
+their input and per-row statistics, so checkpointing them frees nothing there: the engine measures what
+the recomputing blocks keep in their first recomputing forward instead of assuming it.
 
 ``"selective"`` is PyTorch's selective activation checkpointing (``torch.utils.checkpoint`` with
 ``create_selective_checkpoint_contexts``): the outputs of the compute-heavy ops (matrix products and
 scaled-dot-product attention) are kept, everything else a block saves (norms, which autocast runs in
 fp32, rotary embeddings, SiLU and the gate product, dtype casts) is recomputed from them when the backward
-reaches the block. Those ops are memory-bound: recomputing them costs a few percent of the block's time
-and frees about half of what it saves. ``"full"`` keeps only the block's inputs (classic activation
+reaches the block. Those ops are memory-bound, a few percent of the block's GPU time, and it frees about
+half of what the block saves; but the dispatch mode runs Python for every op in the forward and again in
+the recompute, which cost 19% of the step on the H200 medium run (2026-11-21). ``"full"`` keeps only the block's inputs (classic activation
 checkpointing): the forward runs twice.
 
 The offload engine (:mod:`lightning_gh.offload.activations`) applies this to the blocks its plan does not
@@ -18,6 +28,9 @@ How it meets the offload hooks: inside a checkpoint, autograd's saved tensors go
 its own cache, not as saved tensors. The engine therefore sees only the block's inputs (the checkpoint
 saves them before entering its hooks): it keeps them on the device and counts them as the block's resident
 bytes. Blocks the plan offloads are not wrapped, so everything they save still reaches the engine.
+
+For ``"norm-act"`` the engine's hooks still see everything the block saves outside those small
+checkpoints (including their inputs), so its block boundaries and backward points are unchanged.
 
 Example::
 
@@ -36,19 +49,12 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["RECOMPUTE_MODES", "BlockRecompute", "check_recomputable", "compute_heavy_ops", "selective_policy",
-           "heavy_output_bytes"]
+__all__ = ["RECOMPUTE_MODES", "RECOMPUTE_ATTR", "BlockRecompute", "check_recomputable", "compute_heavy_ops",
+           "is_norm_act_module", "selective_policy"]
 
-RECOMPUTE_MODES = ("selective", "full")
+RECOMPUTE_MODES = ("selective", "full", "norm-act")
+RECOMPUTE_ATTR = "lgh_recompute"  # a module attribute: True forces a "norm-act" region, False forbids one
 _MARK = "_lgh_recompute_forward"
-
-# Autograd node names of the ops selective recompute keeps (their output sizes are in the node's metadata).
-_HEAVY_NODES = frozenset({
-    "MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0", "ScaledMmBackward0",
-    "ScaledDotProductFlashAttentionBackward0", "ScaledDotProductEfficientAttentionBackward0",
-    "ScaledDotProductCudnnAttentionBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
-    "ScaledDotProductFusedAttentionOverrideableBackward0",
-})
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,7 +97,7 @@ def check_recomputable(block: nn.Module, index: int, mode: str) -> None:
     mro = {c.__name__ for c in type(block).__mro__}
     if mro & {"CheckpointWrapper", "OffloadWrapper", "ActivationWrapper"}:
         what = f"is wrapped in {type(block).__name__} (activation checkpointing or offload already)"
-    elif getattr(block.__dict__.get("forward"), _MARK, False):
+    elif any(getattr(m.__dict__.get("forward"), _MARK, False) for m in block.modules()):
         what = "already recomputes under another ActivationOffload engine"
     elif "OptimizedModule" in mro or getattr(block, "_compiled_call_impl", None) is not None:
         what = ("is torch.compile'd (the compiler's partitioner already recomputes cheap pointwise ops; "
@@ -105,51 +111,34 @@ def check_recomputable(block: nn.Module, index: int, mode: str) -> None:
         except Exception:  # torch built without distributed, or the private API moved
             pass
         if what is None and any(type(m).__module__.startswith("transformer_engine") for m in block.modules()):
-            what = ("runs Transformer Engine layers, whose GEMMs are not aten ops: selective recompute would "
-                    "recompute them too")
+            what = ("runs Transformer Engine layers (their GEMMs are not aten ops, so selective recompute would "
+                    "recompute them, and a recompute would update their fp8 scaling state a second time)")
     if what is not None:
         raise ValueError(f"recompute={mode!r}: block {index} ({type(block).__name__}) {what}. Remove the other "
                          "mechanism, or use recompute=None.")
 
 
-def heavy_output_bytes(output: Any, stop: set[int], seen: set[int], limit: int = 100_000) -> int | None:
-    """Bytes of the heavy ops' outputs in the autograd graph from ``output`` back to the ``stop`` nodes.
+def is_norm_act_module(module: nn.Module) -> bool:
+    """Whether ``recompute="norm-act"`` runs ``module`` in a checkpoint of its own.
 
-    What ``"selective"`` would keep of a block that ran without it, from autograd's own metadata; nodes in
-    ``seen`` (earlier blocks') are not walked and new ones are added. ``None`` when the graph does not
-    carry the metadata (an older torch).
+    ``True`` for a module whose ``lgh_recompute`` attribute is ``True``; otherwise for a leaf module (no
+    children) that is a normalisation (``nn.LayerNorm``, ``nn.RMSNorm``, or a class name ending in ``"Norm"``
+    such as ``LlamaRMSNorm``) or a parameter-free gated activation (a class name ending in ``"GLU"`` or
+    ``"Gate"``, e.g. ``SwiGLUGate`` computing ``silu(gate) * up``), and whose ``lgh_recompute`` is not
+    ``False``. Plain activation modules (``nn.SiLU``, ``nn.GELU``, ``nn.GLU``) are left out: one op that
+    saves only its input frees nothing when checkpointed alone.
     """
-    tensors = [t for t in _tensors(output) if t.grad_fn is not None]
-    todo = [t.grad_fn for t in tensors]
-    total = 0
-    while todo and limit > 0:
-        node = todo.pop()
-        if node is None or id(node) in seen or id(node) in stop:
-            continue
-        seen.add(id(node))
-        limit -= 1
-        if type(node).__name__ in _HEAVY_NODES:
-            try:
-                meta = node._input_metadata
-            except AttributeError:
-                return None
-            for m in meta:
-                numel = 1
-                for s in m.shape:
-                    numel *= int(s)
-                total += numel * torch.empty(0, dtype=m.dtype).element_size()
-        todo.extend(f for f, _ in node.next_functions if f is not None)
-    return total
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
+    flag = getattr(module, RECOMPUTE_ATTR, None)
+    if flag is not None:
+        return flag is True
+    if next(module.children(), None) is not None:
+        return False
+    name = type(module).__name__
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or name.endswith("Norm"):
+        return True
+    if isinstance(module, nn.GLU) or type(module).__module__.startswith("torch.nn"):
+        return False
+    return name.endswith(("GLU", "Gate")) and next(module.parameters(), None) is None
 
 
 def _cached_bytes(storage: Any) -> int:
@@ -178,16 +167,20 @@ def _cached_bytes(storage: Any) -> int:
 
 
 class BlockRecompute:
-    """Wraps chosen blocks' forwards in a non-reentrant checkpoint (selective or full), and unwraps them.
+    """Wraps chosen blocks' forwards (or, for ``"norm-act"``, their norm and gate modules' forwards) in
+    non-reentrant checkpoints, and unwraps them.
 
     Args:
         blocks: the transformer blocks, in forward order.
-        mode: ``"selective"`` (keep matmul and attention outputs, recompute the rest) or ``"full"``.
+        mode: ``"selective"`` (keep matmul and attention outputs, recompute the rest), ``"full"``, or
+            ``"norm-act"`` (checkpoint each of the block's :func:`is_norm_act_module` submodules).
         preserve_rng_state: restore the RNG in the recompute (dropout gives the same mask).
 
     Attributes:
         cached_bytes: per block, the bytes the selective cache held after the block's latest wrapped
-            forward (``0`` for ``"full"``; ``None`` for blocks not wrapped since :meth:`reset_counts`).
+            forward (``0`` for ``"full"`` and ``"norm-act"``; ``None`` for blocks not wrapped since
+            :meth:`reset_counts`).
+        regions: per block, the submodules ``"norm-act"`` checkpoints (empty for the other modes).
     """
 
     def __init__(self, blocks: Sequence[nn.Module], mode: str, preserve_rng_state: bool = True) -> None:
@@ -197,7 +190,11 @@ class BlockRecompute:
         self.mode = mode
         self.preserve_rng_state = preserve_rng_state
         self.cached_bytes: list[int | None] = [None] * len(self.blocks)
-        self._applied: dict[int, Any] = {}  # block index -> its previous instance forward, or _ABSENT
+        self.regions: list[list[nn.Module]] = [
+            [m for m in b.modules() if m is not b and is_norm_act_module(m)] if mode == "norm-act" else []
+            for b in self.blocks]
+        # block index -> [(wrapped module, its previous instance forward or _ABSENT)]
+        self._applied: dict[int, list[tuple[nn.Module, Any]]] = {}
 
     def check(self) -> None:
         for i, b in enumerate(self.blocks):
@@ -216,17 +213,36 @@ class BlockRecompute:
                 continue
             block = self.blocks[i]
             check_recomputable(block, i, self.mode)  # cheap; catches another engine wrapping it meanwhile
-            self._applied[i] = block.__dict__.get("forward", _ABSENT)
-            block.forward = self._wrap(i, block.forward)
+            targets = self.regions[i] if self.mode == "norm-act" else [block]
+            done: list[tuple[nn.Module, Any]] = []
+            self._applied[i] = done
+            for m in targets:
+                done.append((m, m.__dict__.get("forward", _ABSENT)))
+                m.forward = self._wrap(i, m.forward) if m is block else self._wrap_region(m, m.forward)
+            self.cached_bytes[i] = 0 if self.mode == "norm-act" else self.cached_bytes[i]
 
     def remove(self) -> None:
-        for i, prev in self._applied.items():
-            block = self.blocks[i]
-            if prev is _ABSENT:
-                block.__dict__.pop("forward", None)
-            else:
-                block.forward = prev
+        for done in self._applied.values():
+            for m, prev in reversed(done):
+                if prev is _ABSENT:
+                    m.__dict__.pop("forward", None)
+                else:
+                    m.forward = prev
         self._applied = {}
+
+    def _wrap_region(self, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        from torch.utils.checkpoint import checkpoint
+
+        # Norms and gates draw no random numbers; only a module the user marked may (dropout inside).
+        rng = self.preserve_rng_state and getattr(module, RECOMPUTE_ATTR, None) is True
+
+        def region(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=rng, **kwargs)
+
+        region.__dict__[_MARK] = True
+        return region
 
     def _wrap(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
         from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts

@@ -361,3 +361,35 @@ def test_ragged_batch_fails_with_a_clear_error():
     plugin.convert_layers(model, device="cuda")
     with plugin.forward_context(), pytest.raises(ValueError, match="multiple of 16"):
         model(torch.randint(100, (1, 10), device="cuda"))
+
+
+class _ReplicaState(Callback):
+    """Each DDP rank writes its weights' checksum and fp8 amax histories, for the parent process to compare."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        weights = sum(p.detach().double().sum().item() for p in pl_module.parameters())
+        torch.save({"weights": weights, "amax": amax_histories(trainer.precision_plugin)},
+                   self.folder / f"rank{trainer.global_rank}.pt")
+
+
+@needs_fp8
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_ddp_on_two_gpus_shares_delayed_scaling_amax(tmp_path):
+    """Ranks see different batches; with the amax reduction over the DDP group their fp8 scales stay identical."""
+    L.seed_everything(0)
+    model = learnable_model()
+    trainer = L.Trainer(max_steps=6, accelerator="gpu", devices=2, strategy="ddp_spawn", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, plugins=[precision("fp8-te-delayed", min_dim=0)],
+                        callbacks=[_ReplicaState(tmp_path)])
+    trainer.fit(model, MarkovDataModule.for_model(model))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["weights"] == r1["weights"]
+    assert r0["amax"].keys() == r1["amax"].keys() and len(r0["amax"]) == 6 * 7 - 3
+    for name in r0["amax"]:
+        assert torch.equal(r0["amax"][name], r1["amax"][name]), name
+        assert r0["amax"][name].abs().sum() > 0, name  # histories were really filled

@@ -202,7 +202,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "parameters": model.config.num_params(),
         "steps": trainer.global_step,
         "wall_s": round(wall, 2),
-        "precision": str(trainer.precision),
+        # An fp8 plugin reports "bf16-mixed" as trainer.precision (what runs outside its layers); name the recipe too.
+        "precision": str(trainer.precision) + (f" ({name})" if (name := getattr(trainer.precision_plugin, "name", None))
+                                               else ""),
         "hardware": hw.describe(),
         "loss_first": first,
         "loss_last": last,

@@ -390,7 +390,7 @@ def test_dynamic_shapes_are_detected(tmp_path):
     def run():
         L.seed_everything(0, verbose=False)
         model = LlamaLM(CFG, lr=2e-3)
-        trainer = L.Trainer(accelerator="gpu", max_steps=16, logger=False, enable_checkpointing=False,
+        trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=16, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                             default_root_dir=tmp_path, callbacks=[cb])
         trainer.fit(model, VaryingLengthData.for_model(model, num_train_samples=4 * 40))

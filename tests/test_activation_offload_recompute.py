@@ -23,67 +23,37 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule, preset
+from lightning_gh.demo import LlamaLM, MarkovDataModule
+from lightning_gh.demo import model as demo_model
 from lightning_gh.offload import ActivationOffload, offload_activations
 from lightning_gh.offload.activation_policy import BlockProfile, StepProfile, plan_auto, plan_first_k, \
     plan_with_recompute
 from lightning_gh.offload.recompute import BlockRecompute, is_norm_act_module
 
-CPU = dict(backend="host-copy", min_tensor_bytes=1024)
+import test_activation_offload as plain_tests  # the engine tests: model, batch and step helpers
+from test_activation_offload import CPU, _batch, _equal, _llama
 
 
-def _llama(n_layers=3, seed=0):
-    cfg = preset("tiny", n_layers=n_layers)
-    torch.manual_seed(seed)
-    return Llama(cfg), cfg
-
-
-class SwiGLUGate(torch.nn.Module):
-    """``silu(gate) * up`` as a parameter-free module: what ``recompute="norm-act"`` can checkpoint alone."""
+class SwiGLUGate(demo_model.SwiGLUGate):
+    """The demo's gate module, counting its calls: how often ``recompute="norm-act"`` runs it."""
 
     calls = 0
 
     def forward(self, gate, up):
         SwiGLUGate.calls += 1
-        return F.silu(gate) * up
-
-
-class _GatedMLP(torch.nn.Module):
-    def __init__(self, mlp):
-        super().__init__()
-        self.w1, self.w3, self.w2 = mlp.w1, mlp.w3, mlp.w2
-        self.gate = SwiGLUGate()
-
-    def forward(self, x):
-        return self.w2(self.gate(self.w1(x), self.w3(x)))
+        return super().forward(gate, up)
 
 
 def _gated_llama(n_layers=3, seed=0):
-    """The demo Llama with its SiLU gate product in a module of its own (same parameters, same numbers)."""
+    """The demo Llama with counting gate modules (same parameters, same numbers)."""
     model, cfg = _llama(n_layers, seed)
     for blk in model.layers:
-        blk.mlp = _GatedMLP(blk.mlp)
+        blk.mlp.gate = SwiGLUGate()
     return model, cfg
 
 
-def _batch(cfg, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    tok = torch.randint(cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
-    return tok[:, :-1], tok[:, 1:]
-
-
 def _step(model, batch, ctx=None, autocast=torch.bfloat16):
-    model.zero_grad(set_to_none=True)
-    tokens, targets = batch
-    ac = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
-    with ctx if ctx is not None else contextlib.nullcontext(), ac:
-        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
-def _equal(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return plain_tests._step(model, batch, ctx, autocast)
 
 
 class _LiveOutputs(TorchDispatchMode):

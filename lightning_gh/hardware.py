@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
@@ -26,7 +27,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["HardwareInfo", "LinkBandwidth", "detect", "link_bandwidth", "classify", "cpu_view"]
+__all__ = [
+    "HardwareInfo", "LinkBandwidth", "ManagedBandwidth", "available_host_bytes", "coherent_host_memory",
+    "managed_bandwidth", "managed_memory_attributes", "classify", "cpu_view", "cpus_available", "detect",
+    "gpu_memory_room", "link_bandwidth",
+]
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores.
 HOPPER_CAPABILITY = (9, 0)
@@ -50,6 +55,9 @@ class HardwareInfo:
         host_arch: ``platform.machine()``.
         cpu_count: CPUs this process may use.
         torch_version / cuda_version: the runtime versions.
+        coherent_host_memory: the GPU reads host memory coherently through the host's page tables (Grace Hopper's
+            NVLink-C2C: ``cudaDevAttrPageableMemoryAccessUsesHostPageTables``); ``False`` on PCIe GPUs, ``None``
+            without CUDA or where the driver cannot be asked.
     """
 
     cuda_available: bool
@@ -66,6 +74,7 @@ class HardwareInfo:
     cpu_count: int
     torch_version: str
     cuda_version: str | None
+    coherent_host_memory: bool | None = None
 
     def describe(self) -> str:
         """One line for logs and reports."""
@@ -113,11 +122,62 @@ def classify(host_arch: str, compute_capability: tuple[int, int] | None) -> dict
     }
 
 
-def _cpu_count() -> int:
+def cpus_available() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    scale = 1024 if len(parts) > 1 and parts[1].lower() == "kb" else 1
+                    out[key.strip()] = int(parts[0]) * scale
+    except OSError:
+        pass
+    return out
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available to new allocations (``MemAvailable`` in ``/proc/meminfo``, bytes), or ``None``.
+
+    Read fresh on every call (it changes as the run allocates); ``psutil`` is not needed.
+    """
+    info = _meminfo()
+    if "MemAvailable" in info:
+        return info["MemAvailable"]
+    if "MemFree" in info:  # kernels before 3.14
+        return info["MemFree"] + info.get("Cached", 0)
+    return None
+
+
+def gpu_memory_room(device: torch.device | str) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of a CUDA device as this process's allocator sees them, or ``None`` for a
+    device that is not CUDA (or when the driver cannot be asked).
+
+    ``free`` is what the driver reports free (``torch.cuda.mem_get_info``), lowered to what is left under a
+    ``torch.cuda.set_per_process_memory_fraction`` cap. Memory torch's caching allocator already holds is not
+    counted as free: after an optimizer step it mostly holds the activations the next forward needs again.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = torch.cuda.get_per_process_memory_fraction(device) \
+            if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    except (RuntimeError, AssertionError):
+        return None
+    if fraction < 1.0:
+        free = min(free, max(0, int(fraction * total) - torch.cuda.memory_reserved(device)))
+    return int(free), int(total)
 
 
 def detect(device_index: int | None = None) -> HardwareInfo:
@@ -151,9 +211,10 @@ def _detect(device_index: int | None) -> HardwareInfo:
         gpu_memory_bytes=mem,
         gpu_count=count,
         host_arch=arch,
-        cpu_count=_cpu_count(),
+        cpu_count=cpus_available(),
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
+        coherent_host_memory=coherent_host_memory(idx) if cuda else None,
         **flags,
     )
 
@@ -162,7 +223,7 @@ def cpu_view(hw: HardwareInfo) -> HardwareInfo:
     """``hw`` as a process that trains on the CPU sees it: no GPU, no fp8, no host link."""
     return replace(hw, cuda_available=False, device_index=None, gpu_name=None, compute_capability=None,
                    gpu_memory_bytes=None, gpu_count=0, fp8_capable=False, is_hopper=False, is_grace_hopper=False,
-                   link=None)
+                   link=None, coherent_host_memory=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,3 +265,167 @@ def link_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> LinkBandwidth
         empty_host_cache()
     return LinkBandwidth(h2d_gbps=h2d, d2h_gbps=d2h, nbytes=nbytes)
 
+
+# CUDA device attributes that say how the GPU reaches host memory (cuda.h's CUdevice_attribute; the runtime's
+# cudaDeviceAttr has the same values). Read from the driver (libcuda) with ctypes: no compiler, no toolkit.
+_CU_ATTRIBUTES = {"managed_memory": 83, "pageable_memory_access": 88, "concurrent_managed_access": 89,
+                  "pageable_uses_host_page_tables": 100, "direct_managed_access_from_host": 101}
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return lib if lib.cuInit(0) == 0 else None
+
+
+@functools.lru_cache(maxsize=None)
+def managed_memory_attributes(device_index: int | None = None) -> dict[str, bool] | None:
+    """The CUDA device's managed-memory attributes (``managed_memory``, ``pageable_memory_access``,
+    ``concurrent_managed_access``, ``pageable_uses_host_page_tables``, ``direct_managed_access_from_host``), read from
+    the driver; ``None`` without CUDA or a readable driver. Cached.
+
+    Args:
+        device_index: the CUDA device (default: the current one).
+    """
+    if not torch.cuda.is_available():
+        return None
+    lib = _libcuda()
+    if lib is None:
+        return None
+    idx = torch.cuda.current_device() if device_index is None else int(device_index)
+    # The driver's ordinals follow CUDA_VISIBLE_DEVICES like the runtime's, so torch's index names the same GPU.
+    dev, out = ctypes.c_int(), {}
+    if lib.cuDeviceGet(ctypes.byref(dev), idx) != 0:
+        return None
+    for name, attr in _CU_ATTRIBUTES.items():
+        v = ctypes.c_int()
+        if lib.cuDeviceGetAttribute(ctypes.byref(v), attr, dev) != 0:
+            return None
+        out[name] = bool(v.value)
+    return out
+
+
+def coherent_host_memory(device_index: int | None = None) -> bool | None:
+    """Whether the GPU reads host memory coherently through the host's page tables (Grace Hopper's NVLink-C2C with
+    ATS); ``False`` on PCIe GPUs; ``None`` without CUDA or a readable driver.
+
+    Args:
+        device_index: the CUDA device (default: the current one).
+    """
+    attrs = managed_memory_attributes(device_index)
+    return None if attrs is None else attrs["pageable_uses_host_page_tables"]
+
+
+@dataclass(frozen=True)
+class ManagedBandwidth:
+    """GB/s (1e9 bytes/s) of GPU kernels on host-resident managed memory (preferred location host, accessed-by the
+    GPU, so read and written in place without migration), medians of several runs.
+
+    Attributes:
+        read_gbps: a kernel reading the buffer (a sum).
+        write_gbps: a kernel writing it (a fill).
+        rmw_gbps: an in-place update (an add), counting bytes read plus bytes written: what an optimizer does to
+            its moments.
+        device_rmw_gbps: the same update on ordinary GPU memory, for reference.
+        nbytes: the buffer's size.
+        coherent: :func:`coherent_host_memory` of the device.
+    """
+
+    read_gbps: float
+    write_gbps: float
+    rmw_gbps: float
+    device_rmw_gbps: float
+    nbytes: int
+    coherent: bool | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CudaArray:
+    """A raw device pointer as a tensor-convertible object (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, numel: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (numel,), "typestr": "<f4", "data": (ptr, False), "version": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def managed_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> ManagedBandwidth | None:
+    """Measure GPU reads, writes and in-place updates of host-resident managed memory once (cached); ``None``
+    without CUDA.
+
+    The buffer is allocated with ``cudaMallocManaged`` through the driver, advised to prefer the host and to be
+    accessed by the GPU, and populated on the host, so every kernel reaches it over the host link (NVLink-C2C on
+    Grace Hopper, PCIe elsewhere). It is refused unless it and 512 MiB fit in the GPU's free memory: on a GPU that is
+    not coherent with host memory, managed memory beyond that can hang the GPU.
+
+    Args:
+        nbytes: the buffer (a positive multiple of 4; 256 MiB by default).
+        repeats: timed runs per kernel after one warm-up; the median is reported.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or nbytes % 4:
+        raise ValueError(f"nbytes={nbytes!r} must be a positive multiple of 4.")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
+        raise ValueError(f"repeats={repeats!r} must be an int > 0.")
+    if not torch.cuda.is_available():
+        return None
+    idx = torch.cuda.current_device()
+    device = torch.device("cuda", idx)
+    room = gpu_memory_room(device)
+    if room is not None and nbytes + 512 * 2**20 > room[0]:
+        raise ValueError(f"managed_bandwidth(nbytes={nbytes}) needs {nbytes + 512 * 2**20} bytes free on {device} "
+                         f"(the buffer and 512 MiB); {room[0]} are free. Pass a smaller nbytes.")
+    lib = _libcuda()
+    if lib is None:
+        return None
+    ref = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # also makes torch's context current here
+    stream = torch.cuda.current_stream(device)
+    try:  # the location forms of advice and prefetch: drivers of CUDA 12.2 and newer
+        advise, prefetch, free = lib.cuMemAdvise_v2, lib.cuMemPrefetchAsync_v2, lib.cuMemFree_v2
+    except AttributeError:
+        return None
+    advise.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, _CUmemLocation]
+    prefetch.argtypes = [ctypes.c_uint64, ctypes.c_size_t, _CUmemLocation, ctypes.c_uint, ctypes.c_void_p]
+    free.argtypes = [ctypes.c_uint64]
+    host, gpu = _CUmemLocation(2, 0), _CUmemLocation(1, idx)  # CU_MEM_LOCATION_TYPE_HOST / _DEVICE
+    ptr = ctypes.c_uint64()
+    if lib.cuMemAllocManaged(ctypes.byref(ptr), ctypes.c_size_t(nbytes), 1) != 0:  # CU_MEM_ATTACH_GLOBAL
+        return None
+    try:
+        # 3: CU_MEM_ADVISE_SET_PREFERRED_LOCATION, 5: CU_MEM_ADVISE_SET_ACCESSED_BY
+        if (advise(ptr.value, nbytes, 3, host) or advise(ptr.value, nbytes, 5, gpu)
+                or prefetch(ptr.value, nbytes, host, 0, stream.cuda_stream)):
+            return None
+        buf = torch.as_tensor(_CudaArray(ptr.value, nbytes // 4), device=device)
+        buf.fill_(1.0)
+
+        def gbps(fn, moved: int) -> float:
+            fn()  # warm-up
+            samples = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                fn()
+                end.record(stream)
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3)
+            return moved / statistics.median(samples) / 1e9
+
+        result = ManagedBandwidth(
+            read_gbps=gbps(lambda: buf.sum(), nbytes), write_gbps=gbps(lambda: buf.fill_(1.0), nbytes),
+            rmw_gbps=gbps(lambda: buf.add_(1.0), 2 * nbytes), device_rmw_gbps=gbps(lambda: ref.add_(1.0), 2 * nbytes),
+            nbytes=nbytes, coherent=coherent_host_memory(idx))
+        del buf
+    finally:
+        torch.cuda.synchronize(device)
+        free(ptr.value)
+    del ref
+    torch.cuda.empty_cache()
+    return result

@@ -8,6 +8,7 @@ order are exercised, and gradients must be bitwise those of the plain run. GPU t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 
@@ -18,9 +19,17 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
+from lightning_gh import hardware
+from lightning_gh._host import HostMemoryError
+from lightning_gh.activation_offload import (
+    ActivationOffload,
+    ActivationOffloader,
+    ActivationOffloadOptions,
+    HostBufferPool,
+    find_blocks,
+    offload_activations,
+)
 from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule, preset
-from lightning_gh.offload import ActivationOffload, HostMemoryError, find_blocks, offload_activations
-from lightning_gh.offload import activations as act
 
 CPU = dict(backend="host-copy", min_tensor_bytes=1024)
 
@@ -256,7 +265,7 @@ def test_pool_allocates_only_in_the_first_step():
 
 
 def test_host_memory_guard_raises_a_clear_error_and_leaves_no_hooks(monkeypatch):
-    monkeypatch.setattr(act, "available_host_bytes", lambda: 4 * 2**20)
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: 4 * 2**20)
     model, cfg = _llama()
     batch = _batch(cfg)
     off = offload_activations(model, "all", host_memory_fraction=0.5, backend="host-copy", min_tensor_bytes=1024)
@@ -270,8 +279,8 @@ def test_host_memory_guard_raises_a_clear_error_and_leaves_no_hooks(monkeypatch)
 
 def _guarded_pool(monkeypatch, total=200 * 2**20, fraction=0.5):
     """A pool on a host with ``total`` bytes, of which the pool's own buffers are no longer available."""
-    pool = act.HostBufferPool(pin=False, host_memory_fraction=fraction)
-    monkeypatch.setattr(act, "available_host_bytes", lambda: total - pool.reserved_bytes)
+    pool = HostBufferPool(pin=False, host_memory_fraction=fraction)
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: total - pool.reserved_bytes)
     return pool
 
 
@@ -295,7 +304,7 @@ def test_pool_with_growing_sizes_stays_under_the_guard_while_little_is_in_use(mo
 
 def test_pool_best_fit_picks_the_smallest_large_enough_buffer():
     mib = 2**20
-    pool = act.HostBufferPool(pin=False)
+    pool = HostBufferPool(pin=False)
     big, mid, small = pool.acquire(16 * mib), pool.acquire(8 * mib), pool.acquire(2 * mib)
     for b in (big, mid, small):
         pool.release(b)
@@ -316,7 +325,7 @@ def test_pool_drops_the_oldest_free_buffer_first(monkeypatch):
 
 def test_pool_clear_drops_buffers_given_back_later(monkeypatch):
     mib = 2**20
-    pool = act.HostBufferPool(pin=False)
+    pool = HostBufferPool(pin=False)
     a, b = pool.acquire(4 * mib), pool.acquire(8 * mib)
     pool.release(a)
     pool.clear()
@@ -465,6 +474,72 @@ def test_argument_errors_name_the_argument(kwargs, match):
         offload_activations(nn.Linear(2, 2), policy, **kwargs)
 
 
+
+# ------------------------------------------------------------------------------------- options
+
+
+def test_options_are_frozen_and_validated_at_construction():
+    opts = ActivationOffloadOptions(policy=2, margin=0.5, bandwidth_gbps=[10, 20])
+    assert opts.bandwidth_gbps == (10, 20)  # a list becomes a tuple: the options stay immutable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.margin = 1.0
+    assert dataclasses.replace(opts, margin=1.0).margin == 1.0
+    with pytest.raises(ValueError, match=r"margin=-1 must be a number >= 0"):
+        dataclasses.replace(opts, margin=-1)
+    with pytest.raises(ValueError, match=r"policy='some' is not valid; use 'auto', 'all', or an int"):
+        ActivationOffloadOptions(policy="some")
+    with pytest.raises(ValueError, match=r"recompute='everything' is not valid; use None"):
+        ActivationOffloadOptions(recompute="everything")
+    with pytest.raises(TypeError, match=r"dedupe_casts='yes' must be a bool"):
+        ActivationOffloadOptions(dedupe_casts="yes")
+    model, _ = _llama()
+    assert ActivationOffloadOptions(blocks=list(model.layers)).blocks == tuple(model.layers)
+
+
+def test_blocks_of_the_wrong_type_fail_at_construction():
+    with pytest.raises(TypeError, match=r"blocks=5 must be None .* a submodule name .* or a list of modules; got a int"):
+        ActivationOffload(blocks=5)
+    with pytest.raises(ValueError, match=r"blocks=Linear must be a submodule name or a list of modules, not a single"):
+        ActivationOffload(blocks=nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"non-empty sequence of nn.Module"):
+        ActivationOffload(blocks=[])
+
+
+def test_callback_keywords_and_options_build_the_same_engine_options():
+    kwargs = dict(policy="all", min_tensor_bytes=1024, margin=0.5, skip_last_blocks=2, recompute="full",
+                  backend="host-copy", bandwidth_gbps=(8.0, 9.0), record_timeline=True)
+    opts = ActivationOffloadOptions(**kwargs)
+    by_kwargs, by_options = ActivationOffload(**kwargs), ActivationOffload(options=opts)
+    assert by_kwargs.options == by_options.options == opts
+    assert by_kwargs.state_key == by_options.state_key
+    model, _ = _llama()
+    assert ActivationOffloader(model, options=opts).options == offload_activations(model, **kwargs).options == opts
+    engine = ActivationOffloader(model, options=opts)
+    assert (engine.policy, engine.margin, engine.recompute, engine.record_timeline) == ("all", 0.5, "full", True)
+
+
+def test_options_and_keywords_together_are_a_clear_error():
+    opts = ActivationOffloadOptions(policy="all")
+    with pytest.raises(TypeError, match=r"ActivationOffload got both options= and margin=0.5: pass the options in one place"):
+        ActivationOffload(margin=0.5, options=opts)
+    with pytest.raises(TypeError, match=r"ActivationOffloader got both options= and policy=1"):
+        ActivationOffloader(nn.Linear(2, 2), 1, options=opts)
+    with pytest.raises(TypeError, match=r"ActivationOffload\(options=...\) must be an ActivationOffloadOptions, got dict"):
+        ActivationOffload(options={"policy": "all"})
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['polcy'\]"):
+        offload_activations(nn.Linear(2, 2), polcy="all")
+
+
+
+def test_command_line_builds_the_callback_from_keywords_or_options():
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser()
+    parser.add_class_arguments(ActivationOffload, "cb")
+    by_kwargs = parser.instantiate_classes(parser.parse_args(["--cb.policy=3", "--cb.recompute=full"])).cb
+    by_options = parser.instantiate_classes(parser.parse_args(["--cb.options.policy=3",
+                                                               "--cb.options.recompute=full"])).cb
+    assert by_kwargs.options == by_options.options == ActivationOffloadOptions(policy=3, recompute="full")
+
 # ------------------------------------------------------------------------------------- Lightning
 
 
@@ -507,7 +582,8 @@ def test_callback_refuses_cuda_graph_capture():
     class CUDAGraphCapture(L.Callback):
         pass
 
-    with pytest.raises(MisconfigurationException, match="ActivationOffload and CUDAGraphCapture"):
+    # compat's message names both parts (and why)
+    with pytest.raises(MisconfigurationException, match="CUDAGraphCapture and ActivationOffload cannot be used together"):
         _fit([ActivationOffload(policy="all", **CPU), CUDAGraphCapture()], steps=1)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_gh.offload.activation_policy import (
+from lightning_gh.activation_offload.policy import (
     BlockProfile,
     OffloadPlan,
     StepProfile,

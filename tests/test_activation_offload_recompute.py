@@ -25,10 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gh.demo import LlamaLM, MarkovDataModule
 from lightning_gh.demo import model as demo_model
-from lightning_gh.offload import ActivationOffload, offload_activations
-from lightning_gh.offload.activation_policy import BlockProfile, StepProfile, plan_auto, plan_first_k, \
+from lightning_gh.activation_offload import ActivationOffload, offload_activations
+from lightning_gh.activation_offload.policy import BlockProfile, StepProfile, plan_auto, plan_first_k, \
     plan_with_recompute
-from lightning_gh.offload.recompute import BlockRecompute, is_norm_act_module
+from lightning_gh.activation_offload.recompute import BlockRecompute, is_norm_act_module
 
 import test_activation_offload as plain_tests  # the engine tests: model, batch and step helpers
 from test_activation_offload import CPU, _batch, _equal, _llama
@@ -138,8 +138,8 @@ def test_auto_measures_without_recompute_then_forecasts_from_the_first_recomputi
         _step(model, batch, off)
     assert off.stats.recompute_forwards == 0 and plans == []
     # Step 3 adopts the plan (its recompute saving not forecast yet), recomputes, and forecasts from that.
-    with caplog.at_level(logging.INFO, logger="lightning_gh.offload.activations"):
-        off.on_plan = lambda plan: (plans.append(plan), logging.getLogger("lightning_gh.offload.activations")
+    with caplog.at_level(logging.INFO, logger="lightning_gh.activation_offload.engine"):
+        off.on_plan = lambda plan: (plans.append(plan), logging.getLogger("lightning_gh.activation_offload.engine")
                                     .info(plan.describe()))
         _step(model, batch, off)
         _step(model, batch, off)  # later forwards do not forecast again

@@ -1,8 +1,17 @@
 """The main job, as `make demo` runs it, end to end on the CPU."""
 
+import dataclasses
 import json
 import subprocess
 import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from lightning_gh import hardware
+
+NO_FP8 = hardware.detect().fp8_unsupported_reason() is not None
 
 
 def test_demo_runs_and_reports(tmp_path):
@@ -31,7 +40,7 @@ def test_demo_rejects_bad_arguments():
 
 
 def test_conflicting_parts_leave_the_first_on():
-    from lightning_gh.demo.run import Part, resolve_conflicts
+    from lightning_gh.demo.parts import Part, resolve_conflicts
 
     parts = resolve_conflicts([Part("CUDAGraphCapture", True), Part("ActivationOffload", True), Part("NVTX ranges", True)])
     assert [p.enabled for p in parts] == [True, False, True]
@@ -43,7 +52,8 @@ def test_conflicting_parts_leave_the_first_on():
 
 def test_demo_on_cpu_lists_every_part():
     from lightning_gh import hardware
-    from lightning_gh.demo.run import PARTS, DemoConfig, resolve_conflicts
+    from lightning_gh.demo.parts import PARTS, resolve_conflicts
+    from lightning_gh.demo.run import DemoConfig
 
     cfg = DemoConfig(preset="tiny", steps=30)
     parts = resolve_conflicts([f(cfg, hardware.detect(), cfg.out) for f in PARTS])
@@ -51,3 +61,104 @@ def test_demo_on_cpu_lists_every_part():
     assert len(names) == len(set(names)) == len(PARTS)
     for p in parts:
         assert p.enabled or p.reason, p.name  # every part that stays off says why
+
+
+# ---------------------------------------------------------------------------------------------- the table of parts
+
+
+def test_nvtx_part():
+    from lightning_gh import hardware
+    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.demo.parts import nvtx_part as demo_part
+    from lightning_gh.profiling.nvtx import NVTXRangeCallback
+
+    part = demo_part(DemoConfig(out=Path("runs/x")), hardware.detect(), Path("runs/x"))
+    assert part.name == "NVTX ranges" and part.reason
+    if part.enabled:
+        assert isinstance(part.callbacks[0], NVTXRangeCallback) and part.callbacks[0].gc_ranges
+
+
+def test_demo_part_says_why_fp8_is_off(tmp_path):
+    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.demo.parts import fp8_part as demo_part
+
+    part = demo_part(DemoConfig(preset="tiny", out=tmp_path), hardware.detect(), tmp_path)
+    assert part.name == "fp8 precision (fp8-auto)"
+    if NO_FP8:
+        assert not part.enabled and hardware.detect().fp8_unsupported_reason() in part.reason
+    else:
+        assert not part.enabled and part.reason  # tiny's layers are below min_dim, or no backend is installed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        demo_part(DemoConfig(preset="large", out=tmp_path), hardware.detect(), tmp_path)
+    # fp8-auto is only built when it will really be fp8: never its bf16 fallback warning
+    assert not [w for w in caught if "falls back to bf16-mixed" in str(w.message)]
+
+
+def test_demo_part_is_off_without_cuda_and_carries_the_strategy_with_it():
+    import dataclasses
+
+    from lightning_gh import hardware
+    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.demo.parts import superoffload_part
+    from lightning_gh.superoffload import SuperOffloadStrategy
+
+    cfg = DemoConfig(preset="tiny", out=Path("unused"))
+    hw = dataclasses.replace(hardware.detect(), cuda_available=False)
+    off = superoffload_part(cfg, hw, Path("unused"))
+    assert not off.enabled and "no CUDA GPU" in off.reason
+    on = superoffload_part(cfg, dataclasses.replace(hw, cuda_available=True), Path("unused"))
+    assert on.enabled and isinstance(on.trainer_kwargs["strategy"], SuperOffloadStrategy)
+
+
+def test_graphs_part():
+    from lightning_gh.demo.parts import graphs_part as demo_part
+    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.graphs import CUDAGraphCapture
+
+    cfg = DemoConfig(preset="tiny", out=Path("unused"))
+    off = demo_part(cfg, dataclasses.replace(hardware.detect(), cuda_available=False), Path("unused"))
+    assert not off.enabled and "needs a CUDA GPU" in off.reason and off.callbacks == []
+    on = demo_part(cfg, dataclasses.replace(hardware.detect(), cuda_available=True), Path("unused"))
+    assert on.enabled and len(on.callbacks) == 1 and isinstance(on.callbacks[0], CUDAGraphCapture)
+    cpu = demo_part(dataclasses.replace(cfg, accelerator="cpu"), dataclasses.replace(hardware.detect(),
+                                                                                    cuda_available=True), Path("x"))
+    assert not cpu.enabled
+
+
+def test_profiler_part(tmp_path, monkeypatch):
+    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.demo.parts import profiler_part as demo_part
+    from lightning_gh.profiling import DataStallDetector
+    from lightning_gh.profiling.profiler import ENV_VAR
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    part = demo_part(DemoConfig(preset="tiny", steps=300, out=tmp_path), hardware.detect(), tmp_path)
+    prof, det = part.callbacks
+    assert part.enabled and isinstance(det, DataStallDetector)
+    assert str(prof.schedule) == "10-12" and prof.output_dir == tmp_path / "profiles"
+    assert prof.backends == (("torch", "memory") if torch.cuda.is_available() else ("torch",))
+    short = demo_part(DemoConfig(preset="tiny", steps=4, out=tmp_path), hardware.detect(), tmp_path)
+    assert str(short.callbacks[0].schedule) == "1-3"
+
+
+def test_short_run_writes_valid_json_and_one_copy_per_checkpoint(tmp_path):
+    """A run shorter than the logging interval: no NaN in summary.json, 'n/a' in the report, and last.ckpt is a
+    link to the step checkpoint rather than a second copy of it."""
+    from lightning_gh.demo.run import DemoConfig, _report, run_demo
+
+    cfg = DemoConfig(preset="tiny", steps=2, out=tmp_path / "run", accelerator="cpu")
+    summary = run_demo(cfg)
+    text = (cfg.out / "summary.json").read_text()
+    assert "NaN" not in text and json.loads(text)["steps"] == 2
+    ckpts = sorted(p.name for p in (cfg.out / "checkpoints").iterdir())
+    assert ckpts == ["last.ckpt", "step2.ckpt"] and (cfg.out / "checkpoints" / "last.ckpt").is_symlink()
+    assert "nan" not in _report(summary, cfg.out)
+
+
+def test_out_that_is_a_file_is_a_clear_error(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "lightning_gh", "demo", "--out", str(f)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "is a file; give a folder" in proc.stderr and "Traceback" not in proc.stderr

@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_gh import hardware
 from lightning_gh.demo import LlamaLM, MarkovDataModule
 from lightning_gh.graphs import CUDAGraphCapture, GraphReport
-from lightning_gh.graphs._lightning import current_hook, in_hook, set_closure_result
+from lightning_gh._lightning import current_hook, in_hook, set_closure_result
 from lightning_gh.graphs.buffers import StaticInputs, UnsupportedBatch, batch_signature, signature_difference
 from lightning_gh.graphs.capture import _frozen_logs
 from lightning_gh.graphs.detect import (SYNC_WARNING, Finding, SyncMonitor, combine, dynamic_shape_finding,
@@ -30,7 +30,6 @@ from lightning_gh.graphs.detect import _precision_finding
 from lightning_gh.graphs.logs import LogRecorder, detached, logged_value_problem
 from lightning_gh.graphs.optim import (CapturableOptimizer, OptimizerGuard, live_tensors, make_capturable,
                                        move_lr_into_tensors, reassigned_lr_groups, unsupported_optimizer_reason)
-from lightning_gh.graphs.part import demo_part
 
 ROOT = Path(__file__).resolve().parents[1]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the machine-without-CUDA path")
@@ -467,45 +466,6 @@ def test_checkpoint_state_is_written_plain_without_touching_the_optimizer():
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2) and opt.param_groups[0]["capturable"] is False
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the Lightning internals CUDAGraphCapture relies on (lightning_gh/graphs/_lightning.py)
-
-
-def test_lightning_internals_canary():
-    """Fails when Lightning changes what lightning_gh/graphs/_lightning.py relies on."""
-    from lightning.pytorch.core.module import LightningModule
-    from lightning.pytorch.loops.optimization.automatic import Closure, _AutomaticOptimization
-    from lightning.pytorch.plugins.precision import Precision
-    from lightning.pytorch.strategies import Strategy
-    from lightning.pytorch.trainer import call
-
-    # 1. the loop consumes the closure's cached result after the optimizer_step hook returns
-    run_src = inspect.getsource(_AutomaticOptimization.run)
-    assert "self._optimizer_step(" in run_src and "closure.consume_result()" in run_src
-    assert '"optimizer_step"' in inspect.getsource(_AutomaticOptimization._optimizer_step)
-    closure = Closure(step_fn=lambda: None)
-    assert closure._result is None
-    set_closure_result(closure, torch.tensor(3.0), 2)
-    result = closure.consume_result()
-    assert result.loss.item() == 1.5 and closure._result is None
-    with pytest.raises(TypeError, match="not Lightning's closure"):
-        set_closure_result(lambda: None, torch.tensor(1.0), 1)
-    # 2. the whole step (closure, clipping, optimizer.step) runs inside the optimizer_step hook
-    assert "_wrap_closure" in inspect.getsource(Precision.optimizer_step)
-    assert "_clip_gradients" in inspect.getsource(Precision._after_closure)
-    # 3. hooks are looked up on the instance, so instance wrappers are honoured
-    assert "getattr(pl_module, hook_name)" in inspect.getsource(call._call_lightning_module_hook)
-    assert "self.lightning_module.training_step(" in inspect.getsource(Strategy.training_step)
-    # 4. self.log keys on _current_fx_name, which the hook callers set
-    module = LlamaLM.from_preset("tiny")
-    assert "_current_fx_name" in vars(module)
-    assert "self._current_fx_name" in inspect.getsource(LightningModule.log)
-    assert "pl_module._current_fx_name = hook_name" in inspect.getsource(call._call_lightning_module_hook)
-    with in_hook(module, "training_step"):
-        assert current_hook(module) == "training_step"
-    assert current_hook(module) is None
-
-
 def test_lightning_accepts_a_step_handed_over_without_its_closure(tmp_path):
     """The replay path's contract with Lightning, end to end on the CPU: optimizer_step does the step itself,
     re-issues the recorded logs under training_step and hands the loss over; Lightning counts the step, logs the
@@ -553,19 +513,6 @@ def test_lightning_accepts_a_step_handed_over_without_its_closure(tmp_path):
 # the demo part and the benchmark suite
 
 
-def test_demo_part():
-    from lightning_gh.demo.run import DemoConfig
-
-    cfg = DemoConfig(preset="tiny", out=Path("unused"))
-    off = demo_part(cfg, dataclasses.replace(hardware.detect(), cuda_available=False), Path("unused"))
-    assert not off.enabled and "needs a CUDA GPU" in off.reason and off.callbacks == []
-    on = demo_part(cfg, dataclasses.replace(hardware.detect(), cuda_available=True), Path("unused"))
-    assert on.enabled and len(on.callbacks) == 1 and isinstance(on.callbacks[0], CUDAGraphCapture)
-    cpu = demo_part(dataclasses.replace(cfg, accelerator="cpu"), dataclasses.replace(hardware.detect(),
-                                                                                    cuda_available=True), Path("x"))
-    assert not cpu.enabled
-
-
 @no_cuda
 def test_graphs_suite_runs_on_cpu(tmp_path):
     import json
@@ -581,3 +528,41 @@ def test_graphs_suite_runs_on_cpu(tmp_path):
     assert rows["lightning + CUDAGraphCapture"]["graph_state"] == "off"
     assert "needs CUDA" in rows["lightning + compile reduce-overhead"]["error"]
     assert "anchor" in proc.stdout
+
+
+def test_replayed_and_eager_step_counts_reach_the_loggers(tmp_path, monkeypatch):
+    """Issue 17: the counts go through Lightning's loggers at the end of the fit (here a CSVLogger's metrics.csv).
+    On a CPU nothing is captured; a declined capture (any setup finding) still reports its counts."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_gh.graphs import capture as capture_mod
+
+    monkeypatch.setattr(capture_mod, "setup_findings",
+                        lambda trainer, pl_module: [Finding("strategy", "a test finding: nothing is captured")])
+    L.seed_everything(0, verbose=False)
+    model = LlamaLM.from_preset("tiny")
+    cb = CUDAGraphCapture(verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=CSVLogger(tmp_path, name="", version="logs"),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[cb])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, MarkovDataModule.for_model(model, num_train_samples=64))
+    with (tmp_path / "logs" / "metrics.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("lgh/graph_replayed_steps")]
+    assert len(rows) == 1 and cb.report.state == "eager"
+    assert float(rows[0]["lgh/graph_replayed_steps"]) == cb.report.replayed_steps == 0
+    assert float(rows[0]["lgh/graph_eager_steps"]) == cb.report.eager_steps
+
+
+def test_capture_is_refused_next_to_activation_offload_at_setup(tmp_path):
+    """Which parts combine is decided once (lightning_gh.compat), at setup, naming both parts."""
+    from lightning_gh.compat import IncompatiblePartsError
+
+    offload = pytest.importorskip("lightning_gh.offload.callback")
+    with pytest.raises(IncompatiblePartsError) as e:
+        _fit([CUDAGraphCapture(), offload.ActivationOffload()], 2, tmp_path)
+    assert "ActivationOffload" in str(e.value) and "CUDAGraphCapture" in str(e.value)
+    assert CUDAGraphCapture.lgh_part == "CUDAGraphCapture"

@@ -459,7 +459,7 @@ def test_no_backend_warns_once_and_imports_lazily(tmp_path):
     ("kwargs", "match"),
     [
         (dict(steps="5-2"), r"`steps`='5-2'.*reversed"),
-        (dict(steps=7), r"`steps`=7"),
+        (dict(steps=7.0), r"`steps`=7.0"),  # an int is that single step (issue 17); a float is refused
         (dict(ranks="first"), r"`ranks`='first'.*bad item"),
         (dict(domain=""), r"`domain`=''"),
         (dict(module_ranges="Block"), r"write \['Block'\]"),
@@ -521,17 +521,6 @@ def test_count_tokens():
     assert _count_tokens(None) is None
 
 
-def test_demo_part():
-    from lightning_gh import hardware
-    from lightning_gh.demo.run import DemoConfig
-    from lightning_gh.profiling.nvtx import demo_part
-
-    part = demo_part(DemoConfig(out=Path("runs/x")), hardware.detect(), Path("runs/x"))
-    assert part.name == "NVTX ranges" and part.reason
-    if part.enabled:
-        assert isinstance(part.callbacks[0], NVTXRangeCallback) and part.callbacks[0].gc_ranges
-
-
 def test_benchmark_suite_runs_on_cpu(inject_lib, tmp_path):
     # Functional run of benchmarks/suites/nvtx.py (timings are the GPU machine's business): every variant
     # is timed, and the tool's log gives each variant's ranges per step.
@@ -549,3 +538,71 @@ def test_benchmark_suite_runs_on_cpu(inject_lib, tmp_path):
     # + model, embed, 2 blocks, norm, head forward ranges and 2 blocks + head backward ranges
     assert rows["nvtx+modules+gc"]["ranges_per_step"] >= 6 + 6 + 3
     assert rows["nvtx"]["push_pop_us"] > 0
+
+
+def test_module_ranges_that_match_nothing_fail_at_setup_without_a_tool(tmp_path):
+    """A typo in module_ranges fails the first run (no tool attached), naming the value and the module types."""
+    cb = NVTXRangeCallback(module_ranges=["NoSuchModule"])
+    with pytest.raises(ValueError) as e:
+        _tiny_fit(tmp_path, [cb])
+    msg = str(e.value)
+    assert "module_ranges=['NoSuchModule']" in msg and "NoSuchModule" in msg
+    assert "module types are" in msg and "Block" in msg
+
+
+class _ListeningBackend:
+    """Stands in for an NVTX tool: the callback then wraps the profiler like it does under nsys."""
+
+    name, tool_attached, reason = "nvtx", True, ""
+
+    def prepare(self, message, color, category):
+        return message
+
+    def push(self, handle, payload=None):
+        pass
+
+    def pop(self):
+        pass
+
+    def start(self, handle, payload=None):
+        return 1
+
+    def end(self, range_id):
+        pass
+
+
+def test_a_reused_trainer_does_not_stack_profiler_wrappers(tmp_path, monkeypatch):
+    """Two fits of one Trainer with DataStallDetector and NVTXRangeCallback (tool attached): one wrapper while a fit
+    runs, none after, so no wrapper of an earlier fit (holding its callbacks) stays on the profiler."""
+    from lightning_gh.profiling import DataStallDetector, _actions
+    from lightning_gh.profiling import nvtx as nvtx_mod
+
+    monkeypatch.setattr(nvtx_mod, "select_backend", lambda domain: _ListeningBackend())
+    wrapped: list[tuple[int, bool]] = []
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            d = _actions._DISPATCHERS.get(trainer.profiler)
+            # one wrapper on the profiler (ours, the dispatcher), serving both callbacks' watchers
+            wrapped.append((len(d.watchers) if d else 0, d is not None and vars(trainer.profiler)["start"] is d.start))
+
+    torch.manual_seed(0)
+    model = LlamaLM.from_preset("tiny", overrides=TINY)
+    dm = MarkovDataModule.for_model(model, num_train_samples=64)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path,
+                        callbacks=[DataStallDetector(window=1, warmup=0), NVTXRangeCallback(), Count()])
+    for max_steps in (2, 4):
+        trainer.fit_loop.epoch_loop.max_steps = max_steps
+        trainer.fit(model, dm)
+        assert "start" not in vars(trainer.profiler) and "stop" not in vars(trainer.profiler)
+    assert wrapped and all(w == (2, True) for w in wrapped)
+
+
+def test_an_int_steps_is_that_single_step(monkeypatch):
+    from lightning_gh.profiling.nvtx import STEPS_ENV
+    from lightning_gh.profiling.windows import StepSchedule
+
+    monkeypatch.delenv(STEPS_ENV, raising=False)
+    assert NVTXRangeCallback(steps=7)._schedule == StepSchedule.parse("7")

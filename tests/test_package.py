@@ -48,4 +48,9 @@ def test_cli_info_is_json():
     out = subprocess.run([sys.executable, "-m", "lightning_gh", "info"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
-    assert set(info) >= {"cuda_available", "fp8_capable", "is_grace_hopper", "host_arch"}
+    assert set(info) >= {"cuda_available", "fp8_capable", "is_grace_hopper", "host_arch", "extras", "precisions"}
+    assert set(info["extras"]) == {"nvtx", "ao", "te", "transformers"}
+    assert info["precisions"]["bf16-mixed"] == "available"
+    helped = subprocess.run([sys.executable, "-m", "lightning_gh", "info", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert helped.returncode == 0 and "--bandwidth" in helped.stdout and not helped.stdout.lstrip().startswith("{")

@@ -15,7 +15,8 @@ from torch import nn
 from lightning_gh.precision import LayerFilter, export_bf16_state_dict, list_precisions, precision, precision_names
 from lightning_gh import hardware
 from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule, preset
-from lightning_gh.precision.registry import FP8_NAMES, te_missing_reason
+from lightning_gh.precision.checks import ao_missing_reason, te_missing_reason
+from lightning_gh.precision.names import FP8_NAMES
 
 REQUIRED = ["fp8-te-delayed", "fp8-te-current", "fp8-te-block", "fp8-ao-tensorwise", "fp8-ao-rowwise",
             "fp8-ao-rowwise-gw-hp", "fp8-auto", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "32-true", "64-true",
@@ -53,7 +54,7 @@ def test_fp8_names_say_why_they_cannot_run_here():
 
 
 def test_recipe_reasons_for_blackwell_only_and_block_scaling():
-    from lightning_gh.precision.registry import recipe_unsupported_reason
+    from lightning_gh.precision.checks import recipe_unsupported_reason
 
     hopper = hardware.HardwareInfo(True, 0, "NVIDIA H200", (9, 0), 141 * 2**30, 1, True, True, False, "pcie",
                                    "x86_64", 16, "2.11", "13.0")
@@ -254,23 +255,6 @@ def test_filter_from_options():
 # ---------------------------------------------------------------- demo part
 
 
-def test_demo_part_says_why_fp8_is_off(tmp_path):
-    from lightning_gh.demo.run import DemoConfig
-    from lightning_gh.precision.registry import demo_part
-
-    part = demo_part(DemoConfig(preset="tiny", out=tmp_path), hardware.detect(), tmp_path)
-    assert part.name == "fp8 precision (fp8-auto)"
-    if NO_FP8:
-        assert not part.enabled and hardware.detect().fp8_unsupported_reason() in part.reason
-    else:
-        assert not part.enabled and part.reason  # tiny's layers are below min_dim, or no backend is installed
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        demo_part(DemoConfig(preset="large", out=tmp_path), hardware.detect(), tmp_path)
-    # fp8-auto is only built when it will really be fp8: never its bf16 fallback warning
-    assert not [w for w in caught if "falls back to bf16-mixed" in str(w.message)]
-
-
 # ---------------------------------------------------------------- checkpoint hooks (TE layers) and export
 
 
@@ -330,3 +314,82 @@ def test_benchmark_loss_check_flags_curves_outside_one_percent():
     assert rows[1].extra["loss_within_tolerance"] and not rows[2].extra["loss_within_tolerance"]
     assert abs(rows[1].extra["loss_max_rel_diff"] - 0.004) < 1e-9
     assert "| ao-rowwise | yes |" in text and text.rstrip().endswith("| NO |")
+
+
+# ---------------------------------------------------------------- structure, options, parts table
+
+
+def test_fp8_auto_options_are_checked_even_where_fp8_cannot_run():
+    with pytest.raises(ValueError, match=r"precision\('fp8-auto'\) does not take option\(s\) \['bogus'\]"):
+        precision("fp8-auto", bogus=1)
+    with pytest.raises(ValueError, match=r"LayerFilter\(min_dim=-1\)"):
+        precision("fp8-auto", min_dim=-1)
+
+
+def test_float8_options_are_frozen_validated_and_shared():
+    from dataclasses import FrozenInstanceError
+
+    from lightning_gh.precision import Float8Options, Float8PrecisionBase, TorchAOFloat8Precision
+
+    opts = Float8Options.build("tensorwise", exclude="*.wo", min_dim=0)
+    assert opts.layer_filter == LayerFilter(exclude=("*.wo",), min_dim=0)
+    with pytest.raises(FrozenInstanceError):
+        opts.recipe = "rowwise"
+    with pytest.raises(ValueError, match=r"Float8Options\(layer_filter=3\)"):
+        Float8Options("tensorwise", layer_filter=3)
+    if ao_missing_reason() is None:
+        plugin = TorchAOFloat8Precision(options=opts, emulate=True)
+        assert isinstance(plugin, Float8PrecisionBase) and plugin.fp8_options is opts
+        assert plugin.recipe == "tensorwise" and plugin.name == "fp8-ao-tensorwise" and plugin.lgh_part == "fp8"
+        assert repr(plugin) == "TorchAOFloat8Precision(name='fp8-ao-tensorwise', recipe='tensorwise')"
+        with pytest.raises(ValueError, match=r"replaces recipe, name and the layer filter arguments; got \['min_dim'\]"):
+            TorchAOFloat8Precision(options=opts, min_dim=0)
+        with pytest.raises(ValueError, match=r"TorchAOFloat8Precision\(recipe='delayed'\): expected one of"):
+            TorchAOFloat8Precision("delayed")
+
+
+@pytest.mark.skipif(ao_missing_reason() is not None, reason="torchao is not installed")
+def test_no_eligible_linear_warns_that_the_model_trains_in_bf16():
+    from lightning_gh.precision import TorchAOFloat8Precision
+
+    plugin = TorchAOFloat8Precision(emulate=True)  # default min_dim: the tiny model's layers are all too small
+    with pytest.warns(UserWarning, match=r"no nn.Linear layer of the model is eligible for fp8, so it trains in bf16"):
+        plugin.convert_layers(LlamaLM.from_preset("tiny"))
+
+
+@pytest.mark.skipif(ao_missing_reason() is not None, reason="torchao is not installed")
+def test_fp8_with_cuda_graph_capture_is_refused_by_the_parts_table():
+    from types import SimpleNamespace
+
+    from lightning_gh import CUDAGraphCapture
+    from lightning_gh.compat import IncompatiblePartsError
+    from lightning_gh.precision import TorchAOFloat8Precision
+
+    model = LlamaLM.from_preset("tiny")
+    model._trainer = SimpleNamespace(callbacks=[CUDAGraphCapture()],
+                                     strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    with pytest.raises(IncompatiblePartsError, match=r"CUDAGraphCapture and fp8 cannot be used together"):
+        TorchAOFloat8Precision(emulate=True, min_dim=0).convert_module(model)
+
+
+def test_precision_modules_import_without_a_cycle():
+    # Each module imports on its own in a fresh interpreter, in an order where a cycle would fail.
+    mods = ["names", "checks", "options", "base", "master", "regional", "trial", "te", "ao", "auto", "registry",
+            "plugin", "export"]
+    code = "; ".join(f"import lightning_gh.precision.{m}" for m in reversed(mods))
+    for first in ("lightning_gh.precision.te", "lightning_gh.precision.auto", "lightning_gh.precision.registry"):
+        subprocess.run([sys.executable, "-c", f"import {first}; {code}"], check=True)
+
+
+def test_old_registry_paths_still_work_with_a_deprecation_warning():
+    import importlib
+
+    from lightning_gh._lightning import is_compiled
+    from lightning_gh.precision import checks, names
+
+    # (lightning_gh.precision is also the function's name, so the module is looked up by its full name)
+    registry = importlib.import_module("lightning_gh.precision.registry")
+    for name, new in (("te_missing_reason", checks.te_missing_reason), ("FP8_NAMES", names.FP8_NAMES),
+                      ("is_compiled", is_compiled), ("export_bf16_state_dict", export_bf16_state_dict)):
+        with pytest.warns(DeprecationWarning, match=rf"registry.{name} moved to"):
+            assert getattr(registry, name) is new

@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_gh.demo import LlamaLM, MarkovDataModule
 from lightning_gh.precision import AutoFloat8Precision, Fp8Choice, choose_fp8
-from lightning_gh.precision.registry import ao_missing_reason
+from lightning_gh.precision.checks import ao_missing_reason
 
 TE_GONE, AO_GONE = "Transformer Engine is not installed", "torchao is not installed"
 
@@ -25,7 +25,8 @@ TE_GONE, AO_GONE = "Transformer Engine is not installed", "torchao is not instal
     (True, "ModelParallelStrategy", None, AO_GONE, None),
     (False, "SingleDeviceStrategy", None, None, "fp8-te-delayed"),
     (False, "DDPStrategy", None, AO_GONE, "fp8-te-delayed"),
-    (False, "SingleDeviceStrategy", TE_GONE, None, None),
+    (False, "SingleDeviceStrategy", TE_GONE, None, "fp8-ao-tensorwise"),  # its blocks compiled in place
+    (False, "DDPStrategy", TE_GONE, None, "fp8-ao-tensorwise"),
     (False, "ModelParallelStrategy", None, None, None),
     (False, "SingleDeviceStrategy", TE_GONE, AO_GONE, None),
 ])
@@ -34,7 +35,7 @@ def test_choice_table(compiled, strategy, te, ao, expected):
     assert choice.name == expected
     assert choice.reason
     if expected is None and not compiled and ao is None:
-        assert "compile the model" in choice.reason  # says how to get fp8
+        assert "compile the blocks" in choice.reason  # says how to get fp8
     if te and ao:
         assert TE_GONE in choice.reason and AO_GONE in choice.reason
 
@@ -80,7 +81,8 @@ def test_hands_over_to_the_chosen_fp8_plugin(cpu_trainer_kwargs, monkeypatch):
     built = {}
 
     def build(self, choice, device, precision):
-        built["plugin"] = plugin = TorchAOFloat8Precision(emulate=True, **self.options)
+        built["plugin"] = plugin = TorchAOFloat8Precision(emulate=True, compile_blocks={"backend": "aot_eager"},
+                                                          **self.options)
         plugin.name = f"fp8-auto ({choice.name})"
         return plugin
 
@@ -97,3 +99,66 @@ def test_hands_over_to_the_chosen_fp8_plugin(cpu_trainer_kwargs, monkeypatch):
     trainer2 = L.Trainer(max_steps=5, plugins=[auto2], **cpu_trainer_kwargs)
     trainer2.fit(model2, MarkovDataModule.for_model(model2), ckpt_path=ckpt)
     assert trainer2.global_step == 5 and trainer2.precision_plugin is built["plugin"]
+
+
+# ---- the setup trial (issue 18 item 3): the decision from injected timings; the measurement itself needs a GPU
+
+
+def test_candidates_follow_the_rule_order():
+    from lightning_gh.precision.auto import auto_candidates
+
+    assert auto_candidates(False, "SingleDeviceStrategy", None, None) == [
+        "fp8-te-delayed", "fp8-te-current", "fp8-ao-tensorwise"]
+    assert auto_candidates(True, "SingleDeviceStrategy", None, None) == ["fp8-ao-tensorwise", "fp8-te-current"]
+    assert auto_candidates(False, "ModelParallelStrategy", None, None) == []
+    assert auto_candidates(False, "SingleDeviceStrategy", TE_GONE, None) == ["fp8-ao-tensorwise"]
+
+
+def test_measured_timings_override_the_table_and_are_logged_in_the_reason():
+    timings = {"bf16": 30.0, "fp8-te-delayed": 20.0, "fp8-te-current": 21.0, "fp8-ao-tensorwise": 18.0}
+    choice = choose_fp8(False, "SingleDeviceStrategy", None, None, timings)
+    assert choice.name == "fp8-ao-tensorwise"
+    assert "fp8-ao-tensorwise 18.00 ms, fp8-te-delayed 20.00 ms" in choice.reason and "bf16 30.00 ms" in choice.reason
+    # within 2%: the rule's order decides (TE delayed first for an eager model)
+    near = {"fp8-te-delayed": 18.2, "fp8-ao-tensorwise": 18.0}
+    assert choose_fp8(False, "SingleDeviceStrategy", None, None, near).name == "fp8-te-delayed"
+    # timings of recipes that cannot run here, or none usable, fall back to the table
+    assert choose_fp8(True, "SingleDeviceStrategy", None, None, {"fp8-te-delayed": 1.0}).name == "fp8-ao-tensorwise"
+    assert choose_fp8(False, "SingleDeviceStrategy", None, None, {"fp8-te-current": float("nan")}).name == \
+        "fp8-te-delayed"
+
+
+def test_the_trial_runs_only_with_two_candidates_and_a_failure_falls_back(monkeypatch):
+    calls = []
+
+    def trial(module, candidates, device):
+        calls.append(list(candidates))
+        return {c: float(i + 1) for i, c in enumerate(reversed(candidates))}
+
+    auto = AutoFloat8Precision(trial=trial)
+    model = torch.nn.Linear(2, 2)
+    assert auto._measure(model, ["fp8-ao-tensorwise"], torch.device("cpu")) == {}
+    timings = auto._measure(model, ["fp8-te-delayed", "fp8-ao-tensorwise"], torch.device("cpu"))
+    assert calls == [["fp8-te-delayed", "fp8-ao-tensorwise"]] and timings["fp8-ao-tensorwise"] == 1.0
+    assert AutoFloat8Precision(trial=False)._measure(model, ["a", "b"], torch.device("cpu")) == {}
+
+    def broken(*a):
+        raise RuntimeError("no GPU")
+
+    with pytest.warns(UserWarning, match=r"setup trial failed \(RuntimeError: no GPU\); choosing by the table"):
+        assert AutoFloat8Precision(trial=broken)._measure(model, ["a", "b"], torch.device("cpu")) == {}
+    with pytest.raises(ValueError, match=r"trial_tokens=8.*int >= 16"):
+        AutoFloat8Precision(trial_tokens=8)
+    with pytest.raises(ValueError, match=r"trial='fast'"):
+        AutoFloat8Precision(trial="fast")
+
+
+def test_gemm_shapes_are_the_converted_layers():
+    from lightning_gh.demo import Llama, preset
+    from lightning_gh.precision import LayerFilter
+    from lightning_gh.precision.trial import gemm_shapes
+
+    with torch.device("meta"):
+        model = Llama(preset("large"))
+    shapes = gemm_shapes(model, LayerFilter())
+    assert sum(shapes.values()) == len(LayerFilter().plan(model).converted)

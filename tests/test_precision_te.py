@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_gh.precision import FP8UnavailableError, TEFloat8Precision, export_bf16_state_dict, precision
-from lightning_gh.precision.registry import te_missing_reason
+from lightning_gh.precision.checks import te_missing_reason
 from lightning_gh.precision.te import fp8_meta_state_dict, load_fp8_meta_state_dict
 from lightning_gh import hardware
 from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule

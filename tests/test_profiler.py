@@ -16,7 +16,7 @@ from lightning_gh import hardware
 from lightning_gh.demo import LlamaLM, MarkovDataModule
 from lightning_gh.profiling import SelectiveProfiler, StepSchedule, summarize_trace
 from lightning_gh.profiling import profiler as profiler_mod
-from lightning_gh.profiling.profiler import ENV_VAR, demo_part, nsys_command, under_nsys
+from lightning_gh.profiling.profiler import ENV_VAR, nsys_command, under_nsys
 from lightning_gh.profiling.trace import load_trace
 
 
@@ -274,7 +274,8 @@ def test_only_selected_ranks_write_under_ddp(tmp_path):
     ({"steps": "4-2"}, "reversed"),
     ({"steps": "1-3,2"}, "overlap"),
     ({"steps": "-1"}, "negative"),
-    ({"steps": 5}, "steps=5"),
+    ({"steps": 5.0}, "steps=5.0"),  # an int is a single step (issue 17); other non-strings are refused
+    ({"steps": True}, "steps=True"),
     ({"ranks": "first"}, "bad item 'first'"),
     ({"backends": ("torch", "perf")}, r"unknown backend\(s\) \['perf'\]"),
     ({"backends": ()}, "non-empty"),
@@ -303,15 +304,52 @@ def test_nsys_detection_and_command(tmp_path):
     assert cmd.endswith(f"-o {tmp_path}/nsys_%p python3 -m lightning_gh demo --steps 50")
 
 
-def test_demo_part(tmp_path, monkeypatch):
-    from lightning_gh.demo.run import DemoConfig
-    from lightning_gh.profiling import DataStallDetector
+
+
+def test_an_int_step_is_that_single_step(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert SelectiveProfiler(steps=7).schedule == StepSchedule.parse("7")
+
+
+def test_an_unwritable_output_dir_fails_at_setup_naming_the_path(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    prof = SelectiveProfiler(steps="1", output_dir=blocker / "profiles")
+    model = _model()
+    with pytest.raises(ValueError, match="output_dir") as e:
+        _trainer(tmp_path, [prof], max_steps=3).fit(model, _dm(model))
+    assert str(blocker / "profiles") in str(e.value) and str(blocker) in str(e.value)
+    assert prof.written == []
+
+
+def test_a_written_window_prints_one_line_and_the_env_override_says_so_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(ENV_VAR, "1")
+    profiler_mod._warned.discard("env:1")
+    prof = SelectiveProfiler(steps="2-3", output_dir=tmp_path / "p", summary=False)
+    model = _model()
+    _trainer(tmp_path, [prof], max_steps=3).fit(model, _dm(model))
+    _trainer(tmp_path, [SelectiveProfiler(steps="2-3", output_dir=tmp_path / "q", summary=False)],
+             max_steps=3).fit(model, _dm(model))
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("SelectiveProfiler: rank 0 steps 1-1")]
+    assert len(lines) == 2 and str(tmp_path / "p" / "steps1" / "rank0_steps1.pt.trace.json.gz") in lines[0]
+    overrides = [ln for ln in out.splitlines() if f"{ENV_VAR}='1' overrides steps='2-3'" in ln]
+    assert len(overrides) == 1
+
+
+def test_window_verdict_is_logged_through_the_loggers(tmp_path, monkeypatch):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
 
     monkeypatch.delenv(ENV_VAR, raising=False)
-    part = demo_part(DemoConfig(preset="tiny", steps=300, out=tmp_path), hardware.detect(), tmp_path)
-    prof, det = part.callbacks
-    assert part.enabled and isinstance(det, DataStallDetector)
-    assert str(prof.schedule) == "10-12" and prof.output_dir == tmp_path / "profiles"
-    assert prof.backends == (("torch", "memory") if torch.cuda.is_available() else ("torch",))
-    short = demo_part(DemoConfig(preset="tiny", steps=4, out=tmp_path), hardware.detect(), tmp_path)
-    assert str(short.callbacks[0].schedule) == "1-3"
+    prof = SelectiveProfiler(steps="2-3", output_dir=tmp_path / "p", summary=True)
+    model = _model()
+    L.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=CSVLogger(tmp_path, name="", version="logs"),
+              log_every_n_steps=1, limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, callbacks=[prof]).fit(model, _dm(model))
+    with (tmp_path / "logs" / "metrics.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("lgh/profile_data_wait_frac")]
+    assert len(rows) == 1
+    assert 0.0 <= float(rows[0]["lgh/profile_data_wait_frac"]) < 1.0
+    assert float(rows[0]["lgh/profile_step_time_ms"]) > 0

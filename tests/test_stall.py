@@ -116,3 +116,40 @@ def test_time_blocked_outside_the_fetch_is_not_a_data_wait(tmp_path):
     assert not stalls and det.data_wait_frac < 0.10
     # Lightning's fetch action was seen, so the fallback gap measure was not used.
     assert det._saw_fetch
+
+
+def test_a_reused_trainer_keeps_one_profiler_wrapper_across_fits(tmp_path):
+    """A Trainer reused for several fits with DataStallDetector and NVTX: the profiler is wrapped once at most while
+    a fit runs, and left exactly as it was after each (no wrapper per fit holding an old callback)."""
+    from lightning_gh.profiling import NVTXRangeCallback
+    from lightning_gh.profiling import _actions
+
+    L.seed_everything(0, verbose=False)
+    model = LlamaLM.from_preset("tiny")
+    dm = MarkovDataModule.for_model(model, num_train_samples=64)
+    seen: list[int] = []
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            d = _actions._DISPATCHERS.get(trainer.profiler)
+            seen.append(len(d.watchers) if d and vars(trainer.profiler)["start"] is d.start else 0)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[DataStallDetector(window=1, warmup=0), NVTXRangeCallback(), Count()])
+    own = {k: vars(trainer.profiler).get(k) for k in ("start", "stop")}
+    for max_steps in (2, 4):
+        trainer.fit_loop.epoch_loop.max_steps = max_steps
+        trainer.fit(model, dm)
+        # nothing of ours left on the profiler
+        assert {k: vars(trainer.profiler).get(k) for k in ("start", "stop")} == own == {"start": None, "stop": None}
+    assert seen and max(seen) == 1
+
+
+def test_detector_and_summary_share_one_definition_and_threshold():
+    from lightning_gh.profiling import advice
+
+    assert DataStallDetector().threshold == advice.DATA_WAIT_BOUND
+    # 8.1% of the step time waiting is fine for both; 10.1% is input-bound for both.
+    assert not advice.is_input_bound(advice.data_wait_share(8.1, 100.0))
+    assert advice.is_input_bound(advice.data_wait_share(10.1, 100.0))

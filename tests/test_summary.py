@@ -250,3 +250,60 @@ def test_data_wait_is_a_stall_only_when_the_gpu_idles_through_it():
     assert ahead["verdict"]["bound"] == "compute-bound"
     assert not any("num_workers" in a for a in ahead["verdict"]["advice"])
     assert any("host was ahead of the GPU" in e for e in ahead["verdict"]["evidence"])
+
+
+_HEAVY = ("torch", "lightning", "pytorch_lightning", "matplotlib")
+_OTHER_PARTS = ("lightning_gh.offload", "lightning_gh.activation_offload", "lightning_gh.superoffload",
+                "lightning_gh.precision", "lightning_gh.graphs")
+
+
+def _heavy_modules_after(code: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("LOADED "))
+    return json.loads(line[len("LOADED "):])
+
+
+def _cli_run_code(out_dir: Path, stub_package: bool) -> str:
+    """Python that runs ``python -m lightning_gh.profiling summarize SMALL`` in-process, then prints what it loaded."""
+    stub = (f"import types; pkg = types.ModuleType('lightning_gh'); pkg.__path__ = [{str(ROOT / 'lightning_gh')!r}]; "
+            "sys.modules['lightning_gh'] = pkg") if stub_package else ""
+    return f"""
+import json, runpy, sys
+{stub}
+sys.argv = ["lightning_gh.profiling", "summarize", {str(SMALL)!r}, "--out", {str(out_dir)!r}, "--no-plot"]
+try:
+    runpy.run_module("lightning_gh.profiling", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    assert not e.code, e.code
+heavy = {_HEAVY!r}; parts = {_OTHER_PARTS!r}
+print("LOADED " + json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in heavy or m.startswith(parts))))
+"""
+
+
+def test_summarize_cli_parses_a_trace_without_torch_lightning_or_other_parts(tmp_path):
+    """Issue 17: ``python -m lightning_gh.profiling summarize FILE`` works on a laptop without the training stack.
+
+    The profiling package is run as ``__main__`` under an empty ``lightning_gh`` package, so this checks the
+    profiling modules' own imports whatever the package's ``__init__`` loads."""
+    assert _heavy_modules_after(_cli_run_code(tmp_path, stub_package=True)) == []
+    assert (tmp_path / "kineto_small.summary.md").exists() and (tmp_path / "kineto_small.summary.json").exists()
+
+
+def test_importing_lightning_gh_does_not_import_matplotlib():
+    """lightning_gh draws its PNG with matplotlib imported inside the drawing function. (Lightning itself may load
+    matplotlib through torchmetrics when it is installed: only what lightning_gh adds on top counts.)"""
+    code = """
+import json, sys
+import lightning, torch
+before = {m for m in sys.modules if m.split(".")[0] == "matplotlib"}
+import lightning_gh
+added = {m for m in sys.modules if m.split(".")[0] == "matplotlib"} - before
+plot = [m for m in sys.modules if m == "lightning_gh.profiling.plot"]
+print("LOADED " + json.dumps(sorted(added) + plot))
+"""
+    assert _heavy_modules_after(code) == []
+
+
+def test_summarize_cli_as_users_run_it_imports_no_torch(tmp_path):
+    assert _heavy_modules_after(_cli_run_code(tmp_path, stub_package=False)) == []

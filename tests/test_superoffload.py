@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gh.offload import superoffload_memory
-from lightning_gh.offload.superoffload import HeterogeneousAdamW
+from lightning_gh import hardware
+from lightning_gh.superoffload import memory as superoffload_memory
+from lightning_gh.superoffload import HeterogeneousAdamW
 
 STEPS = 24
 CLIP = 0.5
@@ -326,7 +327,7 @@ def test_unsupported_options_and_dtypes():
 
 
 def test_host_memory_guard_names_the_numbers(monkeypatch):
-    monkeypatch.setattr(superoffload_memory, "available_host_bytes", lambda: 10_000)
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: 10_000)
     with pytest.raises(MemoryError, match=r"offloaded parameters x 28 B .* available: 0.00 GiB"):
         HeterogeneousAdamW(make_model().parameters(), max_grad_norm=1.0)
     # without validation there is no speculation backup: 16 B per parameter
@@ -383,7 +384,7 @@ def test_auto_tail_growth_is_bounded_by_free_gpu_memory_and_survives_oom(monkeyp
     """The auto tail grows only into free GPU memory minus the headroom, and a move that runs out of memory leaves
     the bucket on the host. The memory query is replaced to simulate a small GPU; the run still equals the
     reference bitwise, so state that stayed, moved or failed to move is intact."""
-    from lightning_gh.offload import superoffload as so
+    from lightning_gh.superoffload import tail as so
 
     ref_model, ref_opt, _ = train_reference(steps=12)
     model = make_model()
@@ -396,11 +397,11 @@ def test_auto_tail_growth_is_bounded_by_free_gpu_memory_and_survives_oom(monkeyp
         if step == 3:  # room for exactly the last bucket beyond the 1 GiB headroom
             one = opt._tail_bytes(opt._buckets[-1].slots)
             monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (headroom + one + 1, 2**30))
-            with pytest.warns(UserWarning, match="tail cannot grow.*MiB of GPU memory") as rec:
-                assert opt._grow_tail(float("inf")) == 1
-            assert len(rec) == 1
+            assert opt._grow_tail(float("inf")) == 1
             assert len(opt._buckets) == n_buckets - 1 and opt.device_numel > 0
             assert opt.stats["tail_limited"] == 1
+            assert "MiB of GPU memory" in opt.stats["tail_limit_detail"]
+            assert opt._tail_limit.startswith("limited by GPU memory")
         if step == 6:  # plenty of memory, but the allocator fails on the second parameter of the bucket
             monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (2**40, 2**41))
             real, calls = HeterogeneousAdamW._device_state, []
@@ -413,10 +414,10 @@ def test_auto_tail_growth_is_bounded_by_free_gpu_memory_and_survives_oom(monkeyp
 
             monkeypatch.setattr(HeterogeneousAdamW, "_device_state", flaky)
             before = opt.device_numel
-            with warnings.catch_warnings(record=True) as rec:  # warned once already: no second warning
+            with warnings.catch_warnings(record=True) as rec:  # the limit is reported by the decision, not warned
                 warnings.simplefilter("always")
                 assert opt._grow_tail(float("inf")) == 0
-            assert not [w for w in rec if "tail cannot grow" in str(w.message)]
+            assert not [w for w in rec if "tail" in str(w.message)]
             assert len(calls) == 2 and opt.device_numel == before and len(opt._buckets) == n_buckets - 1
             assert all(opt._slots[i].residency == "host" for i in calls)
             assert opt.stats["tail_move_failures"] == 1 and opt._tail_blocked
@@ -433,10 +434,86 @@ def test_auto_tail_respects_max_gpu_fraction():
     opt = HeterogeneousAdamW(model.parameters(), module=model, bucket_size=300, max_gpu_fraction=0.3)
     # off CUDA the memory query answers None: only the cap bounds the growth
     assert superoffload_memory.device_memory_room(torch.device("cpu")) is None
-    with pytest.warns(UserWarning, match="max_gpu_fraction=0.3 would be exceeded"):
-        moved = opt._grow_tail(float("inf"))
+    moved = opt._grow_tail(float("inf"))
+    assert "max_gpu_fraction=0.3" in opt._tail_limit
     assert moved >= 1 and 0 < opt.device_numel <= 0.3 * n
     # the next bucket would have crossed the cap
     assert opt.device_numel + opt._buckets[-1].numel > 0.3 * n
     opt.close()
 
+
+
+def test_options_are_frozen_and_validated():
+    import dataclasses
+
+    from lightning_gh.superoffload import SuperOffloadOptions
+
+    opts = SuperOffloadOptions(gpu_fraction=0, max_gpu_fraction=1)
+    assert opts.gpu_fraction == 0.0 and isinstance(opts.gpu_fraction, float) and opts.max_gpu_fraction == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.speculative = False  # type: ignore[misc]
+    for kwargs, match in [({"speculative": "no"}, r"speculative='no' must be True or False"),
+                          ({"skip_nonfinite": 1}, r"skip_nonfinite=1 must be True or False"),
+                          ({"host_memory_check": None}, r"host_memory_check=None must be True or False"),
+                          ({"gpu_fraction": "half"}, r"gpu_fraction='half' must be a float in \[0, 1\] or 'auto'"),
+                          ({"gpu_fraction": -0.1}, r"gpu_fraction=-0.1"),
+                          ({"max_gpu_fraction": 2.0}, r"max_gpu_fraction=2.0 must be a float in \[0, 1\] or None"),
+                          ({"cpu_threads": 0}, r"cpu_threads=0 must be an int >= 1 or None"),
+                          ({"cpu_threads": 2.0}, r"cpu_threads=2.0"),
+                          ({"bucket_size": 0}, r"bucket_size=0 must be a positive int")]:
+        with pytest.raises(ValueError, match=match):
+            SuperOffloadOptions(**kwargs)
+        # the optimizer's keyword arguments build the same dataclass, so they fail the same way
+        with pytest.raises(ValueError, match=match):
+            HeterogeneousAdamW([nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_optimizer_takes_options_or_keywords_not_both():
+    from lightning_gh.superoffload import SuperOffloadOptions
+
+    opts = SuperOffloadOptions(gpu_fraction=0.5, speculative=False, bucket_size=300, host_memory_check=False)
+    a = HeterogeneousAdamW(make_model().parameters(), options=opts)
+    b = HeterogeneousAdamW(make_model().parameters(), gpu_fraction=0.5, speculative=False, bucket_size=300,
+                           host_memory_check=False)
+    assert a.options == b.options == opts
+    assert (a.gpu_fraction, a.speculative, a.bucket_size, a.host_memory_check) == (0.5, False, 300, False)
+    a.close(), b.close()
+    with pytest.raises(TypeError, match=r"both options= and bucket_size=7"):
+        HeterogeneousAdamW(make_model().parameters(), options=opts, bucket_size=7)
+    with pytest.raises(TypeError, match=r"options=\.\.\.\) must be a SuperOffloadOptions, got dict"):
+        HeterogeneousAdamW(make_model().parameters(), options={"gpu_fraction": 0.5})
+
+
+def test_every_param_group_is_validated_like_adamw():
+    """torch.optim.AdamW checks its constructor's hyper-parameters; HeterogeneousAdamW checks every group's too, since
+    a bad group would otherwise fail deep in the CPU worker's fused kernel (or silently diverge)."""
+    model = make_model()
+    params = list(model.parameters())
+    for key, value, match in [("betas", (2.0, 2.0), r"param_groups\[1\] betas=\(2.0, 2.0\) must be a pair of floats"),
+                              ("lr", -1.0, r"param_groups\[1\] lr=-1.0 must be a float >= 0"),
+                              ("eps", "tiny", r"param_groups\[1\] eps='tiny' must be a float >= 0"),
+                              ("weight_decay", -0.1, r"param_groups\[1\] weight_decay=-0.1 must be a float >= 0")]:
+        with pytest.raises(ValueError, match=match):
+            HeterogeneousAdamW([{"params": params[:1]}, {"params": params[1:], key: value}])
+    # the constructor's own values are checked with the argument's name alone
+    with pytest.raises(ValueError, match=r"^betas=\(2.0, 2.0\) must be"):
+        HeterogeneousAdamW(params, betas=(2.0, 2.0))
+    # a group added later, and the groups of a loaded state dict, go through the same check
+    opt = HeterogeneousAdamW([{"params": params[:1]}])
+    with pytest.raises(ValueError, match=r"param_groups\[1\] betas=\(0.9, 1.5\)"):
+        opt.add_param_group({"params": params[1:], "betas": (0.9, 1.5)})
+    opt.close()
+    opt = HeterogeneousAdamW(params)
+    bad = opt.state_dict()
+    bad["param_groups"][0]["eps"] = -1.0
+    with pytest.raises(ValueError, match=r"param_groups\[0\] eps=-1.0"):
+        opt.load_state_dict(bad)
+    opt.close()
+
+
+def test_host_memory_error_is_the_shared_one(monkeypatch):
+    from lightning_gh._host import HostMemoryError
+
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: 10_000)
+    with pytest.raises(HostMemoryError, match="host_memory_check=False"):
+        HeterogeneousAdamW(make_model().parameters())

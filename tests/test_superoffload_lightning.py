@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gh.demo import Llama, MarkovDataModule, preset
-from lightning_gh.offload.strategy import SuperOffloadStrategy
-from lightning_gh.offload.superoffload import HeterogeneousAdamW
+from lightning_gh.superoffload import SuperOffloadStrategy
+from lightning_gh.superoffload import HeterogeneousAdamW
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,21 +170,6 @@ def test_clear_errors(tmp_path):
         trainer.fit(model, MarkovDataModule.for_model(model, num_train_samples=16))
 
 
-def test_demo_part_is_off_without_cuda_and_carries_the_strategy_with_it():
-    import dataclasses
-
-    from lightning_gh import hardware
-    from lightning_gh.demo.run import DemoConfig
-    from lightning_gh.offload.superoffload_part import superoffload_part
-
-    cfg = DemoConfig(preset="tiny", out=Path("unused"))
-    hw = dataclasses.replace(hardware.detect(), cuda_available=False)
-    off = superoffload_part(cfg, hw, Path("unused"))
-    assert not off.enabled and "no CUDA GPU" in off.reason
-    on = superoffload_part(cfg, dataclasses.replace(hw, cuda_available=True), Path("unused"))
-    assert on.enabled and isinstance(on.trainer_kwargs["strategy"], SuperOffloadStrategy)
-
-
 @pytest.mark.parametrize("scheduler", ["sequential", "chained"])
 def test_nested_lr_schedulers_drive_the_offloaded_optimizer(tmp_path, scheduler):
     """SequentialLR / ChainedScheduler keep their own schedulers bound to the AdamW that configure_optimizers built;
@@ -222,3 +207,46 @@ def test_grad_scaler_precision_warns_that_overlap_is_lost(tmp_path):
     assert ours.losses == plain.losses
     for a, b in zip(plain.parameters(), ours.parameters()):
         assert torch.equal(a, b)
+
+
+def test_strategy_takes_options_or_keywords_not_both(tmp_path):
+    from lightning_gh.superoffload import SuperOffloadOptions
+
+    opts = SuperOffloadOptions(gpu_fraction=0.0, speculative=False, cpu_threads=2, bucket_size=4096)
+    by_kwargs = SuperOffloadStrategy(gpu_fraction=0.0, speculative=False, cpu_threads=2, bucket_size=4096)
+    by_options = SuperOffloadStrategy(options=opts)
+    assert by_kwargs.options == by_options.options == opts
+    assert by_options.optimizer_kwargs == opts.as_kwargs()
+    with pytest.raises(TypeError, match=r"SuperOffloadStrategy got both options= and speculative=False"):
+        SuperOffloadStrategy(options=SuperOffloadOptions(gpu_fraction=0.0), speculative=False)
+    with pytest.raises(ValueError, match=r"speculative='no' must be True or False"):
+        SuperOffloadStrategy(speculative="no")
+    # the optimizer the strategy builds carries the very same options
+    model, trainer = fit(SuperOffloadStrategy(options=opts), tmp_path, max_steps=2)
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, HeterogeneousAdamW) and opt.options == opts and opt.cpu_threads == 2
+
+
+def test_strategy_consults_the_table_of_parts(tmp_path):
+    from lightning_gh import compat
+
+    class ManagedState(L.Callback):  # stands in for a part the table says SuperOffload does not combine with
+        lgh_part = "ManagedOptimizerState"
+
+    assert SuperOffloadStrategy.lgh_part == "SuperOffload"
+    model = TinyLM()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="superoffload", max_steps=1, logger=False,
+                        callbacks=[ManagedState()], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(compat.IncompatiblePartsError, match="SuperOffload and ManagedOptimizerState"):
+        trainer.fit(model, MarkovDataModule.for_model(model, num_train_samples=16))
+
+
+def test_torch_scheduler_internals_the_strategy_relies_on():
+    """Canary: rebinding schedulers reads torch's nested ``_schedulers`` and mirrors the ``step`` wrapper marker."""
+    lr_sched = torch.optim.lr_scheduler
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    seq = lr_sched.SequentialLR(opt, [lr_sched.ConstantLR(opt), lr_sched.ConstantLR(opt)], milestones=[1])
+    chained = lr_sched.ChainedScheduler([lr_sched.ConstantLR(opt)], optimizer=opt)
+    assert len(seq._schedulers) == 2 and len(chained._schedulers) == 1
+    assert getattr(opt.step, "_wrapped_by_lr_sched", False)

@@ -99,9 +99,18 @@ def test_bad_specs_name_the_part_and_the_grammar(spec, match):
     assert STEPS_GRAMMAR in str(e.value) and "`steps`" in str(e.value)
 
 
-def test_non_string_spec():
+@pytest.mark.parametrize("spec", [7.0, True, [7], None])
+def test_non_string_spec(spec):
     with pytest.raises(ValueError, match="must be a string"):
-        StepSchedule.parse(7)  # type: ignore[arg-type]
+        StepSchedule.parse(spec)  # type: ignore[arg-type]
+
+
+def test_an_int_is_that_single_step():
+    # Issue 17: `steps=7` in Python or `steps: 3` in YAML (jsonargparse hands an int) means that one step.
+    assert StepSchedule.parse(7) == StepSchedule.parse("7") and StepSchedule.parse(7).windows == (StepWindow(7, 7),)
+    assert StepSchedule.parse(0).windows == (StepWindow(0, 0),)
+    with pytest.raises(ValueError, match="negative steps are not allowed"):
+        StepSchedule.parse(-1)
 
 
 def test_examples_from_the_issue():

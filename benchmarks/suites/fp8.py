@@ -7,6 +7,10 @@ Three modes, each measured side by side in one process:
                  speedup_vs_first), against bf16-mixed compiled and against Lightning's "transformer-engine".
   --check-loss   the same variants trained --loss-steps steps from the same seed on the same batches; the loss
                  curves are compared with bf16-mixed eager (10-step moving average, tolerance 1%).
+  --hf           the model a user brings: a plain LightningModule around transformers' LlamaForCausalLM (random
+                 init, the issue-18 configuration by default), Trainer(precision=...) or plugins=[precision(name)],
+                 fused AdamW; variants --hf-variants (see HF_VARIANTS); ratios against bf16-mixed eager, losses
+                 step by step against it. JSON is also written after every variant (partial results survive).
   --gemm         the GEMM cross-over behind the layer filter's min_dim rule: one Linear, forward + backward, bf16
                  against torchao float8 (compiled) and Transformer Engine fp8, for square and Llama shapes.
 
@@ -30,6 +34,7 @@ Variants (pick with --variants; bf16, bf16-compiled and, when a TE variant runs,
     python benchmarks/run.py --suite fp8 --preset large --variants te-delayed te-current ...
     python benchmarks/run.py --suite fp8 --preset large --check-loss --loss-steps 120
     python benchmarks/run.py --suite fp8 --gemm
+    python benchmarks/run.py --suite fp8 --hf --warmup 8 --iters 30
 """
 
 from __future__ import annotations
@@ -98,6 +103,23 @@ VARIANTS: dict[str, Variant] = {
     "auto-eager": Variant("fp8-auto eager", plugin=("fp8-auto", {})),
 }
 BASES = ("bf16", "bf16-compiled")
+
+# --hf: the issue-18 model (hidden 4096, 4 layers, FFN 14336, 32/8 heads, vocab 32000, 2x4096 tokens)
+HF_SHAPE = (4096, 4, 14336, 32, 8, 32000, 2, 4096)
+HF_VARIANTS = {
+    # key: (label, precision string or plugin name, plugin options, how the model is compiled)
+    "bf16": ("bf16-mixed eager", "bf16-mixed", None, "none"),
+    "ao-tensorwise": ("fp8-ao-tensorwise (default: blocks compiled)", "fp8-ao-tensorwise", {}, "none"),
+    "ao-tensorwise-nocompile": ("fp8-ao-tensorwise compile_blocks=False", "fp8-ao-tensorwise",
+                                {"compile_blocks": False}, "none"),
+    "bf16-blocks": ("bf16-mixed, blocks compiled", "bf16-mixed", None, "blocks"),
+    "auto": ("fp8-auto", "fp8-auto", {}, "none"),
+    "ao-rowwise": ("fp8-ao-rowwise (default: blocks compiled)", "fp8-ao-rowwise", {}, "none"),
+    "bf16-compiled": ("bf16-mixed, model compiled", "bf16-mixed", None, "model"),
+    "ao-tensorwise-compiled": ("fp8-ao-tensorwise, model compiled", "fp8-ao-tensorwise", {}, "model"),
+}
+HF_DEFAULT = ("bf16", "ao-tensorwise", "ao-tensorwise-nocompile", "bf16-blocks", "auto", "bf16-compiled",
+              "ao-tensorwise-compiled")
 DEFAULT_VARIANTS = [k for k in VARIANTS if k not in ("te-current-traced", "ao-tensorwise-eager")]
 
 
@@ -110,6 +132,10 @@ def add_arguments(ap) -> None:
                     help="--check-loss: also compare the mean of the last N losses (the flatter end of the run)")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (both modes)")
     ap.add_argument("--gemm", action="store_true", help="GEMM cross-over micro-benchmark instead")
+    ap.add_argument("--hf", action="store_true", help="HF transformers Llama in a plain LightningModule instead")
+    ap.add_argument("--hf-variants", nargs="+", default=list(HF_DEFAULT), choices=sorted(HF_VARIANTS))
+    ap.add_argument("--hf-shape", type=int, nargs=8, default=list(HF_SHAPE), metavar="N",
+                    help="hidden layers ffn heads kv_heads vocab batch seq (default: the issue-18 model)")
     ap.add_argument("--gemm-tokens", type=int, nargs="+", default=[8192], help="tokens (M) per GEMM")
     ap.add_argument("--gemm-dims", type=int, nargs="+", default=[512, 768, 1024, 1536, 2048, 3072, 4096, 8192],
                     help="square in=out sizes")
@@ -330,7 +356,7 @@ def _gemm_step(kind: str, m: int, k: int, n: int, device: torch.device):
 
 
 def _run_gemm(ctx: BenchContext) -> list[Result]:
-    from lightning_gh.precision.registry import ao_missing_reason, te_missing_reason
+    from lightning_gh.precision.checks import ao_missing_reason, te_missing_reason
 
     kinds = ["bf16", "bf16-compiled"]
     if ao_missing_reason() is None:
@@ -396,6 +422,8 @@ def _run_gemm(ctx: BenchContext) -> list[Result]:
 def run(ctx: BenchContext) -> list[Result]:
     if ctx.args.gemm:
         return _run_gemm(ctx)
+    if getattr(ctx.args, "hf", False):
+        return run_hf(ctx)
     mode = "loss" if ctx.args.check_loss else "steps"
     keys = _selected(ctx.args)
     print(f"[fp8] mode={mode} variants={keys}\n[fp8] availability: {list_precisions()}", flush=True)
@@ -409,3 +437,154 @@ def run(ctx: BenchContext) -> list[Result]:
                          else _summary_steps(name, rows))
     print("\n".join(summaries), flush=True)
     return results
+
+
+# ---------------------------------------------------------------- --hf: a model the user brings
+
+
+class HFCausalLM(L.LightningModule):
+    """What a new user writes: transformers' ``LlamaForCausalLM`` in a plain LightningModule, fused AdamW.
+
+    ``compile``: ``"none"``, ``"blocks"`` (each decoder layer ``.compile()``d in place in ``configure_model``: the fair
+    bf16 anchor for regional compilation) or ``"model"`` (``torch.compile`` of the whole HF model).
+    """
+
+    def __init__(self, config: Any, compile: str = "none", lr: float = 3e-4) -> None:
+        super().__init__()
+        from transformers import LlamaForCausalLM
+
+        self.model = LlamaForCausalLM(config)
+        self.compile_how = compile
+        self.lr = lr
+
+    def configure_model(self) -> None:
+        if self.compile_how == "blocks":
+            for layer in self.model.model.layers:
+                layer.compile()
+        elif self.compile_how == "model" and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
+            self.model = torch.compile(self.model)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=self.device.type == "cuda")
+
+
+def _hf_config(shape: list[int]) -> Any:
+    from transformers import LlamaConfig
+
+    hidden, layers, ffn, heads, kv, vocab, _, seq = shape
+    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=ffn,
+                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                       max_position_embeddings=seq, attn_implementation="sdpa")
+
+
+def _hf_data(shape: list[int], steps: int) -> torch.utils.data.DataLoader:
+    *_, vocab, batch, seq = shape
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(vocab, (steps * batch, seq), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=batch, shuffle=False)
+
+
+def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
+    from common import StepTimer
+
+    label, name, opts, how = HF_VARIANTS[key]
+    hidden, layers, ffn, heads, kv, vocab, batch, seq = shape
+    tokens = batch * seq
+    flops = 6 * tokens * (layers * (2 * hidden * hidden + 2 * hidden * hidden * kv // heads + 3 * hidden * ffn)
+                          + hidden * vocab) + 12 * layers * batch * seq * seq * hidden  # causal attn ~ half
+    r = Result(ctx.suite, "hf-llama", label, None, tokens, float(flops))
+    r.extra.update({"key": key, "compiled": how})
+    reset_memory(ctx.device)
+    model = trainer = None
+    try:
+        L.seed_everything(0, verbose=False)
+        with torch.device(ctx.device):
+            model = HFCausalLM(_hf_config(shape), compile=how, lr=ctx.args.lr)
+        kwargs: dict[str, Any] = {}
+        if name in ("bf16-mixed",):
+            kwargs["precision"] = "bf16-mixed" if ctx.cuda else "32-true"
+        else:
+            o = dict(opts or {})
+            if not ctx.cuda and name.startswith("fp8-ao"):
+                o["emulate"] = True  # the CPU smoke run: emulated fp8, functional only
+            kwargs["plugins"] = [precision(name, **o)]
+        timer, rec = StepTimer(ctx.warmup), _Losses()
+        steps = ctx.warmup + ctx.iters
+        trainer = L.Trainer(accelerator="gpu" if ctx.cuda else "cpu", devices=1, max_steps=steps,
+                            limit_val_batches=0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, rec], **kwargs)
+        trainer.fit(model, _hf_data(shape, steps))
+        r.timing = timer.timing()
+        r.peak_mem_bytes = peak_memory(ctx.device)
+        r.extra["losses"] = rec.losses
+        r.extra["fp8_layers"] = _fp8_layers(trainer)
+        r.extra["plugin"] = getattr(trainer.precision_plugin, "name", type(trainer.precision_plugin).__name__)
+        r.extra["regional"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    except Exception as e:  # a missing backend, an OOM or a compile failure is a result, not a crash
+        r.error = _error(e)
+        traceback.print_exc()
+    finally:
+        del model, trainer
+        _reset_backends()
+        reset_memory(ctx.device)
+    print(f"[fp8 hf] {label}: " + (f"{r.median_ms:.2f} ms, peak {(r.peak_mem_bytes or 0) / 2**30:.1f} GiB, "
+                                   f"plugin {r.extra.get('plugin')}, fp8 layers {r.extra.get('fp8_layers')}"
+                                   if r.median_ms else f"error {r.error}"), flush=True)
+    return r
+
+
+def _summary_hf(rows: list[Result]) -> str:
+    by_key = {r.extra["key"]: r for r in rows}
+    base = by_key.get("bf16")
+    blocks = by_key.get("bf16-blocks")
+    compiled = by_key.get("bf16-compiled")
+    ms = lambda r: r.median_ms if r is not None else None  # noqa: E731
+    lines = ["\n### fp8 summary: HF LlamaForCausalLM, full Lightning steps (median ms; ratio > 1 is faster)",
+             "| variant | plugin | fp8 layers | ms | vs bf16 eager | vs bf16 blocks compiled | vs bf16 compiled | "
+             "peak GiB | max rel loss gap | last-10 mean gap |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ref = base.extra.get("losses") if base is not None and base.timing else None
+    for r in rows:
+        if not r.median_ms:
+            lines.append(f"| {r.variant} | - | - | error: {r.error} | | | | | | |")
+            continue
+        gap = tail = "-"
+        losses = r.extra.get("losses") or []
+        if ref and losses and r is not base:
+            rel = [abs(a - b) / abs(a) for a, b in zip(ref, losses)]
+            gap = f"{max(rel):.2e}"
+            n = min(10, len(ref), len(losses))
+            tail = f"{abs(statistics.fmean(ref[-n:]) - statistics.fmean(losses[-n:])) / statistics.fmean(ref[-n:]):.2e}"
+        peak = f"{r.peak_mem_bytes / 2**30:.1f}" if r.peak_mem_bytes else "-"
+        lines.append(f"| {r.variant} | {r.extra.get('plugin')} | {r.extra.get('fp8_layers')} | {r.median_ms:.2f} | "
+                     f"{_ratio(ms(base), r.median_ms)} | {_ratio(ms(blocks), r.median_ms)} | "
+                     f"{_ratio(ms(compiled), r.median_ms)} | {peak} | {gap} | {tail} |")
+    ao = by_key.get("ao-tensorwise")
+    if ao is not None and ao.median_ms and ms(base):
+        x = ms(base) / ao.median_ms
+        lines.append(f"goal fp8-ao-tensorwise on the eager model >= 1.40x over bf16-mixed: {x:.3f}x -> "
+                     f"{'MET' if x >= 1.40 else 'NOT MET'}")
+    aoc = by_key.get("ao-tensorwise-compiled")
+    if aoc is not None and aoc.median_ms and ms(compiled):
+        x = ms(compiled) / aoc.median_ms
+        lines.append(f"goal fp8-ao-tensorwise on a compiled model >= 1.30x over compiled bf16: {x:.3f}x -> "
+                     f"{'MET' if x >= 1.30 else 'NOT MET'}")
+    return "\n".join(lines)
+
+
+def run_hf(ctx: BenchContext) -> list[Result]:
+    import json
+
+    shape = list(ctx.args.hf_shape)
+    print(f"[fp8 hf] shape={shape} variants={ctx.args.hf_variants}\n[fp8] availability: {list_precisions()}",
+          flush=True)
+    rows: list[Result] = []
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    for key in ctx.args.hf_variants:
+        rows.append(_hf_variant(ctx, key, shape))
+        partial = [{**r.row(), "samples_ms": r.timing.samples_ms if r.timing else None} for r in rows]
+        (ctx.out_dir / "fp8_hf_partial.json").write_text(json.dumps(partial, indent=1, default=str))
+        print(_summary_hf(rows), flush=True)
+    return rows

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from common import BenchContext, Result, lightning_steps, random_batch, reset_memory, time_fn
 
 from lightning_gh.demo import Llama, LlamaLM, preset
-from lightning_gh.offload import ActivationOffload, offload_activations
+from lightning_gh.activation_offload import ActivationOffload, offload_activations
 
 DEFAULT_PRESETS = ["medium"]
 GIB = 2**30
@@ -56,6 +56,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skip-oom", action="store_true", help="skip the out-of-memory demonstration")
     parser.add_argument("--skip-fwdbwd", action="store_true", help="skip the plain PyTorch fwd+bwd rows")
     parser.add_argument("--k", type=int, default=2, help="K of the fixed-K variant (default 2)")
+    parser.add_argument("--offload-hf-budget", action="store_true",
+                        help="run only issue 16's table: an HF LlamaForCausalLM (2048 x 8) with none, HF gradient "
+                             "checkpointing, SAC, auto, all and budget=0.3/0.5/0.7/0.9")
+    parser.add_argument("--offload-hf-compiled", action="store_true",
+                        help="with --offload-hf-budget: also torch.compile'd, with and without budget=0.5")
     parser.add_argument("--offload-variants", default=None,
                         help="comma-separated variant names to run (case-insensitive), e.g. "
                              "'checkpointing,ours auto,recompute only,ours auto + recompute'; 'no offload' always "
@@ -237,7 +242,7 @@ def _fwdbwd_variant(ctx: BenchContext, cfg, name: str, label: str, make_ctx: Cal
 def _print_norm_act_regions(cfg) -> None:
     """Which submodules of one block recompute="norm-act" checkpoints (built on the meta device: no memory)."""
     from lightning_gh.demo.model import Block
-    from lightning_gh.offload.recompute import is_norm_act_module
+    from lightning_gh.activation_offload.recompute import is_norm_act_module
 
     try:
         with torch.device("meta"):
@@ -255,6 +260,8 @@ def run(ctx: BenchContext) -> list[Result]:
 
     link = hardware.link_bandwidth()
     print(f"[offload] link: {link.d2h_gbps:.1f} GB/s device->host, {link.h2d_gbps:.1f} GB/s host->device (pinned)")
+    if getattr(ctx.args, "offload_hf_budget", False):
+        return run_hf_budget(ctx)
     k = ctx.args.k
     results: list[Result] = []
     timelines: dict[str, Any] = {}
@@ -419,3 +426,180 @@ def _oom_demo(ctx: BenchContext, cfg, rows: dict[str, tuple[Result, _StepMemory]
           f"ours all -> {'trained' if out[1].extra['trained'] else 'FAILED: ' + str(out[1].error)}", flush=True)
     ctx.args._preset_label = ctx.presets[0]
     return out
+
+
+# ------------------------------------------------------------------------- issue 16: budget on an HF Llama
+
+HF_CFG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)
+HF_BATCH, HF_SEQ = 4, 2048
+BUDGET_FRACTIONS = (0.3, 0.5, 0.7, 0.9)
+FORECAST_GBPS = 450.0  # a GH200-class host link
+
+
+class _HFLlama(L.LightningModule):
+    """The user's model: transformers' LlamaForCausalLM in a plain LightningModule, fused AdamW."""
+
+    def __init__(self, compiled: bool = False) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.LlamaConfig(**HF_CFG)
+        cfg._attn_implementation = "sdpa"
+        with torch.device("cuda"):
+            self.model = transformers.LlamaForCausalLM(cfg)
+        self.losses: list[torch.Tensor] = []
+        self._compiled = compiled
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.detach().float())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+
+class _ModelStatePeak(L.Callback):
+    """Per step: the peak allocation minus the model state (weights, gradients at full size, optimizer state)."""
+
+    def __init__(self) -> None:
+        self.act: list[int] = []
+        self.peak: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        peak = torch.cuda.max_memory_allocated()
+        params = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        opt = trainer.optimizers[0]
+        state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                    if isinstance(t, torch.Tensor))
+        self.peak.append(peak)
+        self.act.append(peak - 2 * params - state)
+
+
+def _hf_variant(ctx: BenchContext, name: str, callbacks: Callable[[], list], hf_ckpt: bool = False,
+                compiled: bool = False, warmup: int = 10) -> tuple[Result, Any]:
+    r = Result(ctx.suite, "hf-llama-2048x8", name, None, HF_BATCH * HF_SEQ, 0.0)
+    probe = _ModelStatePeak()
+    cbs: list = []
+    module = None
+    reset_memory(ctx.device)
+    try:
+        L.seed_everything(0, verbose=False)
+        module = _HFLlama()
+        if hf_ckpt:
+            module.model.gradient_checkpointing_enable()
+        if compiled:
+            module.model = torch.compile(module.model)
+        cbs = callbacks()
+        g = torch.Generator().manual_seed(0)
+        data = torch.randint(0, HF_CFG["vocab_size"], ((warmup + ctx.iters) * HF_BATCH, HF_SEQ), generator=g)
+        dl = torch.utils.data.DataLoader(data, batch_size=HF_BATCH, pin_memory=True)
+        sub = BenchContext(ctx.suite, ctx.presets, ctx.device, warmup, ctx.iters, ctx.out_dir, ctx.args)
+        from common import StepTimer
+
+        timer = StepTimer(warmup)
+        trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=warmup + ctx.iters, precision="bf16-mixed",
+                            limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[timer, probe, *cbs])
+        trainer.fit(module, dl)
+        r.timing = timer.timing()
+        w = sub.warmup
+        r.extra["act_gib"] = round(max(probe.act[w:]) / GIB, 3)
+        r.peak_mem_bytes = max(probe.peak[w:])
+        r.extra["peak_gib"] = round(r.peak_mem_bytes / GIB, 3)
+        r.extra["losses"] = [float(x) for x in module.losses]
+        for cb in cbs:
+            if isinstance(cb, ActivationOffload) and cb.engine is not None:
+                e = cb.engine
+                r.extra["plan"] = cb.plan.describe() if cb.plan else None
+                if e.budget is not None and e.forecast is not None:
+                    r.extra["budget_gib"] = round(e.budget_bytes / GIB, 3)
+                    r.extra["engine_plain_gib"] = round(e.plain_activation_bytes / GIB, 3)
+                    r.extra["predicted_gib"] = round(e.forecast.activation_bytes / GIB, 3)
+                    r.extra["predicted_ratio"] = round(e.forecast.ratio, 3)
+                    r.extra["achieved_engine_gib"] = round((e.achieved_bytes or 0) / GIB, 3)
+                    r.extra["rounds"] = e._b_round
+                    r.extra["choices"] = e.forecast.describe_choices()
+                    r.extra["budget_log"] = e.budget_log
+                    _forecast_450(r, e)
+    except Exception as e:  # an OOM or a failure is a row, not the end of the suite
+        r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        traceback.print_exc()
+    module = None
+    cbs = []
+    gc.collect()
+    reset_memory(ctx.device)
+    print(f"[budget] {name:<28} | {r.median_ms or 0:8.1f} ms | act {r.extra.get('act_gib', '-')} GiB | peak "
+          f"{r.extra.get('peak_gib', '-')} GiB" + (f" | {r.error}" if r.error else ""), flush=True)
+    return r, None
+
+
+def _forecast_450(r: Result, e: Any) -> None:
+    """The planner's forecast on a 450 GB/s link for the same measured blocks (a forecast, not a measurement)."""
+    from lightning_gh.activation_offload.budget import plan_budget
+
+    try:
+        _, fc = plan_budget(e.budget_profile, e.budget_bytes, FORECAST_GBPS, FORECAST_GBPS, e.margin,
+                            e.skip_last_blocks)
+        r.extra["forecast_450_ratio"] = round(fc.ratio, 3)
+        r.extra["forecast_450_gib"] = round(fc.activation_bytes / GIB, 3)
+        r.extra["forecast_450_choices"] = fc.describe_choices()
+    except ValueError as err:
+        r.extra["forecast_450_ratio"] = f"infeasible: {err}"
+
+
+def run_hf_budget(ctx: BenchContext) -> list[Result]:
+    """Issue 16's table: HF Llama (2048 x 8 layers, FFN 5632, 16/4 heads), 4 x 2048 tokens, bf16-mixed, fused AdamW."""
+    import time
+
+    t_start = time.time()
+    rows: list[Result] = []
+    ours = lambda **kw: (lambda: [ActivationOffload(**kw)])  # noqa: E731
+    variants: list[tuple[str, Callable[[], list], dict]] = [
+        ("none", lambda: [], {}),
+        ("HF gradient_checkpointing", lambda: [], {"hf_ckpt": True}),
+        ("SAC (recompute=selective)", ours(policy=0, recompute="selective"), {}),
+        ("ours auto", ours(policy="auto"), {}),
+        ("ours all", ours(policy="all"), {}),
+    ] + [(f"budget {f:.0%}", ours(budget=f), {}) for f in BUDGET_FRACTIONS]
+    for name, cbs, kw in variants:
+        rows.append(_hf_variant(ctx, name, cbs, **kw)[0])
+    if getattr(ctx.args, "offload_hf_compiled", False) and time.time() - t_start < 200:
+        for name, cbs in (("compiled", lambda: []), ("compiled + budget 50%", ours(budget=0.5))):
+            rows.append(_hf_variant(ctx, name, cbs, compiled=True)[0])
+    _hf_summary(rows)
+    return rows
+
+
+def _hf_summary(rows: list[Result]) -> None:
+    base = rows[0]
+    print("\n[budget] HF Llama 2048x8, 4x2048 tokens, bf16-mixed, fused AdamW, full Lightning steps; ratios against "
+          "'none' in this process. act = peak - (weights + gradients + AdamW state)")
+    print("| variant | step ms | x none | peak GiB | act GiB | budget GiB | achieved/budget | predicted x | "
+          "forecast 450 GB/s (x, GiB) | max loss diff | plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    ref = base.extra.get("losses") or []
+    for r in rows:
+        if r.error:
+            print(f"| {r.variant} | {r.error} |")
+            continue
+        ratio = r.median_ms / base.median_ms if base.median_ms else float("nan")
+        b = r.extra.get("budget_gib")
+        ach = f"{r.extra['act_gib'] / b:.3f}" if b else "-"
+        ls = r.extra.get("losses") or []
+        diff = max((abs(a - c) for a, c in zip(ls, ref)), default=float("nan")) if ls and r is not base else 0.0
+        fc = (f"{r.extra['forecast_450_ratio']}x, {r.extra.get('forecast_450_gib')} (forecast)"
+              if "forecast_450_ratio" in r.extra else "-")
+        print(f"| {r.variant} | {r.median_ms:.1f} | {ratio:.2f}x | {r.extra['peak_gib']:.2f} | {r.extra['act_gib']:.2f} | "
+              f"{b if b else '-'} | {ach} | {r.extra.get('predicted_ratio', '-')} | {fc} | {diff:.3g} | "
+              f"{r.extra.get('choices', '-')} |")
+    for r in rows:
+        if r.extra.get("plan"):
+            print(f"[budget] {r.variant} plan: " + str(r.extra["plan"]).replace("\n", "\n    "))
+        if r.extra.get("budget_log"):
+            print(f"[budget] {r.variant} log: {r.extra['budget_log']}")
+    print(flush=True)

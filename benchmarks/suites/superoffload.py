@@ -22,7 +22,22 @@ Part 3, the largest model that trains under a GPU memory cap (`torch.cuda.set_pe
 `bf16-mixed` (16 B/param) against `strategy=SuperOffloadStrategy(gpu_fraction=0.0)` under `bf16-true`
 (bf16 weights on the GPU, fp32 master + moments on the host). A size "trains" when 3 steps finish.
 
-`--so-parts micro speed cap` picks the parts (default all three; about 7 minutes on the H200 machine).
+Part 4 (`--so-parts hf`), the bound under memory pressure with default options (issue 13): a plain LightningModule
+wrapping `transformers.LlamaForCausalLM` (hidden 2048, FFN 5632, 16 heads / 4 KV heads, vocab 32000, 1x2048
+tokens), the GPU capped with `torch.cuda.set_per_process_memory_fraction` (`--so-hf-cap-gib`, default 24):
+
+  gpu fused adamw (bf16-mixed)            GPU-only, at the first of `--so-hf-layers` (16: the largest that fits)
+  superoffload default (bf16-true)        Trainer(strategy="superoffload"), default options, each size
+  superoffload gpu_fraction=0.0 (bf16-true)  the same with every parameter's state on the host
+
+Per run it prints the measured forward+backward time (the same module, the same batch, no optimizer: each
+gradient is dropped as it lands, as the offload does), the CPU AdamW time of the offloaded parameters at the CPU
+rate measured in this process (fused CPU AdamW, the worker's thread count), the host-link time of the bytes moved
+(4 B/param each way: fp32 gradients down, fp32 weights up, at the measured pinned bandwidth), the bound = the max
+of the three, the step time and step/bound (goal <= 1.15), the auto tail's one-line decision and the allocator's
+retry count.
+
+`--so-parts micro speed cap` picks the parts (default the first three; about 7 minutes on the H200 machine).
 
 Isolation: on CUDA every variant of parts 2 and 3 runs in a fresh Python process (`--so-in-process` turns that
 off), so peak-memory figures and the memory cap start from an empty GPU and the host RAM of one variant (28 B per
@@ -38,6 +53,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import threading
 import time
 import traceback
@@ -50,8 +66,7 @@ from common import BenchContext, Result, Timing, lightning_steps, peak_memory, r
 
 from lightning_gh import hardware
 from lightning_gh.demo import LlamaLM, preset
-from lightning_gh.offload.strategy import SuperOffloadStrategy
-from lightning_gh.offload.superoffload import HeterogeneousAdamW
+from lightning_gh.superoffload import HeterogeneousAdamW, SuperOffloadStrategy
 
 DEFAULT_PRESETS = ["medium"]
 ANCHOR_GPU_MS = 107.0
@@ -68,8 +83,16 @@ def add_arguments(parser: Any) -> None:
                         help="subset of step-time variants to run (names as in the table, quoted)")
     parser.add_argument("--so-cap-gib", type=float, default=12.0, help="GPU memory cap of part 3 (GiB); 0 skips it")
     parser.add_argument("--so-cap-seq", type=int, default=1024, help="sequence length of part 3 (batch 1)")
-    parser.add_argument("--so-parts", nargs="+", default=["micro", "speed", "cap"], choices=["micro", "speed", "cap"],
-                        help="which parts to run (default: all three)")
+    parser.add_argument("--so-parts", nargs="+", default=["micro", "speed", "cap"],
+                        choices=["micro", "speed", "cap", "hf"], help="which parts to run (default: micro speed cap)")
+    parser.add_argument("--so-hf-layers", type=int, nargs="+", default=[16, 32, 64],
+                        help="part hf: LlamaForCausalLM depths (the first is also the GPU-only size)")
+    parser.add_argument("--so-hf-cap-gib", type=float, default=24.0, help="part hf: GPU memory cap (GiB); 0: none")
+    parser.add_argument("--so-hf-seq", type=int, default=2048, help="part hf: tokens per step (batch 1)")
+    parser.add_argument("--so-hf-hidden", type=int, default=2048,
+                        help="part hf: hidden size (FFN = 2.75x, 16 heads / 4 KV heads); small only for a CPU smoke run")
+    parser.add_argument("--so-hf-variants", nargs="+", default=["gpu", "default", "tail0"],
+                        choices=["gpu", "default", "tail0"], help="part hf: which variants to run")
     parser.add_argument("--so-in-process", action="store_true",
                         help="run every variant in this process instead of one fresh process each")
     parser.add_argument("--so-budget-s", type=float, default=0.0,
@@ -204,7 +227,7 @@ def _lightning_variant(ctx: BenchContext, cfg: Any, name: str, make_model: Calla
 def _micro(ctx: BenchContext) -> list[Result]:
     """CPU AdamW kernel throughput (fused vs foreach), host memcpy, pinned link bandwidth."""
     out = []
-    threads = max(1, (torch.get_num_threads() if not ctx.cuda else (__import__("os").cpu_count() or 2) - 2))
+    threads = max(1, (torch.get_num_threads() if not ctx.cuda else hardware.cpus_available() - 2))
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     n = 1 << 26  # 64M parameters
@@ -336,6 +359,210 @@ def _cap(ctx: BenchContext) -> list[Result]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- part 4: hf + bound
+HF_GOAL_VS_BOUND = 1.15
+HF_MIN_WARMUP = 20  # the auto tail decides within the first ~10-30 pipelined steps: time after it
+
+
+class _HFLlamaLM(L.LightningModule):
+    """A plain LightningModule around ``transformers.LlamaForCausalLM``, as a user would write it."""
+
+    def __init__(self, n_layers: int, hidden: int = 2048, seq_len: int = 2048, lr: float = 1e-4) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_attention_heads=16,
+                          num_key_value_heads=4, num_hidden_layers=n_layers, vocab_size=32000,
+                          max_position_embeddings=seq_len)
+        cfg._attn_implementation = "sdpa"
+        self.model = LlamaForCausalLM(cfg)
+        self.lr = lr
+        self.last_loss: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self(batch)
+        self.last_loss = loss.detach()
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        fused = next(self.parameters()).is_cuda
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=fused)
+
+
+def _token_loader(seq_len: int, cuda: bool, n: int = 64) -> Any:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32000, (n, seq_len), generator=g)
+    return torch.utils.data.DataLoader(ids, batch_size=1, pin_memory=cuda)
+
+
+def _fwd_bwd_ms(module: _HFLlamaLM, batch: torch.Tensor, autocast: bool, warmup: int = 2, iters: int = 5) -> float:
+    """Median forward+backward time of ``module`` on ``batch``, no optimizer; each gradient is dropped as it
+    lands (as the offload does with its GPU copy), so the memory is that of the offloaded run."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None)) for p in params]
+    cuda = batch.is_cuda
+    samples = []
+    try:
+        for i in range(warmup + iters):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = module(batch)
+            loss.backward()
+            if cuda:
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                ms = (time.perf_counter() - t0) * 1e3
+            if i >= warmup:
+                samples.append(ms)
+    finally:
+        for h in hooks:
+            h.remove()
+        for p in params:
+            p.grad = None
+    return statistics.median(samples)
+
+
+def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_len: int, hidden: int) -> Result:
+    """One part-4 variant in this process: cap, build, measure forward+backward, train, report."""
+    if ctx.cuda and cap_gib > 0:
+        dev_index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(dev_index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), dev_index)
+    name = {"gpu": "gpu fused adamw (bf16-mixed)", "default": "superoffload default (bf16-true)",
+            "tail0": "superoffload gpu_fraction=0.0 (bf16-true)"}[variant]
+    r = Result(ctx.suite, f"hf-llama {n_layers}L cap {cap_gib:g} GiB", name, None, seq_len)
+    module = trainer = None
+    try:
+        torch.manual_seed(0)
+        offload = variant != "gpu"
+        prev = torch.get_default_dtype()
+        if offload:
+            torch.set_default_dtype(torch.bfloat16)  # bf16 weights straight away (bf16-true)
+        try:
+            with torch.device(ctx.device):
+                module = _HFLlamaLM(n_layers, hidden=hidden, seq_len=seq_len)
+        finally:
+            torch.set_default_dtype(prev)
+        r.extra["params_M"] = round(sum(p.numel() for p in module.parameters()) / 1e6)
+        batch = torch.randint(0, 32000, (1, seq_len), device=ctx.device)
+        r.extra["fwd_bwd_ms"] = round(_fwd_bwd_ms(module, batch, autocast=not offload and ctx.cuda), 2)
+        del batch
+        gc.collect()
+        reset_memory(ctx.device)
+        if variant == "gpu":
+            kw: dict[str, Any] = dict(precision="bf16-mixed" if ctx.cuda else "32-true")
+        elif variant == "default":
+            kw = dict(strategy="superoffload", precision="bf16-true")
+        else:
+            kw = dict(strategy=SuperOffloadStrategy(gpu_fraction=0.0), precision="bf16-true")
+        warmup = ctx.warmup if variant == "gpu" else max(ctx.warmup, HF_MIN_WARMUP)
+        sub = BenchContext(ctx.suite, ctx.presets, ctx.device, warmup=warmup, iters=ctx.iters, out_dir=ctx.out_dir,
+                           args=ctx.args)
+        r.timing, trainer = lightning_steps(module, sub, datamodule=_token_loader(seq_len, ctx.cuda), **kw)
+        r.peak_mem_bytes = peak_memory(ctx.device)
+        r.extra.update(_so_stats(trainer))
+        for opt in trainer.optimizers:
+            if isinstance(opt, HeterogeneousAdamW):
+                r.extra["host_params"] = opt.host_numel
+                r.extra["tail_decision"] = opt.stats.get("tail_decision")
+        if ctx.cuda:
+            st = torch.cuda.memory_stats(ctx.device)
+            r.extra["alloc_retries"] = int(st.get("num_alloc_retries", 0))
+        if module.last_loss is not None:
+            r.extra["loss_last"] = round(float(module.last_loss), 4)
+    except Exception as e:
+        r.error = _err(e)
+        traceback.print_exc()
+    finally:
+        module = trainer = None
+        gc.collect()
+        reset_memory(ctx.device)
+    return r
+
+
+def _cpu_adamw_rate(threads: int, n: int) -> float:
+    """Parameters per second of torch's fused CPU AdamW on ``threads`` threads (the worker's count)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        p = torch.randn(n)
+        p.grad = torch.randn(n)
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+        opt.step()
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            opt.step()
+            samples.append(time.perf_counter() - t0)
+        return n / statistics.median(samples)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _hf(ctx: BenchContext) -> list[Result]:
+    a = ctx.args
+    layers = list(getattr(a, "so_hf_layers", [16, 32, 64]))
+    cap_gib = float(getattr(a, "so_hf_cap_gib", 24.0))
+    seq_len = int(getattr(a, "so_hf_seq", 2048))
+    hidden = int(getattr(a, "so_hf_hidden", 2048))
+    chosen = list(getattr(a, "so_hf_variants", ["gpu", "default", "tail0"]))
+    isolate = ctx.cuda and not getattr(a, "so_in_process", False)
+    threads = max(1, hardware.cpus_available() - 2) if ctx.cuda else torch.get_num_threads()
+    rate = _cpu_adamw_rate(threads, (1 << 26) if ctx.cuda else (1 << 20))
+    bw = hardware.link_bandwidth() if ctx.cuda else None
+    link_gbps = None if bw is None else min(bw.h2d_gbps, bw.d2h_gbps)
+    print(f"[superoffload] hf: CPU fused AdamW {rate / 1e9:.2f} G params/s on {threads} threads; pinned link "
+          f"{'-' if link_gbps is None else f'{link_gbps:.1f} GB/s'} (slower direction)", flush=True)
+    plan = [(layers[0], "gpu")] if "gpu" in chosen else []
+    plan += [(n, v) for n in layers for v in ("default", "tail0") if v in chosen]
+    out: list[Result] = []
+    for n_layers, variant in plan:
+        if _over_budget(ctx):
+            break
+        kw = dict(n_layers=n_layers, variant=variant, cap_gib=cap_gib, seq_len=seq_len, hidden=hidden)
+        r = _isolated(ctx, "hf", **kw) if isolate else _hf_run(ctx, **kw)
+        if r is None:
+            r = Result(ctx.suite, f"hf-llama {n_layers}L cap {cap_gib:g} GiB", variant, None, error="isolated run crashed")
+        _hf_bound(r, rate, link_gbps)
+        out.append(r)
+        x = r.extra
+        print(f"[superoffload] hf {n_layers}L {r.variant}: step {r.median_ms} ms, fwd+bwd {x.get('fwd_bwd_ms')} ms, "
+              f"cpu adamw {x.get('cpu_adamw_ms')} ms, link {x.get('link_ms')} ms, bound {x.get('bound_ms')} ms, "
+              f"step/bound {x.get('x_bound')} (goal <= {HF_GOAL_VS_BOUND}); tail: {x.get('tail_decision')}; "
+              f"allocator retries {x.get('alloc_retries')}  {r.error or ''}", flush=True)
+    by = {(r.preset, r.variant): r.median_ms for r in out}
+    for r in out:
+        base = by.get((r.preset, "superoffload gpu_fraction=0.0 (bf16-true)"))
+        if r.variant.startswith("superoffload default") and base and r.median_ms:
+            r.extra["x_tail0"] = round(r.median_ms / base, 3)
+    return out
+
+
+def _hf_bound(r: Result, rate: float, link_gbps: float | None) -> None:
+    """bound = max(forward+backward, CPU AdamW of the host-resident parameters, link time of their bytes)."""
+    x = r.extra
+    host = x.get("host_params", 0)
+    parts = [x.get("fwd_bwd_ms")]
+    x["cpu_adamw_ms"] = round(host / rate * 1e3, 1)
+    parts.append(x["cpu_adamw_ms"])
+    if link_gbps:
+        x["link_ms"] = round(host * 4 / (link_gbps * 1e9) * 1e3, 1)  # 4 B/param each way, directions overlap
+        parts.append(x["link_ms"])
+    parts = [p for p in parts if p is not None]
+    if parts:
+        x["bound_ms"] = round(max(parts), 1)
+        if r.median_ms:
+            x["x_bound"] = round(r.median_ms / x["bound_ms"], 3)
+
+
 def _variants(ctx: BenchContext, cfg: Any) -> dict[str, tuple[Callable[[], LlamaLM], dict[str, Any]]]:
     def plain(cls: type = LlamaLM, **kw: Any) -> Callable[[], LlamaLM]:
         def make() -> LlamaLM:
@@ -397,7 +624,9 @@ def _child(args: dict[str, Any]) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     kw = args["kwargs"]
-    if args["call"] == "variant":
+    if args["call"] == "hf":
+        r = _hf_run(ctx, **kw)
+    elif args["call"] == "variant":
         cfg = preset(kw["preset"], n_layers=kw["n_layers"]) if kw["preset"] == "medium" else preset(kw["preset"])
         make, tk = _variants(ctx, cfg)[kw["name"]]
         r = _lightning_variant(ctx, cfg, kw["name"], make, **tk)
@@ -446,11 +675,13 @@ def run(ctx: BenchContext) -> list[Result]:
         results += block
     if "cap" in parts and ctx.cuda and ctx.args is not None and ctx.args.so_cap_gib > 0:
         results += _cap(ctx)
+    if "hf" in parts:
+        results += _hf(ctx)
     _print_extras(results)
     return results
 
 
-_EXTRA_COLS = ("x_gpu_only", "speedup_vs_torchao", "wall_ms", "gpu_util_pct", "left_allocated_gib", "host_params_M", "gpu_params_M",
+_EXTRA_COLS = ("x_bound", "bound_ms", "fwd_bwd_ms", "cpu_adamw_ms", "link_ms", "x_tail0", "alloc_retries", "x_gpu_only", "speedup_vs_torchao", "wall_ms", "gpu_util_pct", "left_allocated_gib", "host_params_M", "gpu_params_M",
                "cpu_ms", "stall_ms", "slack_ms", "rollbacks", "clipped", "spec_buckets", "prefetched", "tail_moves",
                "moves_back", "loss_last", "gparams_per_s", "gb_per_s_rw",
                "h2d_gbps", "d2h_gbps", "n_layers", "params_M", "size_vs_gpu_only")

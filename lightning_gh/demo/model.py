@@ -170,6 +170,25 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer_idx: int,
+                       start: int) -> torch.Tensor:
+        """Attention for tokens at positions ``start..start+s-1``, with earlier keys/values from ``cache``
+        (anything with ``update(k, v, layer_idx) -> (all_k, all_v)``, e.g. ``OffloadedKVCache``)."""
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[start:start + s], sin[start:start + s]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k, v = cache.update(k, v, layer_idx)
+        gqa = self.n_kv_heads != self.n_heads
+        if start == 0 or s == 1:  # prefill: plain causal; one new token: it sees every cached one
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and s > 1, enable_gqa=gqa)
+        else:  # a chunk after a prefix: query i sees keys 0..start+i
+            mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(start)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
 
 class SwiGLUGate(nn.Module):
     """``silu(gate) * up``. A module of its own (no parameters) so that memory tools can recompute it:
@@ -201,6 +220,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer_idx: int,
+                       start: int) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.attn_norm(x), cos, sin, cache, layer_idx, start)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -237,6 +261,57 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
         return self.head(self.norm(x))
+
+    def forward_cached(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Logits (B, 1, vocab) of the last position of ``tokens``, which continue what ``cache`` holds."""
+        start = int(cache.get_seq_length())
+        if start + tokens.shape[1] > self.rope_cos.shape[0]:
+            raise ValueError(f"generation reaches {start + tokens.shape[1]} tokens, beyond the model's "
+                             f"seq_len={self.cfg.seq_len} (its rotary tables).")
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_cached(x, self.rope_cos, self.rope_sin, cache, i, start)
+        return self.head(self.norm(x[:, -1:]))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, past_key_values: Any = None) -> torch.Tensor:
+        """Greedy decoding with a KV cache: ``input_ids`` (B, S) -> (B, S + max_new_tokens).
+
+        Args:
+            input_ids: prompt token ids, one length for the whole batch.
+            max_new_tokens: tokens to append.
+            past_key_values: an empty (or ``reset()``) KV cache to fill, e.g. ``lightning_gh.OffloadedKVCache(model)``;
+                ``None`` uses a plain growing cache.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
+        cache = past_key_values if past_key_values is not None else _ConcatCache()
+        out = [input_ids]
+        logits = self.forward_cached(input_ids, cache)
+        for i in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(dim=-1, keepdim=True)
+            out.append(nxt)
+            if i + 1 < max_new_tokens:
+                logits = self.forward_cached(nxt, cache)
+        return torch.cat(out, dim=1)
+
+
+class _ConcatCache:
+    """The plainest KV cache (like transformers' DynamicCache): concatenate each step's keys and values."""
+
+    def __init__(self) -> None:
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx][0].shape[-2] if layer_idx < len(self.kv) else 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == len(self.kv):
+            self.kv.append((k, v))
+        else:
+            pk, pv = self.kv[layer_idx]
+            self.kv[layer_idx] = (torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2))
+        return self.kv[layer_idx]
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -305,6 +380,10 @@ class LlamaLM(L.LightningModule):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, past_key_values: Any = None) -> torch.Tensor:
+        """Greedy decoding with a KV cache (see :meth:`Llama.generate`); works on a compiled decoder too."""
+        return getattr(self.model, "_orig_mod", self.model).generate(input_ids, max_new_tokens, past_key_values)
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, targets = batch

@@ -2,8 +2,7 @@
 
 ``python -m lightning_gh demo [--preset tiny|small|medium|large] [--steps N] [--out DIR]``
 
-Each part registers a :class:`Part` factory in ``PARTS``; the factory looks at the machine and the
-arguments and returns the callbacks / plugins it contributes, or why it stays off.
+The table of parts (what each contributes here, or why it stays off) is ``lightning_gh.demo.parts``.
 """
 
 from __future__ import annotations
@@ -13,9 +12,9 @@ import csv
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -25,14 +24,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_gh import hardware
 from lightning_gh.demo.data import MarkovDataModule
 from lightning_gh.demo.model import PRESETS, LlamaLM
-from lightning_gh.graphs.part import demo_part as _graphs_part
-from lightning_gh.offload.callback import activation_offload_part as _offload_part
-from lightning_gh.offload.superoffload_part import superoffload_part as _superoffload_part
-from lightning_gh.precision.registry import demo_part as _fp8_part
-from lightning_gh.profiling.nvtx import demo_part as _nvtx_part
-from lightning_gh.profiling.profiler import demo_part as _profiler_part
+from lightning_gh.demo.parts import PARTS, resolve_conflicts
 
-__all__ = ["Part", "PARTS", "DemoConfig", "run_demo", "main"]
+__all__ = ["DemoConfig", "run_demo", "main"]
 
 DEFAULT_STEPS = {"tiny": 300, "small": 200, "medium": 100, "large": 50}
 
@@ -58,51 +52,8 @@ class DemoConfig:
         if self.out is None:
             self.out = Path("runs") / f"demo-{self.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.out = Path(self.out)
-
-
-@dataclass
-class Part:
-    """What one lightning_gh part contributes to the demo run."""
-
-    name: str
-    enabled: bool
-    reason: str = ""
-    callbacks: list[Any] = field(default_factory=list)
-    plugins: list[Any] = field(default_factory=list)
-    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-# Factories (config, hardware, run folder) -> Part, in the order they are applied. Each part of
-# lightning_gh adds its own entry here when it lands.
-PARTS: list[Callable[[DemoConfig, hardware.HardwareInfo, Path], Part]] = [
-    _fp8_part,
-    _profiler_part,
-    _nvtx_part,
-    _graphs_part,
-    _offload_part,
-    _superoffload_part,
-]
-
-# Parts that refuse to run together, each for the reason given (see their docs); the one earlier in
-# PARTS stays on.
-EXCLUSIVE: list[tuple[str, str, str]] = [
-    ("fp8 precision (fp8-auto)", "CUDAGraphCapture", "CUDAGraphCapture does not capture the fp8 plugins yet"),
-    ("CUDAGraphCapture", "ActivationOffload", "its host copies and events cannot run inside a captured CUDA graph"),
-    ("CUDAGraphCapture", "SuperOffload", "its hooks, host copies and CPU worker cannot run inside a captured CUDA graph"),
-    ("fp8 precision (fp8-auto)", "SuperOffload", "the fp8 plugins and the SuperOffload strategy are not tested together yet"),
-]
-
-
-def resolve_conflicts(parts: list[Part]) -> list[Part]:
-    """Turn off the later part of every enabled pair in ``EXCLUSIVE``, saying why."""
-    on = {p.name for p in parts if p.enabled}
-    for first, second, why in EXCLUSIVE:
-        if first in on and second in on:
-            for p in parts:
-                if p.name == second:
-                    p.enabled, p.reason = False, f"off because {first} is on: {why}"
-            on.discard(second)
-    return parts
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out={str(self.out)!r} is a file; give a folder for the run (it is created if missing).")
 
 
 def _read_metrics(log_dir: Path) -> list[dict[str, str]]:
@@ -157,7 +108,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
 
     parts = resolve_conflicts([factory(cfg, hw, out) for factory in PARTS])
-    callbacks: list[Any] = [ModelCheckpoint(dirpath=out / "checkpoints", filename="step{step}", save_last=True,
+    # save_last="link": last.ckpt points at the newest stepN.ckpt instead of being a second copy of it.
+    callbacks: list[Any] = [ModelCheckpoint(dirpath=out / "checkpoints", filename="step{step}", save_last="link",
                                             auto_insert_metric_name=False)]
     plugins: list[Any] = []
     trainer_kwargs: dict[str, Any] = {}
@@ -178,7 +130,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         val_check_interval=min(cfg.val_every, cfg.steps),
         limit_val_batches=4,
         check_val_every_n_epoch=None,
-        log_every_n_steps=5,
+        log_every_n_steps=min(5, cfg.steps),
         logger=CSVLogger(out, name="", version="logs"),
         callbacks=callbacks,
         plugins=plugins or None,
@@ -219,8 +171,25 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     }
     for i, md in enumerate(sorted(out.glob("profiles/**/*.summary.md"))):
         summary["outputs"][f"profile{i or ''}"] = str(md)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    # JSON has no NaN: a value that does not exist (no loss logged) is written as null.
+    summary = _finite(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     return summary
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by ``None``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.3f}"
 
 
 def _report(summary: dict[str, Any], out: Path) -> str:
@@ -230,8 +199,8 @@ def _report(summary: dict[str, Any], out: Path) -> str:
         f"({summary['parameters'] / 1e6:.2f}M parameters) for {summary['steps']} steps in {summary['wall_s']:.1f} s",
         f"  machine:   {summary['hardware']}",
         f"  precision: {summary['precision']}",
-        f"  loss:      {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} "
-        f"(validation {summary['val_loss_last'] if summary['val_loss_last'] is None else round(summary['val_loss_last'], 3)}; "
+        f"  loss:      {_fmt(summary['loss_first'])} -> {_fmt(summary['loss_last'])} "
+        f"(validation {_fmt(summary['val_loss_last'])}; "
         f"the chain's entropy floor is {summary['entropy_floor']:.3f})",
         "  parts:",
     ]

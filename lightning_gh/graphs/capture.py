@@ -10,7 +10,8 @@ How a fit goes with this callback (single GPU, automatic optimization):
    device-tensor learning rate (:func:`~lightning_gh.graphs.optim.make_capturable`), and wrap three public
    LightningModule hooks on the instance: ``optimizer_step`` (where Lightning runs the whole step: closure with
    ``training_step``, ``zero_grad`` and ``backward``, then clipping, then ``optimizer.step``), ``training_step``
-   (to feed it the static batch) and ``log`` (to record calls made while capturing).
+   (to feed it the static batch) and ``log`` (to record calls made while capturing). Hugging Face ``transformers``
+   models inside the module get ``config.use_cache=False`` for the training steps (:mod:`~lightning_gh.graphs.hf`).
 2. Warm-up: ``warmup_steps`` eager steps on a side stream (lazy initialisation, cuBLAS workspaces and the
    optimizer state all happen outside the graph). The last one is a *rehearsal*: it runs on the static input
    buffers with ``self.log`` recorded and CUDA's sync debug mode on, so anything uncapturable (a host sync, a
@@ -52,10 +53,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_gh.graphs._lightning import current_hook, set_closure_result
+from lightning_gh import compat
+from lightning_gh._lightning import current_hook, log_to_loggers, set_closure_result
 from lightning_gh.graphs.buffers import StaticInputs, UnsupportedBatch, batch_signature
 from lightning_gh.graphs.detect import (Finding, SyncMonitor, is_library_file, combine, dynamic_shape_finding,
                                         setup_findings, sync_finding)
+from lightning_gh.graphs.hf import TrainingKVCacheOff
 from lightning_gh.graphs.logs import LogRecorder, detached
 from lightning_gh.graphs.optim import (CapturableOptimizer, OptimizerGuard, live_tensors, make_capturable,
                                        move_lr_into_tensors, reassigned_lr_groups)
@@ -215,8 +218,14 @@ class CUDAGraphCapture(Callback):
     cannot be captured (a host sync such as ``.item()`` in the step, batch shapes that change every step, an
     fp16 ``GradScaler``, gradient accumulation, multi-GPU strategies, other optimizers, a scheduler that cycles
     the momentum, the FP8 precision plugins, whose combination with capture is not verified yet) is reported
-    in one warning naming the cause, and the run continues eagerly. :attr:`report` says what happened
-    (:class:`GraphReport`).
+    in one warning naming the cause, and the run continues eagerly, exactly Lightning's eager step (every wrapper
+    of this callback removed, the optimizer put back). :attr:`report` says what happened (:class:`GraphReport`).
+
+    Hugging Face ``transformers`` models inside the LightningModule train without their KV cache
+    (``config.use_cache=False`` during training steps, said in one log line; the user's value is back for
+    validation and after the fit): a training loss never reads the cache, and building it can sync the host
+    (Mistral's sliding-window cache), which would make the step uncapturable. This is the one change made off a
+    CUDA GPU or after a decline too; it leaves the losses unchanged (:mod:`lightning_gh.graphs.hf`).
 
     Args:
         warmup_steps: eager steps before the capture, at least 2: the first ones initialise the optimizer state
@@ -242,6 +251,8 @@ class CUDAGraphCapture(Callback):
         print(graphs.report.summary())
     """
 
+    lgh_part = "CUDAGraphCapture"
+
     def __init__(self, warmup_steps: int = 3, *, detect_syncs: bool = True, max_recaptures: int = 2,
                  strict: bool = False, verbose: bool = True) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
@@ -259,6 +270,7 @@ class CUDAGraphCapture(Callback):
         self.verbose = verbose
         self.report = GraphReport()
         self._warned_no_cuda = False
+        self._cache_off: TrainingKVCacheOff | None = None
         self._reset()
 
     # ----------------------------------------------------------------------------------------------------------
@@ -294,12 +306,17 @@ class CUDAGraphCapture(Callback):
     # ----------------------------------------------------------------------------------------------------------
     # Lightning hooks
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            compat.check(trainer, self.lgh_part)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Not on_fit_start: Lightning loads the optimizer and scheduler state of a resumed run after on_fit_start,
         # and load_state_dict would put float learning rates and capturable=False back.
         self._uninstall()
         self._reset()
         self.report = GraphReport()
+        self._train_without_kv_cache(pl_module)
         finding = combine(setup_findings(trainer, pl_module))
         if finding is not None and finding.cause == "no-cuda":
             self.report.reason = "no CUDA GPU"
@@ -317,6 +334,29 @@ class CUDAGraphCapture(Callback):
         self._install(pl_module)
         self._side = torch.cuda.Stream(device=self._device)
         self._phase = self.report.state = _WARMUP
+
+    def _train_without_kv_cache(self, pl_module: pl.LightningModule) -> None:
+        # Training needs no KV cache, and building one can sync the host (Mistral's sliding-window cache), which
+        # would make the step uncapturable. Done off-GPU too and kept after a decline: losses are unchanged and the
+        # step only gets cheaper. Validation and the end of the fit get the user's setting back (generation).
+        self._restore_kv_cache()
+        self._cache_off = TrainingKVCacheOff.find(pl_module)
+        if self._cache_off is not None:
+            self._cache_off.disable()
+            rank_zero_info(self._cache_off.message())
+
+    def _restore_kv_cache(self) -> None:
+        if self._cache_off is not None:
+            self._cache_off.restore()
+            self._cache_off = None
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._cache_off is not None:
+            self._cache_off.restore()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._cache_off is not None:
+            self._cache_off.disable()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -342,6 +382,13 @@ class CUDAGraphCapture(Callback):
                 if isinstance(v, list) and any(isinstance(x, Tensor) for x in v):
                     sched[k] = [float(x) if isinstance(x, Tensor) and x.numel() == 1 else x for x in v]
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Once per fit, not per step: the counts are a run's verdict, and logging per step would cost a call per
+        # logger on the replayed path.
+        if self.report.state != _OFF:
+            log_to_loggers(trainer, {"lgh/graph_replayed_steps": float(self.report.replayed_steps),
+                                     "lgh/graph_eager_steps": float(self.report.eager_steps)})
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.verbose and self.report.state != _OFF:
             rank_zero_info(self.report.summary())
@@ -349,9 +396,11 @@ class CUDAGraphCapture(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._finish()
+            self._restore_kv_cache()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._finish()
+        self._restore_kv_cache()
 
     def _finish(self) -> None:
         self._uninstall()

@@ -5,7 +5,8 @@ Three kinds of checks, each giving a :class:`Finding` (a short cause and one sen
 * when training starts, from the configuration (:func:`setup_findings`): no CUDA, a strategy other than one device,
   manual optimization, gradient accumulation, an fp16 ``GradScaler`` (its ``step`` reads ``found_inf`` on the
   host), an unverified precision plugin, an optimizer without capturable state, a scheduler that cycles the
-  momentum (:func:`scheduler_finding`), known incompatible callbacks;
+  momentum (:func:`scheduler_finding`) (which other lightning_gh parts may share the Trainer is decided once, in
+  :mod:`lightning_gh.compat`, at setup);
 * while one warm-up step is rehearsed eagerly with CUDA's sync debug mode on (:class:`SyncMonitor`): any
   host<->device synchronization (``.item()``, ``.cpu()``, ``print(tensor)``, ``torch.cuda.synchronize()``,
   a tensor in a Python ``if``), reported with the user's file and line (:func:`sync_finding`);
@@ -40,13 +41,6 @@ __all__ = ["Finding", "SyncEvent", "SyncMonitor", "SYNC_WARNING", "combine", "dy
 
 # The text of the warning CUDA's sync debug mode raises (c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync).
 SYNC_WARNING = "called a synchronizing CUDA operation"
-
-# Callbacks whose per-step host work (streams, events, host buffers) cannot live in a graph.
-_INCOMPATIBLE_CALLBACKS = {
-    "ActivationOffload": "activation offload moves saved activations to host memory with its own streams and "
-                         "events on every step, which a replayed graph would skip",
-}
-
 
 @dataclass(frozen=True)
 class Finding:
@@ -177,10 +171,6 @@ def setup_findings(trainer: Any, pl_module: Any) -> list[Finding]:
     if "dataloader_iter" in params:
         out.append(Finding("dataloader-iter", "training_step takes `dataloader_iter` and fetches its own batches, "
                                               "so there is no batch to copy into static inputs"))
-    for cb in trainer.callbacks:
-        why = _INCOMPATIBLE_CALLBACKS.get(type(cb).__name__)
-        if why:
-            out.append(Finding("callback", f"{type(cb).__name__}: {why}"))
     return out
 
 

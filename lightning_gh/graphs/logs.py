@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_gh.graphs._lightning import in_hook
+from lightning_gh._lightning import in_hook
 
 __all__ = ["LogCall", "LogRecorder", "detached", "logged_value_problem"]
 

@@ -1,6 +1,12 @@
 """Precision plugins by string: fp8 through Transformer Engine or torchao, one shared layer filter, honest
 hardware gating, and Lightning's own precisions passed through.
 
+Modules: ``names`` (the names), ``checks`` (availability, hardware gating, setup-time checks), ``layer_filter``,
+``options`` (``Float8Options``), ``base`` (``Float8PrecisionBase``), ``te`` / ``ao`` / ``auto`` (the fp8 plugins),
+``master`` (fp32 master weights for bf16 modules, used by ``te``), ``regional`` (per-block ``torch.compile``, used by
+``ao``), ``trial`` (``fp8-auto``'s setup-time timing of the candidates), ``registry`` (``precision()``: names to
+plugins), ``plugin`` (``Float8Precision`` for config files), ``export``.
+
 Nothing here imports Transformer Engine or torchao until a plugin that needs one is built.
 
 Example::
@@ -14,24 +20,30 @@ Example::
 
 from lightning_gh.precision.ao import TorchAOFloat8Precision
 from lightning_gh.precision.auto import AutoFloat8Precision, Fp8Choice, choose_fp8
+from lightning_gh.precision.base import Float8PrecisionBase
+from lightning_gh.precision.checks import FP8UnavailableError, list_precisions
+from lightning_gh.precision.export import export_bf16_state_dict
 from lightning_gh.precision.layer_filter import LayerDecision, LayerFilter, LayerPlan
-from lightning_gh.precision.registry import (
-    FP8UnavailableError,
-    export_bf16_state_dict,
-    list_precisions,
-    precision,
-    precision_names,
-)
+from lightning_gh.precision.master import MasterWeights, MasterWeightsMixin
+from lightning_gh.precision.names import precision_names
+from lightning_gh.precision.options import Float8Options
+from lightning_gh.precision.plugin import Float8Precision
+from lightning_gh.precision.registry import precision
 from lightning_gh.precision.te import TEFloat8Precision
 
 __all__ = [
     "AutoFloat8Precision",
+    "Float8Options",
+    "Float8Precision",
+    "Float8PrecisionBase",
     "Fp8Choice",
     "choose_fp8",
     "FP8UnavailableError",
     "LayerDecision",
     "LayerFilter",
     "LayerPlan",
+    "MasterWeights",
+    "MasterWeightsMixin",
     "TEFloat8Precision",
     "TorchAOFloat8Precision",
     "export_bf16_state_dict",

@@ -4,7 +4,9 @@ torchao swaps the chosen ``nn.Linear`` layers for ``Float8Linear`` (a subclass: 
 ``state_dict`` keys) whose matmuls cast both operands to float8 with dynamic scales and run
 ``torch._scaled_mm``. Everything else runs under bf16 autocast, like ``bf16-mixed``. The casts are separate
 kernels in eager mode, so torchao fp8 only pays off under ``torch.compile``, which fuses them into the
-neighbouring ops (H200, 4-layer d=4096: 1.31x over compiled bf16, 0.56x eager).
+neighbouring ops (eager it is slower than bf16; measured figures in ``docs/precision.md``). So on a model that is
+not compiled the plugin compiles each converted transformer block in place at setup (regional compilation, see
+``regional``); ``compile_blocks=False`` turns that off, with a warning saying what it costs.
 
 Recipes (``Float8LinearConfig.from_recipe_name``):
   ``tensorwise``          one scale per tensor; fastest; supports FSDP2 float8 all-gather.
@@ -14,7 +16,7 @@ Recipes (``Float8LinearConfig.from_recipe_name``):
 Example::
 
     trainer = L.Trainer(plugins=[lgh.precision("fp8-ao-tensorwise")])
-    trainer.fit(LlamaLM.from_preset("large", compile=True), dm)
+    trainer.fit(model, dm)   # an eager model: its decoder blocks are compiled in place after conversion
 
 With FSDP2 (``ModelParallelStrategy``), convert before sharding so that the float8 all-gather can be used::
 
@@ -36,15 +38,12 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_gh.precision.layer_filter import LayerFilter, LayerPlan
-from lightning_gh.precision.registry import (
-    ao_missing_reason,
-    is_compiled,
-    require_fp8_device,
-    token_check_hook,
-    trainer_device,
-    warn_untested_callbacks,
-)
+from lightning_gh._lightning import is_compiled, trainer_of
+from lightning_gh.precision.base import Float8PrecisionBase
+from lightning_gh.precision.checks import ao_missing_reason
+from lightning_gh.precision.layer_filter import LayerPlan
+from lightning_gh.precision.options import Float8Options
+from lightning_gh.precision.regional import EAGER_COST_NOTE, compile_regions
 
 __all__ = ["TorchAOFloat8Precision", "AO_RECIPES"]
 
@@ -54,7 +53,7 @@ AO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def _uses_fsdp2(module: nn.Module) -> bool:
-    trainer = getattr(module, "_trainer", None)
+    trainer = trainer_of(module)
     strategy = type(getattr(trainer, "strategy", None)).__name__
     return strategy == "ModelParallelStrategy" or _has_dtensor_params(module)
 
@@ -67,23 +66,27 @@ def _has_dtensor_params(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-class TorchAOFloat8Precision(MixedPrecision):
+class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
     """Train the large ``nn.Linear`` layers in float8 with torchao, the rest in bf16 autocast.
 
     Args:
         recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
-        name: the registry name shown in logs (set by ``lightning_gh.precision``).
-        layer_filter: a ``LayerFilter`` (or a dict of its fields); ``include``, ``exclude``, ``skip_head``,
-            ``skip_first`` and ``min_dim`` override single fields.
         fsdp_float8_all_gather: all-gather FSDP2-sharded weights in float8 and precompute their scales after
             each optimizer step. ``None`` (default): on when the recipe is tensorwise and the Trainer's strategy is
             ``ModelParallelStrategy`` (FSDP2). Only the tensorwise recipe supports it.
-        convert_only_if_compiled: leave the model in bf16-mixed (with a warning) when it is not compiled, since
-            eager torchao fp8 is slower than bf16. By default the layers are converted and a warning says the
-            model should be compiled (``fp8-auto`` only picks torchao for a compiled model).
+        compile_blocks: on a model that is not compiled, ``torch.compile`` each transformer block holding fp8
+            layers in place after conversion (once, at setup), so the float8 casts fuse and fp8 beats bf16.
+            ``True`` (default), ``False`` (eager fp8, slower than bf16-mixed: warns once), or a dict of
+            ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune-no-cudagraphs"}``). Ignored when the model
+            is compiled already.
+        convert_only_if_compiled: with ``compile_blocks=False``, leave an uncompiled model in bf16-mixed (with a
+            warning) instead of training it in slow eager fp8.
         emulate: emulate the fp8 matmuls in higher precision (torchao's ``emulate``) and skip the hardware check.
             For functional tests on a CPU; never faster.
         config: a full ``torchao.float8.Float8LinearConfig`` instead of ``recipe`` (advanced).
+        options: a ready ``Float8Options`` instead of ``recipe``, ``name`` and the filter arguments.
+        **shared: what every fp8 plugin takes (see ``Float8PrecisionBase``): ``name``, ``layer_filter``,
+            ``include``, ``exclude``, ``skip_head``, ``skip_first``, ``min_dim``.
 
     Raises:
         ModuleNotFoundError: torchao is not installed (``pip install 'lightning-gh[ao]'``).
@@ -96,48 +99,48 @@ class TorchAOFloat8Precision(MixedPrecision):
     """
 
     precision: Literal["bf16-mixed"] = "bf16-mixed"
+    backend = "ao"
+    backend_label = "torchao"
+    recipes = AO_RECIPES
 
     def __init__(
         self,
         recipe: str = "tensorwise",
         *,
-        name: str | None = None,
-        layer_filter: LayerFilter | Mapping[str, Any] | None = None,
-        include: Any = None,
-        exclude: Any = None,
-        skip_head: bool | None = None,
-        skip_first: bool | None = None,
-        min_dim: int | None = None,
         fsdp_float8_all_gather: bool | None = None,
+        compile_blocks: bool | Mapping[str, Any] = True,
         convert_only_if_compiled: bool = False,
         emulate: bool = False,
         config: Any = None,
+        options: Float8Options | None = None,
+        **shared: Any,
     ) -> None:
-        if recipe not in AO_RECIPES:
-            raise ValueError(f"TorchAOFloat8Precision(recipe={recipe!r}): expected one of {list(AO_RECIPES)}.")
-        if fsdp_float8_all_gather and recipe != "tensorwise":
+        Float8PrecisionBase.__init__(self, None if options is not None and recipe == "tensorwise" else recipe,
+                                     options=options, **shared)
+        if fsdp_float8_all_gather and self.recipe != "tensorwise":
             raise ValueError(f"TorchAOFloat8Precision(fsdp_float8_all_gather=True) needs recipe='tensorwise', "
-                             f"got recipe={recipe!r}.")
+                             f"got recipe={self.recipe!r}.")
         for arg, value in (("convert_only_if_compiled", convert_only_if_compiled), ("emulate", emulate)):
             if not isinstance(value, bool):
                 raise ValueError(f"TorchAOFloat8Precision({arg}={value!r}): expected True or False.")
+        if not isinstance(compile_blocks, (bool, Mapping)):
+            raise ValueError(f"TorchAOFloat8Precision(compile_blocks={compile_blocks!r}): expected True, False or a "
+                             "dict of torch.compile arguments.")
         missing = ao_missing_reason()
         if missing:
-            raise ModuleNotFoundError(f"precision {name or 'fp8-ao-' + recipe!r} needs torchao. {missing}")
-        super().__init__("bf16-mixed", device="cuda")
-        self.recipe = recipe
-        self.name = name or f"fp8-ao-{recipe.replace('rowwise_with_gw_hp', 'rowwise-gw-hp')}"
-        self.layer_filter = LayerFilter.from_options(layer_filter, include=include, exclude=exclude,
-                                                     skip_head=skip_head, skip_first=skip_first, min_dim=min_dim)
+            raise ModuleNotFoundError(f"precision {self.name!r} needs torchao. {missing}")
+        MixedPrecision.__init__(self, "bf16-mixed", device="cuda")
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
+        self.compile_blocks = compile_blocks
         self.convert_only_if_compiled = convert_only_if_compiled
+        self._regional = False  # set at setup: the blocks get compiled after conversion
         self.emulate = emulate
         self.config = config
-        self.plan: LayerPlan | None = None
         self._fsdp_precompute = False
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, recipe={self.recipe!r})"
+    @classmethod
+    def default_name(cls, recipe: str) -> str:
+        return f"fp8-ao-{recipe.replace('rowwise_with_gw_hp', 'rowwise-gw-hp')}"
 
     def float8_config(self, fsdp: bool = False):
         """The ``Float8LinearConfig`` this plugin converts with."""
@@ -151,15 +154,46 @@ class TorchAOFloat8Precision(MixedPrecision):
             changes["enable_fsdp_float8_all_gather"] = True
         return dataclasses.replace(config, **changes) if changes else config
 
-    def convert_layers(self, module: nn.Module) -> LayerPlan:
-        """Swap the filter's layers for ``Float8Linear`` in place (no hardware check: runs on a CPU too).
+    # ---- conversion (the sequence is Float8PrecisionBase's)
 
-        Returns the ``LayerPlan`` (also kept as ``self.plan``): every ``nn.Linear`` with the decision and reason.
-        """
+    def _check_device(self, device: torch.device) -> None:
+        if not self.emulate:
+            super()._check_device(device)
+        self.device = device.type  # the autocast device (cpu only with emulate=True)
+
+    def _before_conversion(self, module: nn.Module, device: torch.device) -> bool:
+        self._regional = False
+        if is_compiled(module):
+            return True
+        if self.compile_blocks is not False:
+            if _has_dtensor_params(module):
+                # Compiling blocks FSDP2 has already wrapped is not something we can verify here: say so, run eager.
+                rank_zero_warn(f"{self.name}: the model is sharded (FSDP2) and not compiled, so its blocks are not "
+                               f"compiled for you; {EAGER_COST_NOTE}. Call block.compile() before fully_shard in "
+                               "configure_model.")
+                return True
+            self._regional = True
+            return True
+        if self.convert_only_if_compiled:
+            rank_zero_warn(f"{self.name}: the model is not compiled and compile_blocks=False; {EAGER_COST_NOTE}, so it "
+                           "trains in bf16-mixed instead. Leave compile_blocks=True (the default) or compile the "
+                           "model to train in fp8.")
+            return False
+        rank_zero_warn(f"{self.name}: compile_blocks=False and the model is not compiled, so fp8 runs eagerly: "
+                       f"{EAGER_COST_NOTE}. Expect each step to be slower than bf16-mixed. Leave compile_blocks=True "
+                       "(the default) or compile the model (e.g. in configure_model).")
+        return True
+
+    def _converted_types(self) -> tuple[type, ...]:
+        from torchao.float8.float8_linear import Float8Linear
+
+        return (Float8Linear,)
+
+    def _swap_layers(self, module: nn.Module, plan: LayerPlan, device: torch.device) -> dict[str, nn.Module]:
+        """Swap the planned layers for ``Float8Linear`` in place with ``convert_to_float8_training``."""
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
-        plan = self.layer_filter.plan(module, already_converted=(Float8Linear,))
         pending = [n for n, d in plan.decisions.items() if d.convert and d.reason != "converted earlier"]
         if pending and _has_dtensor_params(module):
             raise RuntimeError(
@@ -174,35 +208,22 @@ class TorchAOFloat8Precision(MixedPrecision):
         keep = plan.module_filter_fn()
         convert_to_float8_training(module, config=config,
                                    module_filter_fn=lambda m, fqn: not isinstance(m, Float8Linear) and keep(m, fqn))
-        if not self.emulate:
-            for raw, sub in module.named_modules():
-                if isinstance(sub, Float8Linear) and not getattr(sub, "_lgh_token_check", False):
-                    sub.register_forward_pre_hook(token_check_hook(raw, "torchao"))
-                    sub._lgh_token_check = True
         self._fsdp_precompute = self._fsdp_precompute or bool(fsdp)
-        self.plan = plan
-        log.debug("%s converted layers:\n%s", self.name, plan.table())
-        return plan
+        return {raw: sub for raw, sub in module.named_modules() if isinstance(sub, Float8Linear)}
 
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        device = trainer_device(module)
-        if not self.emulate:
-            require_fp8_device(self.name, device, "ao", self.recipe)
-        self.device = device.type  # the autocast device (cpu only with emulate=True)
-        warn_untested_callbacks(self.name, module)
-        if not is_compiled(module):
-            if self.convert_only_if_compiled:
-                rank_zero_warn(f"{self.name}: the model is not compiled, and torchao fp8 is slower than bf16 "
-                               "without torch.compile; training in bf16-mixed instead. Compile the model (e.g. "
-                               "torch.compile in configure_model) to train in fp8.")
-                return module
-            rank_zero_warn(f"{self.name}: the model is not compiled; torchao fp8 needs torch.compile to be faster than "
-                           "bf16 (eager fp8 measured 0.56x on an H200). Compile it, e.g. in configure_model.")
-        plan = self.convert_layers(module)
-        rank_zero_info(f"{self.name}: {plan.summary()}")
+    def _token_checks(self) -> bool:
+        return not self.emulate  # emulated matmuls have no 16-multiple constraint
+
+    def _after_conversion(self, module: nn.Module, plan: LayerPlan) -> str:
         if self.emulate:
             rank_zero_info(f"{self.name}: emulate=True, fp8 matmuls are emulated (a functional check, not a speed-up).")
-        return module
+        if not self._regional:
+            return ""
+        from torchao.float8.float8_linear import Float8Linear
+
+        kwargs = self.compile_blocks if isinstance(self.compile_blocks, Mapping) else None
+        done = compile_regions(module, lambda m: isinstance(m, Float8Linear), kwargs)
+        return f"; {done}" if done else ""
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, model, closure, **kwargs)

@@ -2,16 +2,23 @@
 
 Which fp8 backend is fastest depends on things the Trainer only knows once the model is set up: whether the model
 is compiled, and which strategy shards it. Measured on an H200 on the ``large`` preset (full Lightning steps, fused
-AdamW, fp32 master weights, the default layer filter; ``docs/benchmarks.md``):
+AdamW, fp32 master weights, the default layer filter; the figures are in ``docs/precision.md``):
 
-=====================  =================================================================  ================
-model                  fastest                                                            why not the other
-=====================  =================================================================  ================
-compiled               ``fp8-ao-tensorwise`` (85.5 ms; 1.27x over compiled bf16)          TE layers break
-                                                                                          the graph
-not compiled           ``fp8-te-delayed`` (95.5 ms; 1.29x over eager bf16)                eager torchao fp8
-                                                                                          is 0.56x (slower)
-=====================  =================================================================  ================
+=====================  ===============================  =============================================
+model                  fastest                          why not the other
+=====================  ===============================  =============================================
+compiled               ``fp8-ao-tensorwise``            Transformer Engine layers break the graph
+not compiled           ``fp8-te-delayed``               eager torchao fp8 is slower than bf16
+=====================  ===============================  =============================================
+
+A model that is not compiled gets its blocks compiled in place when torchao is picked (regional compilation, see
+``regional``): on the issue-18 HF Llama (d=4096, H200) that ran 1.47x over ``bf16-mixed``.
+
+When more than one recipe can run here (Transformer Engine and torchao both usable, one GPU or DDP), ``fp8-auto``
+does not trust the table: at setup it times each candidate on this model's own GEMM shapes on this GPU
+(:mod:`lightning_gh.precision.trial`, ``trial=True``, the default) and picks the fastest, logging the figures.
+``trial=False`` applies the table as written; a callable ``trial(module, candidates, device) -> {name: ms}``
+replaces the measurement.
 
 So ``fp8-auto`` decides in ``convert_module`` (see :func:`choose_fp8`), builds that plugin with the same layer-filter
 options, installs it as the strategy's precision plugin (everything after setup -- autocast, backward, optimizer
@@ -30,20 +37,47 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from lightning.pytorch.plugins.precision import Precision
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_gh import hardware
+from lightning_gh import compat, hardware
+from lightning_gh._lightning import is_compiled, trainer_of
+from lightning_gh.precision.base import Float8PrecisionBase
+from lightning_gh.precision.checks import ao_missing_reason, te_missing_reason, trainer_device
 from lightning_gh.precision.layer_filter import FIELDS as FILTER_FIELDS
+from lightning_gh.precision.names import FP8_NAMES
 
-__all__ = ["AutoFloat8Precision", "Fp8Choice", "choose_fp8", "AUTO_OPTIONS"]
+__all__ = ["AutoFloat8Precision", "Fp8Choice", "choose_fp8", "auto_candidates", "pick_measured", "AUTO_OPTIONS",
+           "TRIAL_OPTIONS", "check_auto_options"]
 
 # The options fp8-auto forwards: the layer filter's, which both backends share. Backend-specific options belong to a
 # named recipe (``precision("fp8-te-current", weights_dtype=...)``), where the backend is known.
 AUTO_OPTIONS = ("layer_filter", *FILTER_FIELDS)
+TRIAL_OPTIONS = ("trial", "trial_tokens")  # fp8-auto's own: how it measures the candidates
+
+
+def check_auto_options(options: Mapping[str, Any], extra: tuple[str, ...] = ()) -> None:
+    """Raise ``ValueError`` naming any option fp8-auto does not take (``extra``: more names the caller allows)."""
+    allowed = [*AUTO_OPTIONS, *extra]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"precision('fp8-auto') does not take option(s) {unknown}; allowed: {allowed} "
+                         "(backend options need a named recipe, e.g. precision('fp8-te-current', ...)).")
+
+
+def check_trial_options(trial: Any = True, trial_tokens: Any = 8192) -> None:
+    """Raise ``ValueError`` naming a bad ``trial`` / ``trial_tokens`` value of fp8-auto."""
+    if not (isinstance(trial, bool) or callable(trial)):
+        raise ValueError(f"precision('fp8-auto', trial={trial!r}): expected True, False or a callable "
+                         "(module, candidates, device) -> {name: ms}.")
+    if isinstance(trial_tokens, bool) or not isinstance(trial_tokens, int) or trial_tokens < 16:
+        raise ValueError(f"precision('fp8-auto', trial_tokens={trial_tokens!r}): expected an int >= 16.")
+
+
 # Strategies that shard parameters: Transformer Engine layers are not sharded by our TE plugin.
 _SHARDING = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
 
@@ -56,7 +90,35 @@ class Fp8Choice:
     reason: str
 
 
-def choose_fp8(compiled: bool, strategy: str, te: str | None, ao: str | None) -> Fp8Choice:
+def auto_candidates(compiled: bool, strategy: str, te: str | None, ao: str | None) -> list[str]:
+    """The recipes ``fp8-auto`` would time here, in the rule's order of preference (may be empty)."""
+    sharded = strategy in _SHARDING
+    te_ok, ao_ok = te is None and not sharded, ao is None and (compiled or not sharded)
+    if compiled:
+        return [n for n, ok in (("fp8-ao-tensorwise", ao_ok), ("fp8-te-current", te_ok)) if ok]
+    return [n for n, ok in (("fp8-te-delayed", te_ok), ("fp8-te-current", te_ok), ("fp8-ao-tensorwise", ao_ok))
+            if ok]
+
+
+def pick_measured(candidates: list[str], timings: Mapping[str, float], tie: float = 0.02) -> Fp8Choice | None:
+    """The fastest measured candidate, with the figures in the reason; ``None`` when none was measured.
+
+    Candidates within ``tie`` (relative) of the fastest count as equal; the earlier one in ``candidates`` wins.
+    """
+    measured = [(n, float(timings[n])) for n in candidates
+                if n in timings and isinstance(timings[n], (int, float)) and 0 < float(timings[n]) < float("inf")]
+    if not measured:
+        return None
+    best = min(ms for _, ms in measured)
+    name = next(n for n, ms in measured if ms <= best * (1 + tie))
+    figures = ", ".join(f"{n} {ms:.2f} ms" for n, ms in sorted(measured, key=lambda x: x[1]))
+    base = timings.get("bf16")
+    vs = f"; bf16 {float(base):.2f} ms" if isinstance(base, (int, float)) and base > 0 else ""
+    return Fp8Choice(name, f"fastest in the setup trial on this model's GEMM shapes ({figures}{vs})")
+
+
+def choose_fp8(compiled: bool, strategy: str, te: str | None, ao: str | None,
+               timings: Mapping[str, float] | None = None) -> Fp8Choice:
     """The rule ``fp8-auto`` applies at setup (pure, so the table in the module docs is tested as written).
 
     Args:
@@ -64,38 +126,65 @@ def choose_fp8(compiled: bool, strategy: str, te: str | None, ao: str | None) ->
         strategy: the Trainer's strategy class name.
         te: why Transformer Engine is unusable here, or ``None`` when it is usable.
         ao: the same for torchao.
+        timings: milliseconds per candidate from the setup trial; when it measured a candidate of
+            :func:`auto_candidates`, the fastest wins over the table.
     """
+    if timings:
+        measured = pick_measured(auto_candidates(compiled, strategy, te, ao), timings)
+        if measured is not None:
+            return measured
     sharded = strategy in _SHARDING
     if compiled:
         if ao is None:
             return Fp8Choice("fp8-ao-tensorwise", "the model is compiled: torchao tensorwise fp8 is traced into the "
-                                                  "compiled graph (1.27x over compiled bf16 on an H200), while "
-                                                  "Transformer Engine layers break it")
+                                                  "compiled graph, while Transformer Engine layers break it")
         if te is None and not sharded:
             return Fp8Choice("fp8-te-current", "the model is compiled and torchao is not usable "
                                                f"({ao}); current scaling is the TE recipe that compiles")
     else:
         if te is None and not sharded:
             return Fp8Choice("fp8-te-delayed", "the model is not compiled: Transformer Engine's fused fp8 kernels are "
-                                               "fast eagerly (1.29x over eager bf16 on an H200), eager torchao fp8 "
-                                               "is slower than bf16")
+                                               "fast eagerly, eager torchao fp8 is slower than bf16")
+        if ao is None and not sharded:
+            return Fp8Choice("fp8-ao-tensorwise", f"the model is not compiled and Transformer Engine is not usable "
+                                                  f"({te}): torchao tensorwise fp8 with each transformer block "
+                                                  "compiled in place (regional compilation)")
         if ao is None:
-            why_not_te = f"Transformer Engine does not support {strategy}" if sharded else f"{te}"
-            return Fp8Choice(None, f"the model is not compiled and eager torchao fp8 is slower than bf16 "
-                                   f"({why_not_te}); compile the model (torch.compile in configure_model) to train "
-                                   "in fp8")
+            why_not_te = f"Transformer Engine does not support {strategy}" if te is None else f"{te}"
+            return Fp8Choice(None, f"the model is not compiled and sharded by {strategy}, where blocks are not "
+                                   f"compiled for you and eager torchao fp8 is slower than bf16 ({why_not_te}); "
+                                   "compile the blocks in configure_model to train in fp8")
     if sharded and te is None:
         return Fp8Choice(None, f"Transformer Engine does not support {strategy} and torchao is not usable ({ao})")
     return Fp8Choice(None, "no fp8 backend is usable (" + "; ".join(
         f"{n}: {r}" for n, r in (("Transformer Engine", te), ("torchao", ao)) if r) + ")")
 
 
-class AutoFloat8Precision(Precision):
+def _build_named(name: str, **options: Any) -> Precision:
+    """The plugin for an fp8 name, or bf16-mixed: what fp8-auto can hand over to (the backends load lazily)."""
+    if name == "bf16-mixed":
+        return MixedPrecision("bf16-mixed", **options)
+    spec = FP8_NAMES[name]
+    if spec.backend == "te":
+        from lightning_gh.precision.te import TEFloat8Precision as cls
+    else:
+        from lightning_gh.precision.ao import TorchAOFloat8Precision as cls
+    return cls(spec.recipe, name=name, **options)
+
+
+class AutoFloat8Precision(Float8PrecisionBase):
     """The plugin behind ``precision("fp8-auto")``: picks an fp8 recipe at setup and hands over to it.
 
     Args:
+        trial: time the candidate recipes on this model's GEMM shapes at setup when more than one can run
+            (``True``, default), apply the table (``False``), or a callable ``(module, candidates, device) ->
+            {name: ms}`` that measures instead.
+        trial_tokens: tokens per step (batch x sequence) the trial times the GEMMs at.
         **options: layer-filter options (``include``, ``exclude``, ``skip_head``, ``skip_first``, ``min_dim``,
             ``layer_filter``), passed to the chosen plugin.
+
+    Raises:
+        ValueError: an option that is not a layer-filter option, or a bad value for one.
 
     After ``Trainer.fit`` has set up, ``trainer.precision_plugin`` is the chosen plugin (its ``name`` reads
     ``"fp8-auto (fp8-...)"``) and ``choice`` on this object says what was picked and why.
@@ -105,34 +194,41 @@ class AutoFloat8Precision(Precision):
         trainer = L.Trainer(plugins=[lgh.precision("fp8-auto", exclude=["*.wo"])])
     """
 
-    precision = "bf16-mixed"  # what runs outside the fp8 layers, whichever backend is chosen
+    recipes = ("auto",)
 
-    def __init__(self, **options: Any) -> None:
-        unknown = sorted(set(options) - set(AUTO_OPTIONS))
-        if unknown:
-            raise ValueError(f"precision('fp8-auto') does not take option(s) {unknown}; allowed: {list(AUTO_OPTIONS)} "
-                             "(backend options need a named recipe, e.g. precision('fp8-te-current', ...)).")
-        self.options = dict(options)
-        self.name = "fp8-auto"
+    def __init__(self, trial: bool | Callable[..., Mapping[str, float]] = True, trial_tokens: int = 8192,
+                 **options: Any) -> None:
+        check_auto_options(options)
+        check_trial_options(trial, trial_tokens)
+        super().__init__("auto", name="fp8-auto", **options)
+        self.trial = trial
+        self.trial_tokens = trial_tokens
+        self.timings: dict[str, float] = {}
         self.choice: Fp8Choice | None = None
         self.chosen: Precision | None = None
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments handed to the chosen plugin (its layer filter)."""
+        return {"layer_filter": self.layer_filter}
+
     def __repr__(self) -> str:
-        return f"AutoFloat8Precision(options={self.options}, choice={self.choice})"
+        return f"AutoFloat8Precision(layer_filter={self.layer_filter}, choice={self.choice})"
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        from lightning_gh.precision.registry import (
-            ao_missing_reason, is_compiled, precision, te_missing_reason, trainer_device)
-
+        trainer = trainer_of(module)
+        if trainer is not None:
+            compat.check(trainer, self.lgh_part)
         device = trainer_device(module)
-        trainer = getattr(module, "_trainer", None)
         strategy = type(getattr(trainer, "strategy", None)).__name__
         hw_reason = self._device_reason(device)
         if hw_reason:
             self.choice = Fp8Choice(None, hw_reason)
         else:
-            self.choice = choose_fp8(is_compiled(module), strategy, te_missing_reason(), ao_missing_reason())
-        self.chosen = self._build(self.choice, device, precision)
+            compiled, te, ao = is_compiled(module), te_missing_reason(), ao_missing_reason()
+            self.timings = self._measure(module, auto_candidates(compiled, strategy, te, ao), device)
+            self.choice = choose_fp8(compiled, strategy, te, ao, self.timings)
+        self.chosen = self._build(self.choice, device, _build_named)
         if self.choice.name is None:
             warnings.warn(f"precision 'fp8-auto' falls back to bf16-mixed: {self.choice.reason}.", UserWarning,
                           stacklevel=2)
@@ -142,6 +238,25 @@ class AutoFloat8Precision(Precision):
             # From here on the strategy talks to the chosen plugin (autocast, backward, optimizer step, state).
             trainer.strategy.precision_plugin = self.chosen
         return self.chosen.convert_module(module)
+
+    def _measure(self, module: nn.Module, candidates: list[str], device: Any) -> dict[str, float]:
+        """The trial's milliseconds per candidate, or ``{}`` (one candidate, trial off, or the trial failed)."""
+        if self.trial is False or len(candidates) < 2:
+            return {}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            # Timings differ between ranks, and every rank must pick the same recipe: the table decides under DDP.
+            return {}
+        try:
+            if callable(self.trial):
+                return dict(self.trial(module, candidates, device))
+            from lightning_gh.precision.trial import measure_gemm_shapes
+
+            return measure_gemm_shapes(module, candidates, device, self.layer_filter, self.trial_tokens)
+        except Exception as e:  # a trial that cannot run must not stop training: the table decides then
+            warnings.warn(f"fp8-auto: the setup trial failed ({type(e).__name__}: {e}); choosing by the table.",
+                          UserWarning, stacklevel=3)
+            return {}
 
     def _build(self, choice: Fp8Choice, device: Any, precision: Callable[..., Precision]) -> Precision:
         if choice.name is None:

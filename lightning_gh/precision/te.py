@@ -1,7 +1,11 @@
 """fp8 training through NVIDIA Transformer Engine, as a Lightning precision plugin.
 
 The plugin swaps the ``nn.Linear`` layers chosen by the shared ``LayerFilter`` for ``te.Linear`` (copying the
-weights, keeping their dtype: fp32 master weights by default, like ``bf16-mixed``), and runs each training,
+weights), casts the module to bf16 as Lightning's ``TransformerEnginePrecision`` does (its speed: bf16 weight reads,
+bf16 gradients), and keeps an fp32 master copy of every weight on the optimizer side (``master_weights=True``, the
+default; see ``master``): the optimizer updates the fp32 masters, which are cast back into the module after each
+step, and checkpoints hold them. ``master_weights=False`` is the earlier behaviour (the module keeps the model's
+own dtype, fp32 weights under bf16 autocast, unless ``weights_dtype`` says otherwise). It runs each training,
 validation and prediction step under bf16 autocast plus Transformer Engine's fp8 autocast with the chosen
 recipe. It uses the TE 2.x API ``te.autocast(recipe=...)`` and falls back to ``te.fp8_autocast(fp8_recipe=...)``
 on older TE.
@@ -37,21 +41,16 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, Callable, Generator, Literal, Mapping
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_gh.precision.layer_filter import LayerDecision, LayerFilter, LayerPlan, clean_name
-from lightning_gh.precision.registry import (
-    FP8UnavailableError,
-    is_compiled,
-    require_fp8_device,
-    te_missing_reason,
-    token_check_hook,
-    trainer_device,
-    warn_untested_callbacks,
-)
+from lightning_gh._lightning import is_compiled, trainer_of
+from lightning_gh.precision.base import Float8PrecisionBase
+from lightning_gh.precision.checks import FP8UnavailableError, te_missing_reason
+from lightning_gh.precision.layer_filter import LayerDecision, LayerPlan, clean_name
+from lightning_gh.precision.master import MasterWeightsMixin
+from lightning_gh.precision.options import Float8Options
 
 __all__ = ["TEFloat8Precision", "TE_RECIPES", "make_recipe", "te_autocast", "fp8_meta_state_dict",
            "load_fp8_meta_state_dict"]
@@ -273,20 +272,23 @@ def _init_te_fp8_meta(recipe: Any, module: Any, state: Mapping[str, Any]) -> Non
             init()  # TE 1.x reads fp8_meta["recipe"]
 
 
-class TEFloat8Precision(Precision):
+class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
     """Train the large ``nn.Linear`` layers in fp8 with Transformer Engine, the rest under bf16 autocast.
 
     Args:
         recipe: ``"delayed"``, ``"current"``, ``"block"`` (Hopper), ``"mxfp8"`` or ``"nvfp4"`` (Blackwell).
-        name: the registry name shown in logs (set by ``lightning_gh.precision``).
-        layer_filter: a ``LayerFilter`` (or a dict of its fields); ``include``, ``exclude``, ``skip_head``,
-            ``skip_first`` and ``min_dim`` override single fields.
-        weights_dtype: ``None`` keeps the model's parameter dtype (fp32 master weights, as ``bf16-mixed``);
-            ``torch.bfloat16`` casts the whole model to bf16 like Lightning's ``precision="transformer-engine"``
-            (half the optimizer traffic, bf16 optimizer state).
+        master_weights: keep an fp32 master copy of every bf16 weight on the optimizer side (default ``True``):
+            the module computes with bf16 weights (Lightning's ``"transformer-engine"`` speed) while updates are
+            applied in fp32 and checkpointed. ``False``: no masters (the earlier behaviour).
+        weights_dtype: the module's weight dtype. ``None`` (default): ``torch.bfloat16`` with master weights, else
+            the model's own dtype (fp32 weights under bf16 autocast, as ``bf16-mixed``). ``torch.bfloat16`` without
+            master weights trains bf16 weights directly, like Lightning's plugin (small updates are rounded away).
         compile_te_layers: let ``torch.compile`` trace into the TE layers (needs a TE release that supports it, and
             a recipe other than ``delayed``). By default TE layers run eagerly between compiled regions.
         recipe_options: extra fields for the TE recipe dataclass, e.g. ``{"amax_history_len": 16}``.
+        options: a ready ``Float8Options`` instead of ``recipe``, ``name`` and the filter arguments.
+        **shared: what every fp8 plugin takes (see ``Float8PrecisionBase``): ``name``, ``layer_filter``,
+            ``include``, ``exclude``, ``skip_head``, ``skip_first``, ``min_dim``.
 
     Raises:
         ModuleNotFoundError: Transformer Engine is not installed (``pip install 'lightning-gh[te]'``).
@@ -294,31 +296,32 @@ class TEFloat8Precision(Precision):
 
     Example::
 
-        trainer = L.Trainer(plugins=[TEFloat8Precision("current", weights_dtype=torch.bfloat16)])
+        trainer = L.Trainer(plugins=[TEFloat8Precision("current")])   # bf16 module, fp32 masters in the optimizer
     """
 
     precision: Literal["bf16-mixed"] = "bf16-mixed"
+    backend = "te"
+    backend_label = "Transformer Engine"
+    recipes = TE_RECIPES
 
     def __init__(
         self,
         recipe: str = "delayed",
         *,
-        name: str | None = None,
-        layer_filter: LayerFilter | Mapping[str, Any] | None = None,
-        include: Any = None,
-        exclude: Any = None,
-        skip_head: bool | None = None,
-        skip_first: bool | None = None,
-        min_dim: int | None = None,
+        master_weights: bool = True,
         weights_dtype: torch.dtype | None = None,
         compile_te_layers: bool = False,
         recipe_options: Mapping[str, Any] | None = None,
+        options: Float8Options | None = None,
+        **shared: Any,
     ) -> None:
-        if recipe not in TE_RECIPES:
-            raise ValueError(f"TEFloat8Precision(recipe={recipe!r}): expected one of {list(TE_RECIPES)}.")
+        super().__init__(None if options is not None and recipe == "delayed" else recipe, options=options, **shared)
+        recipe = self.recipe
         if weights_dtype not in (None, torch.float32, torch.bfloat16):
             raise ValueError(f"TEFloat8Precision(weights_dtype={weights_dtype!r}): expected None (keep the model's), "
                              "torch.float32 or torch.bfloat16.")
+        if not isinstance(master_weights, bool):
+            raise ValueError(f"TEFloat8Precision(master_weights={master_weights!r}): expected True or False.")
         if not isinstance(compile_te_layers, bool):
             raise ValueError(f"TEFloat8Precision(compile_te_layers={compile_te_layers!r}): expected True or False.")
         if compile_te_layers and recipe == "delayed":
@@ -327,33 +330,33 @@ class TEFloat8Precision(Precision):
                              "or leave compile_te_layers=False (TE layers then run eagerly between compiled regions).")
         if recipe_options is not None and not isinstance(recipe_options, Mapping):
             raise ValueError(f"TEFloat8Precision(recipe_options={recipe_options!r}): expected a dict.")
-        self.name = name or f"fp8-te-{recipe}"
         missing = te_missing_reason()
         if missing:
             raise ModuleNotFoundError(f"precision {self.name!r} needs Transformer Engine. {missing}")
-        self.recipe = recipe
         self.te_recipe = make_recipe(recipe, **dict(recipe_options or {}))
-        self.layer_filter = LayerFilter.from_options(layer_filter, include=include, exclude=exclude,
-                                                     skip_head=skip_head, skip_first=skip_first, min_dim=min_dim)
+        self.master_weights = master_weights
+        if weights_dtype is None and master_weights:
+            weights_dtype = torch.bfloat16  # the module computes in bf16; the fp32 masters live in the optimizer
         self.weights_dtype = weights_dtype
         self.compile_te_layers = compile_te_layers
-        self.plan: LayerPlan | None = None
         self._converted: dict[str, nn.Module] = {}
         self._pending_fp8_meta: dict[str, Any] | None = None
         self._amax_group: Any = None
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, recipe={self.recipe!r})"
-
     # ---- conversion
 
-    def convert_layers(self, module: nn.Module, device: torch.device | str | None = None) -> LayerPlan:
-        """Swap the filter's ``nn.Linear`` layers for ``te.Linear`` in place, copying weights (no hardware check).
+    def _before_conversion(self, module: nn.Module, device: torch.device) -> bool:
+        strategy = type(getattr(trainer_of(module), "strategy", None)).__name__
+        if strategy in ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy"):
+            raise ValueError(f"precision {self.name!r} does not support {strategy} yet (it does not shard Transformer "
+                             "Engine layers). Use fp8-ao-tensorwise, which supports FSDP2 float8 all-gather, or DDP.")
+        return True
+
+    def _swap_layers(self, module: nn.Module, plan: LayerPlan, device: torch.device) -> dict[str, nn.Module]:
+        """Swap the planned ``nn.Linear`` layers for ``te.Linear``, copying weights.
 
         Layers whose weight is shared with another module (a tied head) stay as they are: a TE copy would untie them.
         """
-        device = torch.device(device) if device is not None else trainer_device(module)
-        plan = self.layer_filter.plan(module)
         counts: dict[int, int] = {}
         for _, p in module.named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
@@ -362,6 +365,7 @@ class TEFloat8Precision(Precision):
             module_counts[id(m)] = module_counts.get(id(m), 0) + 1
 
         cls = _te_linear_class(isolate=not self.compile_te_layers)
+        swapped: dict[str, nn.Module] = {}
         for raw, sub in list(module.named_modules()):
             name = clean_name(raw)
             if not isinstance(sub, nn.Linear) or not plan.should_convert(name):
@@ -374,14 +378,12 @@ class TEFloat8Precision(Precision):
             parent_name, _, child = raw.rpartition(".")
             parent = module.get_submodule(parent_name) if parent_name else module
             new = self._make_linear(cls, sub, device)
-            new.register_forward_pre_hook(token_check_hook(name, "Transformer Engine"))
             new.register_state_dict_post_hook(_drop_extra_state)
             new.register_load_state_dict_pre_hook(_fill_extra_state)
             setattr(parent, child, new)
             self._converted[name] = new
-        self.plan = plan
-        log.debug("%s converted layers:\n%s", self.name, plan.table())
-        return plan
+            swapped[name] = new
+        return swapped
 
     @staticmethod
     def _make_linear(cls: type, lin: nn.Linear, device: torch.device) -> nn.Module:
@@ -397,29 +399,24 @@ class TEFloat8Precision(Precision):
         new.train(lin.training)
         return new
 
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        device = trainer_device(module)
-        require_fp8_device(self.name, device, "te", self.recipe)
-        strategy = type(getattr(getattr(module, "_trainer", None), "strategy", None)).__name__
-        if strategy in ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy"):
-            raise ValueError(f"precision {self.name!r} does not support {strategy} yet (it does not shard Transformer "
-                             "Engine layers). Use fp8-ao-tensorwise, which supports FSDP2 float8 all-gather, or DDP.")
-        warn_untested_callbacks(self.name, module)
-        plan = self.convert_layers(module, device)
+    def _on_native_te(self, names: list[str]) -> None:
+        # A model built from TE modules is fp8-ready: the step's te autocast drives them; nothing to swap.
+        rank_zero_info(f"{self.name}: {len(names)} Transformer Engine module(s) of the model itself (e.g. "
+                       f"{names[0]!r}) are left as they are; they run in fp8 under this plugin's autocast.")
+
+    def _after_conversion(self, module: nn.Module, plan: LayerPlan) -> str:
         if self.weights_dtype is not None:
             module.to(dtype=self.weights_dtype)
         self._restore_fp8_meta()  # a checkpoint entry loaded before conversion
         # DDP launches its processes before setup, so the process group exists here.
         self._amax_group = amax_reduction_group(self.recipe)
-        rank_zero_info(f"{self.name}: {plan.summary()}"
-                       + (" (amax histories reduced over the data-parallel group)" if self._amax_group else ""))
         if is_compiled(module):
             how = ("traced by torch.compile (compile_te_layers=True)" if self.compile_te_layers else
                    "run eagerly between compiled regions (a graph break around each; "
                    + ("DelayedScaling cannot be traced" if self.recipe == "delayed" else
                       "pass compile_te_layers=True to trace them") + ")")
             rank_zero_info(f"{self.name}: the model is compiled; its {len(self._converted)} TE layers {how}.")
-        return module
+        return " (amax histories reduced over the data-parallel group)" if self._amax_group else ""
 
     # ---- steps
 
@@ -438,16 +435,18 @@ class TEFloat8Precision(Precision):
     # ---- checkpoint: DelayedScaling's scales and amax histories (plain weights are in the model's state_dict)
 
     def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()  # the fp32 masters (MasterWeightsMixin)
         if self.recipe != "delayed" or not self._converted:
-            return {}
+            return state
         states = {}
         for name, m in self._converted.items():
-            state = fp8_meta_state_dict(m)
-            if state is not None:
-                states[name] = state
-        return {"te_fp8_meta": states} if states else {}
+            meta = fp8_meta_state_dict(m)
+            if meta is not None:
+                states[name] = meta
+        return {**state, "te_fp8_meta": states} if states else state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # the fp32 masters (MasterWeightsMixin)
         if "te_extra_state" in state_dict:
             warnings.warn(f"precision {self.name!r}: this checkpoint keeps the fp8 amax histories as pickled "
                           "Transformer Engine extra state (an older lightning-gh), which is not loaded because "

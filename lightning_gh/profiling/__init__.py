@@ -1,5 +1,11 @@
 """Profiling: step windows, SelectiveProfiler, NVTXRangeCallback, the trace summary and the data-loader stall detector.
 
+Modules, one idea each: ``windows`` (step and rank grammar), ``phases`` (the step-phase tracker), ``_actions``
+(watching Lightning's profiler actions), ``profiler`` (SelectiveProfiler), ``nvtx`` and ``_nvtx_backend``
+(NVTXRangeCallback), ``stall`` (DataStallDetector), ``trace`` (parsing Kineto traces), ``analysis`` (numbers),
+``advice`` (verdict, advice and the one definition of a data stall), ``render`` and ``plot`` (files),
+``summary`` (``summarize_trace``, the entry point).
+
 Names load on first use (PEP 562): importing this package alone does not import the profiler, the summary or NVTX.
 
 Example::

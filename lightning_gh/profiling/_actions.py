@@ -3,12 +3,13 @@
 Lightning has no callback hook at the start of ``next(dataloader)`` or around ``Trainer.save_checkpoint``, but it
 reports both to ``trainer.profiler`` (actions ``"[_TrainingEpochLoop].train_dataloader_next"`` and
 ``"save_checkpoint"``). :class:`ProfilerActionWatcher` wraps ``start``/``stop`` on that profiler *instance* and
-delegates, so whatever profiler the user chose (the default pass-through one included) keeps working, and several
-watchers can stack.
+delegates, so whatever profiler the user chose (the default pass-through one included) keeps working. Several
+watchers share one wrapper per profiler, removed when the last one detaches.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 __all__ = ["FETCH_SUFFIX", "SAVE_ACTION", "ProfilerActionWatcher", "is_fetch"]
@@ -20,6 +21,52 @@ SAVE_ACTION = "save_checkpoint"
 def is_fetch(action_name: str) -> bool:
     """Whether ``action_name`` is the training loop's fetch of the next batch."""
     return action_name.endswith(FETCH_SUFFIX)
+
+
+class _Dispatcher:
+    """The one wrapper installed on a profiler instance; every watcher of that profiler is called through it.
+
+    One wrapper per profiler, however many watchers and fits: a Trainer reused for several ``fit`` calls would
+    otherwise stack one more wrapper per fit, each holding a callback of an earlier fit.
+    """
+
+    def __init__(self, profiler: Any) -> None:
+        self.watchers: list[ProfilerActionWatcher] = []
+        self.had = {k: k in vars(profiler) for k in ("start", "stop")}
+        self.orig = {k: vars(profiler).get(k) for k in ("start", "stop")}
+        orig_start, orig_stop = profiler.start, profiler.stop
+        watchers = self.watchers
+
+        # Later watchers wrap earlier ones: the last attached sees a start first and a stop last.
+        def start(action_name: str) -> None:
+            for w in reversed(watchers):
+                if w.live:
+                    w._on_start(action_name)
+            return orig_start(action_name)
+
+        def stop(action_name: str) -> None:
+            out = orig_stop(action_name)
+            for w in list(watchers):
+                if w.live:
+                    w._on_stop(action_name)
+            return out
+
+        self.start, self.stop = start, stop
+        profiler.start, profiler.stop = start, stop
+
+    def uninstall(self, profiler: Any) -> bool:
+        """Put the profiler's own methods back; ``False`` when someone wrapped over us (we then stay, delegating)."""
+        if any(vars(profiler).get(k) is not getattr(self, k) for k in ("start", "stop")):
+            return False
+        for k in ("start", "stop"):
+            if self.had[k]:
+                setattr(profiler, k, self.orig[k])
+            else:
+                delattr(profiler, k)
+        return True
+
+
+_DISPATCHERS: weakref.WeakKeyDictionary[Any, _Dispatcher] = weakref.WeakKeyDictionary()
 
 
 class ProfilerActionWatcher:
@@ -39,7 +86,6 @@ class ProfilerActionWatcher:
     def __init__(self, on_start: Callable[[str], None], on_stop: Callable[[str], None]) -> None:
         self._on_start, self._on_stop = on_start, on_stop
         self._profiler: Any = None
-        self._patched: dict[str, Any] = {}
         self.live = False
 
     @property
@@ -49,37 +95,24 @@ class ProfilerActionWatcher:
     def attach(self, profiler: Any) -> None:
         if self._profiler is not None:
             self.detach()
-        orig_start, orig_stop = profiler.start, profiler.stop
-        watcher = self
-
-        def start(action_name: str) -> None:
-            if watcher.live:
-                watcher._on_start(action_name)
-            return orig_start(action_name)
-
-        def stop(action_name: str) -> None:
-            out = orig_stop(action_name)
-            if watcher.live:
-                watcher._on_stop(action_name)
-            return out
-
-        self._patched = {"start": start, "stop": stop,
-                         "had": {k: k in vars(profiler) for k in ("start", "stop")},
-                         "orig": {"start": vars(profiler).get("start"), "stop": vars(profiler).get("stop")}}
-        profiler.start, profiler.stop = start, stop
+        dispatcher = _DISPATCHERS.get(profiler)
+        if dispatcher is None:
+            dispatcher = _DISPATCHERS[profiler] = _Dispatcher(profiler)
+        dispatcher.watchers.append(self)
         self._profiler = profiler
         self.live = True
 
     def detach(self) -> None:
-        profiler, patched = self._profiler, self._patched
-        # If someone wrapped over us, our wrapper has to stay in their chain; it then only delegates.
+        profiler, self._profiler = self._profiler, None
         self.live = False
-        if profiler is None or not patched:
+        if profiler is None:
             return
-        for k in ("start", "stop"):
-            if vars(profiler).get(k) is patched[k]:
-                if patched["had"][k]:
-                    setattr(profiler, k, patched["orig"][k])
-                else:
-                    delattr(profiler, k)
-        self._profiler, self._patched = None, {}
+        dispatcher = _DISPATCHERS.get(profiler)
+        if dispatcher is None:
+            return
+        if self in dispatcher.watchers:
+            dispatcher.watchers.remove(self)
+        # The last watcher out restores the profiler; if someone wrapped over us the dispatcher stays (empty, only
+        # delegating) and is reused by the next attach rather than stacked again.
+        if not dispatcher.watchers and dispatcher.uninstall(profiler):
+            del _DISPATCHERS[profiler]

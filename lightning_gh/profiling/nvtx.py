@@ -38,9 +38,13 @@ With gradient accumulation ``dataloader``/``forward``/``backward`` repeat inside
 ``forward`` (they happen inside training_step). Validation and checkpoints that follow step N
 belong to step N: they are annotated when step N is selected.
 
-The two profiler actions are watched by wrapping ``trainer.profiler.start``/``stop`` on the
-instance for the duration of the run (any Lightning profiler, including the default pass-through
-one, keeps working); Lightning has no callback hook at the start of a fetch or around a save.
+Every range but ``train_step`` is a phase of the shared :class:`~lightning_gh.profiling.phases.StepPhaseTracker`
+(``dataloader`` is its ``data_wait``, held open to the forward; ``optimizer_step`` its ``optimizer``), the one
+definition SelectiveProfiler and DataStallDetector use too: this callback forwards Lightning's hooks to the tracker
+and maps phase starts and ends onto ranges. For the fetch and the save the tracker watches Lightning's profiler actions by
+wrapping ``trainer.profiler.start``/``stop`` on the instance for the duration of the run (any Lightning
+profiler, including the default pass-through one, keeps working); Lightning has no callback hook at the
+start of a fetch or around a save.
 
 Example::
 
@@ -61,8 +65,7 @@ import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
@@ -70,15 +73,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_gh.profiling._actions import SAVE_ACTION, ProfilerActionWatcher, is_fetch
+from lightning_gh import compat
+from lightning_gh.profiling.phases import StepPhaseTracker
 from lightning_gh.profiling._nvtx_backend import Backend, select_backend
 from lightning_gh.profiling.windows import RankSelection, StepSchedule
 
-if TYPE_CHECKING:
-    from lightning_gh.demo.run import DemoConfig, Part
-    from lightning_gh.hardware import HardwareInfo
 
-__all__ = ["NVTXRangeCallback", "PHASES", "STEPS_ENV", "demo_part"]
+__all__ = ["NVTXRangeCallback", "PHASES", "STEPS_ENV"]
 
 #: Overrides the ``steps`` argument when set (same grammar), like ``LGH_PROFILE_START_STOP`` for the profiler.
 STEPS_ENV = "LGH_NVTX_STEPS"
@@ -174,10 +175,12 @@ def _matching_modules(root: nn.Module, patterns: Sequence[str]) -> list[tuple[st
         if not any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(type(m).__name__, p) for n, m in named):
             unmatched.append(p)
     if unmatched:
-        examples = sorted({type(m).__name__ for _, m in named})[:8] + [n for n, _ in named][:4]
+        types = sorted({type(m).__name__ for _, m in named})
+        names = [n for n, _ in named][:4]
         raise ValueError(
-            f"`module_ranges` patterns {unmatched} match no module of {type(root).__name__}; patterns are "
-            f"fnmatch globs on qualified names or class names, e.g. {examples}."
+            f"NVTXRangeCallback(module_ranges={list(patterns)!r}): `module_ranges` patterns {unmatched} match no "
+            f"module of {type(root).__name__}; its module types are {types}, and names look like {names}. Patterns "
+            "are fnmatch globs on qualified names or class names."
         )
     for n, m in named:
         if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns):
@@ -226,7 +229,8 @@ class NVTXRangeCallback(Callback):
         gc_ranges: a ``gc`` range around every Python garbage collection (payload: its generation).
 
     Raises:
-        ValueError: an argument is out of its allowed values (the message names it and the grammar).
+        ValueError: an argument is out of its allowed values (the message names it and the grammar); at setup,
+            ``module_ranges`` patterns that match no module (always, whether or not a tool is attached).
 
     Example::
 
@@ -234,16 +238,19 @@ class NVTXRangeCallback(Callback):
         # then:  nsys profile --trace=cuda,nvtx -o run python train.py
     """
 
+    lgh_part = "NVTXRangeCallback"
+
     def __init__(
         self,
-        steps: str | None = None,
+        steps: str | int | None = None,
         ranks: str = "all",
         domain: str = "lightning_gh",
         module_ranges: bool | Sequence[str] = False,
         gc_ranges: bool = False,
     ) -> None:
-        if steps is not None and not isinstance(steps, str):
-            raise ValueError(f"`steps`={steps!r} must be None (every step) or a string such as '20-24'.")
+        if steps is not None and (not isinstance(steps, (str, int)) or isinstance(steps, bool)):
+            raise ValueError(f"`steps`={steps!r} must be None (every step), a string such as '20-24' or an int "
+                             "(that single step).")
         self._schedule = StepSchedule.resolve(steps, STEPS_ENV, argument="steps")
         self._ranks = RankSelection.parse(ranks, argument="ranks")
         if not isinstance(domain, str) or not domain.strip():
@@ -292,9 +299,8 @@ class NVTXRangeCallback(Callback):
         self._seen_step = False
         self._step = 0
         self._batches = 0
-        self._automatic = True
-        self._actions = ProfilerActionWatcher(self._on_action_start, self._on_action_stop)
-        self._opt_hooks: list[Any] = []
+        self._tokens: int | None = None  # the current micro-batch's token count, the forward range's payload
+        self._phases = StepPhaseTracker([self])
         self._module_targets: list[tuple[str, nn.Module]] | None = None
         self._module_hooks: list[Any] = []
         self._open_backward: dict[int, list[Any]] = {}
@@ -358,6 +364,11 @@ class NVTXRangeCallback(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._cleanup()
         self._reset()
+        compat.check(trainer, self.lgh_part)
+        if isinstance(self.module_ranges, tuple):
+            # Checked on every rank and with no tool attached too: a typo must fail the first run, not the one
+            # under nsys.
+            _matching_modules(pl_module, self.module_ranges)
         self._trainer = trainer
         unmatched = self._ranks.unmatched(trainer.world_size, trainer.num_devices)
         if unmatched:
@@ -380,14 +391,13 @@ class NVTXRangeCallback(Callback):
             self._handles["gc"] = backend.prepare("gc", _GC_STYLE.color, _GC_STYLE.category)
             gc.callbacks.append(self._on_gc)
             self._gc_installed = True
-        self._actions.attach(trainer.profiler)
+        self._phases.attach(trainer)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._on:
             return
-        self._automatic = pl_module.automatic_optimization
-        for opt in trainer.optimizers:
-            self._opt_hooks.append(opt.register_step_post_hook(self._on_optimizer_step_end))
+        self._phases.automatic = pl_module.automatic_optimization
+        self._phases.watch_optimizers(trainer.optimizers)
         if self.module_ranges:
             self._resolve_modules(pl_module)
 
@@ -405,9 +415,6 @@ class NVTXRangeCallback(Callback):
         self._in_step = False
         self._active = False
         self._remove_module_hooks()
-        for h in self._opt_hooks:
-            h.remove()
-        self._opt_hooks = []
         if self._gc_installed:
             if self._gc_open:  # unlikely: a collection running while we clean up
                 self._gc_open = False
@@ -417,22 +424,42 @@ class NVTXRangeCallback(Callback):
             except ValueError:
                 pass
             self._gc_installed = False
-        self._actions.detach()
+        self._phases.detach()
         self._on = False
 
-    # ------------------------------------------------------------------ the profiler seam
+    # ------------------------------------------------------------------ phases -> ranges
 
-    def _on_action_start(self, action_name: str) -> None:
-        if is_fetch(action_name):
+    # Every phase range comes from the shared step-phase tracker; this callback forwards Lightning's hooks to it
+    # and maps each phase's start and end onto its NVTX range. Only ``train_step`` (one per optimizer step, which
+    # spans the micro-batches of gradient accumulation) is this callback's own bookkeeping.
+    _RANGE = {"forward": "forward", "zero_grad": "zero_grad", "backward": "backward", "optimizer": "optimizer_step"}
+
+    def phase_started(self, phase: str, step: int, t: float) -> None:
+        if phase == "data_wait":
             self._on_fetch_start()
-        elif action_name == SAVE_ACTION:
-            self._on_save_start()
+        elif phase == "checkpoint":
+            if self._trainer is not None and self._tail_selected(self._trainer):
+                self._push("checkpoint", self._trainer.global_step)
+        elif phase == "validation":
+            if self._trainer is not None and self._tail_selected(self._trainer):
+                self._push("validation", self._trainer.global_step)
+        elif self._active and self._in_step:
+            if phase == "forward":
+                self._pop_to("dataloader")  # the fetch's range holds the host-to-device copy up to here
+                self._push("forward", self._tokens if self._tokens is not None else self._step)
+            else:
+                self._push(self._RANGE[phase], self._step)
 
-    def _on_action_stop(self, action_name: str) -> None:
-        if is_fetch(action_name):
-            self._on_fetch_stop()
-        elif action_name == SAVE_ACTION:
-            self._pop_to("checkpoint")
+    def phase_ended(self, phase: str, step: int, t: float) -> None:
+        if phase == "data_wait":
+            # Usually "dataloader" stays open through the host-to-device copy until the forward starts; when
+            # training_step fetches for itself (dataloader_iter), it ends with the fetch.
+            if self._active and "forward" in self._stack:
+                self._pop_to("dataloader")
+        elif phase in self._RANGE or phase in ("validation", "checkpoint"):
+            self._pop_to(self._RANGE.get(phase, phase))
+            if phase == "backward":
+                self._end_open_backward()
 
     # ------------------------------------------------------------------ steps
 
@@ -456,15 +483,7 @@ class NVTXRangeCallback(Callback):
             self._pop_to("dataloader")  # a previous fetch that never reached a batch
             self._push("dataloader", self._step)
 
-    def _on_fetch_stop(self) -> None:
-        # Usually "dataloader" stays open through the host-to-device copy until on_train_batch_start;
-        # when training_step fetches for itself (dataloader_iter), it ends with the fetch.
-        if self._active and "forward" in self._stack:
-            self._pop_to("dataloader")
-
-    def _on_save_start(self) -> None:
-        if self._trainer is not None and self._tail_selected(self._trainer):
-            self._push("checkpoint", self._trainer.global_step)
+    # ------------------------------------------------------------------ Lightning hooks, forwarded to the tracker
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -473,52 +492,34 @@ class NVTXRangeCallback(Callback):
         if not self._in_step:
             self._open_step(trainer)
         self._batches += 1
-        if not self._active:
-            return
-        self._pop_to("dataloader")
-        tokens = _count_tokens(batch)
-        self._push("forward", tokens if tokens is not None else self._step)
+        self._tokens = _count_tokens(batch) if self._active else None
+        self._phases.on_train_batch_start(trainer)
 
     def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if not (self._on and self._active and self._in_step):
-            return
-        if self._automatic:
-            self._pop_to("forward")
-        self._push("zero_grad", self._step)
+        if self._on:
+            self._phases.on_before_zero_grad(trainer)
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        if not (self._on and self._active and self._in_step):
-            return
-        self._pop_to("zero_grad")
-        if self._automatic:
-            self._pop_to("forward")
-        self._push("backward", self._step)
+        if self._on:
+            self._phases.on_before_backward(trainer)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not (self._on and self._active):
-            return
-        self._pop_to("backward")
-        self._end_open_backward()
+        if self._on:
+            self._phases.on_after_backward(trainer)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if not (self._on and self._active and self._in_step):
-            return
-        self._pop_to("backward")
-        self._pop_to("zero_grad")
-        if self._automatic:
-            self._pop_to("forward")
-        self._push("optimizer_step", self._step)
-
-    def _on_optimizer_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._active and self._stack and "optimizer_step" in self._stack:
-            self._pop_to("optimizer_step")
+        if self._on:
+            self._phases.on_before_optimizer_step(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not (self._on and self._in_step):
+        if not self._on:
+            return
+        self._phases.on_train_batch_end(trainer)
+        if not self._in_step:
             return
         if self._active:
-            self._unwind_to("train_step")
+            self._unwind_to("train_step")  # e.g. a fetch of training_step's own that reached no batch
             self._end_open_backward()
         if trainer.global_step != self._step:  # this batch's optimizer step ran: the step is over
             if self._active:
@@ -537,15 +538,13 @@ class NVTXRangeCallback(Callback):
             self._pop_all()
             self._in_step = False
 
-    # ------------------------------------------------------------------ validation
-
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._tail_selected(trainer):
-            self._push("validation", trainer.global_step)
+        if self._on:
+            self._phases.on_validation_start(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._on:
-            self._pop_to("validation")
+            self._phases.on_validation_end(trainer)
 
     # ------------------------------------------------------------------ garbage collection
 
@@ -706,72 +705,3 @@ class NVTXRangeCallback(Callback):
     def __repr__(self) -> str:
         return (f"NVTXRangeCallback(steps={self.steps!r}, ranks={self.ranks!r}, domain={self.domain!r}, "
                 f"module_ranges={self.module_ranges!r}, gc_ranges={self.gc_ranges!r})")
-
-
-# ---------------------------------------------------------------------- the demo
-
-
-def demo_part(cfg: DemoConfig, hw: HardwareInfo, out: Path) -> Part:
-    """The demo's NVTX part: phase and GC ranges on every step, in the ``lightning_gh`` domain.
-
-    Always on: with no NVTX tool attached it costs nothing; under ``nsys profile --trace=cuda,nvtx``
-    the timeline shows each step's phases.
-    """
-    from lightning_gh.demo.run import Part
-
-    backend = select_backend("lightning_gh")
-    cb = NVTXRangeCallback(gc_ranges=True)
-    if backend.name == "none":
-        return Part("NVTX ranges", False, f"no NVTX backend ({backend.reason}); pip install nvtx")
-    if backend.tool_attached and backend.name == "nvtx":
-        reason = f"recording to the attached NVTX tool ({backend.reason})"
-    elif backend.name == "torch":
-        reason = backend.reason
-    else:
-        reason = (f"{backend.reason}: ranges cost nothing now; to see them run "
-                  f"`nsys profile --trace=cuda,nvtx -o {out}/nvtx python -m lightning_gh demo ...`")
-    return Part("NVTX ranges", True, reason, callbacks=[cb])
-
-
-def _main(argv: list[str] | None = None) -> int:
-    """A short annotated fit of the demo model, to capture with Nsight Systems (see docs/nvtx.md)."""
-    import argparse
-    import tempfile
-    import time
-
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lightning_gh.demo import LlamaLM, MarkovDataModule
-    from lightning_gh.demo.model import PRESETS
-
-    ap = argparse.ArgumentParser(prog="python -m lightning_gh.profiling.nvtx", description=_main.__doc__)
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--max-steps", type=int, default=30)
-    ap.add_argument("--steps", default=None, help="optimizer steps to annotate, e.g. 10-14 (default: all)")
-    ap.add_argument("--val-every", type=int, default=5, help="validate every N steps")
-    ap.add_argument("--ckpt-every", type=int, default=15, help="save a checkpoint every N steps")
-    ap.add_argument("--module-ranges", action="store_true")
-    ap.add_argument("--gc-ranges", action="store_true")
-    ap.add_argument("--out", type=Path, default=None, help="run folder for checkpoints (default: a temporary one)")
-    args = ap.parse_args(argv)
-    out = args.out or Path(tempfile.mkdtemp(prefix="lgh_nvtx_demo_"))
-    cuda = torch.cuda.is_available()
-    torch.manual_seed(0)
-    model = LlamaLM.from_preset(args.preset)
-    dm = MarkovDataModule.for_model(model, pin_memory=cuda)
-    cb = NVTXRangeCallback(steps=args.steps, module_ranges=args.module_ranges, gc_ranges=args.gc_ranges)
-    ckpt = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=args.ckpt_every, save_top_k=1)
-    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=args.max_steps,
-                        precision="bf16-mixed" if cuda else "32-true", val_check_interval=args.val_every,
-                        limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=out, callbacks=[cb, ckpt])
-    t0 = time.perf_counter()
-    trainer.fit(model, dm)
-    reason = cb._backend.reason if cb._backend is not None else "not set up"
-    print(f"nvtx demo: {trainer.global_step} steps of '{args.preset}' in {time.perf_counter() - t0:.1f} s; "
-          f"backend={cb.backend} ({reason}); checkpoints in {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

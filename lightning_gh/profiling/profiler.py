@@ -19,8 +19,11 @@ Inside a window, per backend:
   (open it at https://pytorch.org/memory_viz).
 
 The backends use separate mechanisms, so all three can run in one window. Phase ranges ``lgh/data_wait``,
-``lgh/forward``, ``lgh/backward``, ``lgh/optimizer`` (and ``lgh/validation``) are opened from Lightning hooks inside
-windows only, so the summary can break the step down.
+``lgh/forward``, ``lgh/backward``, ``lgh/optimizer`` (and ``lgh/validation``) are the phases of the shared
+:class:`~lightning_gh.profiling.phases.StepPhaseTracker` (the definitions NVTXRangeCallback and DataStallDetector
+use), opened inside windows only, one at a time, so the summary can break the step down: ``lgh/data_wait`` from the
+start of Lightning's fetch to the forward (the host-to-device copy included), ``lgh/forward`` to the backward
+(``zero_grad`` included), ``lgh/backward`` to its end, ``lgh/optimizer`` until the optimizer's ``step`` returns.
 
 A step of the window spans from the end of the previous optimizer step to the end of its own: its data wait, its
 forward/backward micro-batches and its optimizer step (plus validation, if Lightning runs it in between). The first
@@ -48,13 +51,16 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_warn
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_gh import compat
+from lightning_gh._lightning import is_last_training_batch, log_to_loggers
+from lightning_gh.profiling.phases import StepPhaseTracker
 from lightning_gh.profiling.windows import RankSelection, StepSchedule, StepWindow
 
-__all__ = ["SelectiveProfiler", "ENV_VAR", "DEFAULT_STEPS", "BACKENDS", "under_nsys", "nsys_command", "demo_part"]
+__all__ = ["SelectiveProfiler", "ENV_VAR", "DEFAULT_STEPS", "BACKENDS", "under_nsys", "nsys_command"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,33 @@ def nsys_command(output: str | os.PathLike, argv: Sequence[str] | None = None) -
     cmd = ["nsys", "profile", "--capture-range=cudaProfilerApi", "--capture-range-end=repeat",
            "--trace=cuda,nvtx,osrt", "--sample=none", "--cpuctxsw=none", "-o", f"{output}/nsys_%p"]
     return shlex.join(cmd + argv)
+
+
+def _check_writable(output_dir: Path) -> None:
+    """Fail now, naming the path, if ``output_dir`` cannot be created or written (not after the first window)."""
+    existing = output_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise ValueError(f"SelectiveProfiler(output_dir={str(output_dir)!r}): {str(existing)!r} is a file, not a "
+                         "folder; pick a folder the windows can be written to.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"SelectiveProfiler(output_dir={str(output_dir)!r}): {str(existing)!r} is not writable by "
+                         "this process, so no window could be saved; pick a writable folder.")
+
+
+def window_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
+    """The window's verdict as logger metrics: GPU idle share, data-wait share and mean step time."""
+    out: dict[str, float] = {}
+    g = summary.get("gpu")
+    if g is not None:
+        out["lgh/profile_gpu_idle_frac"] = float(g["idle_share"])
+    wait = summary.get("data_wait") or {}
+    out["lgh/profile_data_wait_frac"] = float(wait.get("share", 0.0))
+    st = summary.get("step_time_ms")
+    if st:
+        out["lgh/profile_step_time_ms"] = float(st["mean"])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -259,6 +292,8 @@ class _Window:
     batches: int = 0
     last_run: int = -1  # the last step that started a batch
     open: list[str] = field(default_factory=list)
+    fetch_ms: dict[int, float] = field(default_factory=dict)  # ms in Lightning's fetch, per step
+    fetch_t0: float | None = None
 
 
 class SelectiveProfiler(Callback):
@@ -266,21 +301,25 @@ class SelectiveProfiler(Callback):
 
     Args:
         steps: inclusive windows of optimizer steps (``trainer.global_step``): ``"10-14"``, ``"10-14,50-52"``,
-            ``"7"``. ``None`` means ``"5-7"``. The environment variable ``LGH_PROFILE_START_STOP`` (same grammar)
-            overrides it.
+            ``"7"`` or ``7`` (an int is that single step). ``None`` means ``"5-7"``. The environment variable
+            ``LGH_PROFILE_START_STOP`` (same grammar) overrides it, and says so once.
         ranks: ``"0"``, ``"0,3"``, ``"all"``, ``"local0"`` (local rank 0 of every node) or ``"last"``. Other ranks
             do nothing.
         backends: any of ``"torch"``, ``"nsys"``, ``"memory"``. GPU-only backends warn once and step aside off-GPU.
         output_dir: where windows are written, one folder per window (``steps10-14/``) holding every rank's files.
+            Checked at setup: a folder that cannot be created or written fails the run before its first step.
         summary: after each window, analyse the torch trace into ``*.summary.{json,md,png}``.
         record_shapes / with_stack / profile_memory: passed to ``torch.profiler.profile`` (they grow the trace).
 
     Raises:
         ValueError: a bad argument (the message names it, the value and what is allowed); at setup, a
-            ``Trainer(profiler=PyTorchProfiler(...))`` together with the ``"torch"`` backend.
+            ``Trainer(profiler=PyTorchProfiler(...))`` together with the ``"torch"`` backend, or an ``output_dir``
+            that cannot be written.
 
     Attributes:
-        written: one entry per finished window: ``{"window", "steps", "files", "reason"}``.
+        written: one entry per finished window: ``{"window", "steps", "files", "reason"}``. Each written window
+            is also announced in one line on stdout, and its verdict logged through ``trainer.loggers``
+            (``lgh/profile_gpu_idle_frac``, ``lgh/profile_data_wait_frac``, ``lgh/profile_step_time_ms``).
 
     Example::
 
@@ -289,9 +328,11 @@ class SelectiveProfiler(Callback):
         # profiles/steps20-24/rank0_steps20-24.summary.md: step times, GPU busy/idle, top kernels, phases, verdict
     """
 
+    lgh_part = "SelectiveProfiler"
+
     def __init__(
         self,
-        steps: str | None = None,
+        steps: str | int | None = None,
         ranks: str = "0",
         backends: Sequence[str] = ("torch",),
         output_dir: str | Path = "profiles",
@@ -300,8 +341,9 @@ class SelectiveProfiler(Callback):
         with_stack: bool = False,
         profile_memory: bool = False,
     ) -> None:
-        if steps is not None and not isinstance(steps, str):
-            raise ValueError(f"SelectiveProfiler(steps={steps!r}): must be a string such as '10-14' or None.")
+        if steps is not None and (not isinstance(steps, (str, int)) or isinstance(steps, bool)):
+            raise ValueError(f"SelectiveProfiler(steps={steps!r}): must be a string such as '10-14', an int (that "
+                             "single step) or None.")
         self.steps = steps
         self._schedule = self._resolve()
         self.ranks = ranks
@@ -332,6 +374,7 @@ class SelectiveProfiler(Callback):
         self._arm_start: int | None = None
         self._active: _Window | None = None
         self._backend_objs: list[_Backend] = []
+        self._tracker: StepPhaseTracker | None = None
 
     def _resolve(self) -> StepSchedule:
         schedule = StepSchedule.resolve(self.steps if self.steps is not None else DEFAULT_STEPS, ENV_VAR)
@@ -354,13 +397,27 @@ class SelectiveProfiler(Callback):
                 "enabled'). Drop Trainer(profiler=...) (SelectiveProfiler's windows replace it), or keep it and use "
                 "SelectiveProfiler(backends=('nsys', 'memory')). SimpleProfiler and AdvancedProfiler work alongside."
                 % (self.backends, type(trainer.profiler).__name__))
+        compat.check(trainer, self.lgh_part)
         self._schedule = self._resolve()  # the environment may have changed since __init__
+        env = os.environ.get(ENV_VAR, "").strip()
+        if env and f"env:{env}" not in _warned and trainer.global_rank == 0:
+            # stdout, once per process: a run profiling other steps than its config says must say why.
+            _warned.add(f"env:{env}")
+            print(f"SelectiveProfiler: {ENV_VAR}={env!r} overrides steps={self.steps!r}; profiling steps "
+                  f"{self._schedule}.", flush=True)
         self._rank = trainer.global_rank
         unmatched = self._ranks.unmatched(trainer.world_size, trainer.num_devices)
         if unmatched:
             rank_zero_warn(f"SelectiveProfiler: {unmatched}")
         self._selected = self._ranks.selects(trainer.global_rank, trainer.local_rank, trainer.world_size)
+        if self._selected:
+            _check_writable(self.output_dir)
         self._world = trainer.world_size
+        if self._tracker is not None:
+            self._tracker.detach()
+        self._tracker = StepPhaseTracker([self])
+        if self._selected:
+            self._tracker.attach(trainer)
         self._backend_objs = []
         for name in self.backends:
             if name == "torch":
@@ -373,12 +430,16 @@ class SelectiveProfiler(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # global_step is restored from a checkpoint by now: a resumed run arms what remains of its windows.
         self._arm(trainer.global_step)
+        if self._selected and self._tracker is not None:
+            self._tracker.automatic = pl_module.automatic_optimization
+            self._tracker.watch_optimizers(trainer.optimizers)
 
     def _arm(self, step: int) -> None:
         w = self._schedule.next_window(step) if self._selected else None
         self._arm_start = None if w is None else max(w.start, step)
 
-    # -- the per-step path: outside a window each hook is one or two comparisons
+    # -- the per-step path: outside a window each hook is one or two comparisons. Inside one, the hooks feed the
+    # shared phase tracker, whose phases become the lgh/ ranges (phase_started / phase_ended below).
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         win = self._active
         if win is None:
@@ -394,22 +455,23 @@ class SelectiveProfiler(Callback):
                 return
         win.batches += 1
         win.last_run = win.current
-        self._close()
-        self._open("forward")
+        self._tracker.on_train_batch_start(trainer)
+
+    def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self._active is not None:
+            self._tracker.on_before_zero_grad(trainer)
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if self._active is not None:
-            self._close()
-            self._open("backward")
+            self._tracker.on_before_backward(trainer)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active is not None:
-            self._close()
+            self._tracker.on_after_backward(trainer)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self._active is not None:
-            self._close()
-            self._open("optimizer")
+            self._tracker.on_before_optimizer_step(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -418,10 +480,10 @@ class SelectiveProfiler(Callback):
             if self._arm_start is not None and trainer.global_step == self._arm_start:
                 self._begin_early(trainer)
             return
+        self._tracker.on_train_batch_end(trainer)
         self._close()
         step = trainer.global_step
         if step <= win.current:  # accumulating: the next micro-batch belongs to the same optimizer step
-            self._open("data_wait")
             return
         if step > win.window.stop:
             self._finish(trainer, "window complete")
@@ -436,17 +498,14 @@ class SelectiveProfiler(Callback):
         for b in win.backends:
             b.step(step)
         win.current = step
-        self._open("data_wait")
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active is not None:
-            self._close()
-            self._open("validation")
+            self._tracker.on_validation_start(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active is not None:
-            self._close()
-            self._open("data_wait")
+            self._tracker.on_validation_end(trainer)
 
     # -- ends that are not a window's last step
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -454,25 +513,56 @@ class SelectiveProfiler(Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._finish(trainer, f"exception: {type(exception).__name__}: {str(exception)[:200]}")
+        if self._tracker is not None:  # leave the Trainer's profiler as it was, whatever follows the fault
+            self._tracker.detach()
+            self._tracker = None
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._finish(trainer, "teardown")
+        if self._tracker is not None:
+            self._tracker.detach()
+            self._tracker = None
+
+    # -- phases of the shared tracker -> lgh/ ranges, one open at a time. The fetch is also timed exactly: the
+    # summary's data wait is the stall detector's.
+    _RANGED = ("data_wait", "forward", "backward", "optimizer", "validation")
+
+    def phase_started(self, phase: str, step: int, t: float) -> None:
+        win = self._active
+        if win is None:
+            return
+        if phase == "data_wait":
+            win.fetch_t0 = t
+            if "forward" in win.open:  # training_step fetching for itself: its forward goes on
+                return
+        if phase in self._RANGED:  # zero_grad stays in lgh/forward, a checkpoint in what holds it
+            self._close()
+            self._open(phase)
+
+    def phase_ended(self, phase: str, step: int, t: float) -> None:
+        win = self._active
+        if win is None:
+            return
+        if phase == "data_wait" and win.fetch_t0 is not None:
+            win.fetch_ms[step] = win.fetch_ms.get(step, 0.0) + 1e3 * (t - win.fetch_t0)
+            win.fetch_t0 = None
+        # lgh/data_wait holds the host-to-device copy up to the forward, and lgh/forward the zero_grad up to the
+        # backward: those end when the next phase starts. The others end with their phase.
+        if phase in ("backward", "optimizer", "validation") and phase in win.open:
+            self._close()
 
     # -- internals
     def _begin_early(self, trainer: L.Trainer) -> None:
         """Step ``start - 1`` just finished: begin now, so the first step's data wait is inside the window."""
         if trainer.global_step > 0 and self._may_continue(trainer):
-            if self._begin(trainer, trainer.global_step) is not None:
-                self._open("data_wait")
+            self._begin(trainer, trainer.global_step)
 
     @staticmethod
     def _may_continue(trainer: L.Trainer) -> bool:
         """Whether another training batch follows the one that just ended."""
         if (trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step) or trainer.should_stop:
             return False
-        progress = getattr(trainer.fit_loop.epoch_loop, "batch_progress", None)
-        last_batch = getattr(progress, "is_last_batch", False) or (
-            progress is not None and progress.current.ready >= trainer.num_training_batches)
+        last_batch = is_last_training_batch(trainer)
         last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
         return not (last_batch and last_epoch)
 
@@ -528,6 +618,8 @@ class SelectiveProfiler(Callback):
         for b in win.backends:
             if isinstance(b, _TorchBackend):
                 b.note("lgh_steps", [win.first, last])  # the summary ignores a trailing marker without a batch
+                if win.fetch_ms:
+                    b.note("lgh_fetch_ms", {str(k): round(v, 6) for k, v in sorted(win.fetch_ms.items())})
         stem = f"rank{self._rank}_steps{win.first}" + (f"-{last}" if last != win.first else "")
         stem = self._unique(folder, stem, [b.suffix for b in win.backends if b.suffix])
         files: dict[str, str] = {}
@@ -554,6 +646,7 @@ class SelectiveProfiler(Callback):
                     loader = None
                 summary = summarize(load_trace(files["torch"]), context={"loader": loader})
                 summary["window_end"] = reason
+                log_to_loggers(trainer, window_metrics(summary))
                 for k, p in write_summary(summary, summary_paths(files["torch"])).items():
                     files[f"summary_{k}"] = str(p)
             except Exception as e:  # the trace is written; a failed analysis must not end the run
@@ -561,8 +654,9 @@ class SelectiveProfiler(Callback):
                               UserWarning, stacklevel=2)
         entry = {"window": str(win.window), "steps": [win.first, last], "files": files, "reason": reason}
         self.written.append(entry)
-        log.info("SelectiveProfiler: rank %d steps %d-%d (%s): %s", self._rank, win.first, last, reason,
-                 ", ".join(files.values()) or "no files (nsys capture only)")
+        # One line on stdout per window, on the rank that wrote it (rank_zero_info would hide other ranks' files).
+        print(f"SelectiveProfiler: rank {self._rank} steps {win.first}-{last} ({reason}): "
+              + (", ".join(files.values()) or "no files (nsys capture only)"), flush=True)
 
     @staticmethod
     def _unique(folder: Path, stem: str, suffixes: list[str]) -> str:
@@ -572,27 +666,3 @@ class SelectiveProfiler(Callback):
             n += 1
             candidate = f"{stem}_{n}"
         return candidate
-
-
-def demo_part(cfg: Any, hw: Any, out: Path) -> Any:
-    """The demo's profiling part: a SelectiveProfiler window of three early steps plus the DataStallDetector.
-
-    The window starts at step ``min(10, steps // 3)`` (after warm-up, away from validation);
-    ``LGH_PROFILE_START_STOP`` overrides it. Output goes to ``out/profiles``.
-    """
-    from lightning_gh.demo.run import Part
-    from lightning_gh.profiling.stall import DataStallDetector
-
-    total = int(cfg.steps)
-    start = max(0, min(10, total // 3))
-    stop = max(start, min(start + 2, total - 1))
-    backends = ("torch", "memory") if getattr(hw, "cuda_available", False) else ("torch",)
-    prof = SelectiveProfiler(steps=f"{start}-{stop}", ranks="0", backends=backends, output_dir=Path(out) / "profiles")
-    window = os.environ.get(ENV_VAR) or f"{start}-{stop}"
-    return Part(
-        name="SelectiveProfiler + DataStallDetector",
-        enabled=True,
-        reason=f"profiles optimizer steps {window} on rank 0 with {'+'.join(backends)} into {Path(out) / 'profiles'}; "
-               "warns when the loop waits for data more than 10% of the time",
-        callbacks=[prof, DataStallDetector()],
-    )

@@ -12,8 +12,11 @@ accumulation counts every micro-batch: each one waits for its own data.
 
 The share ``sum(wait) / sum(period)`` over the last ``window`` batches is logged as ``lgh/data_wait_frac``
 through the Trainer's loggers (at Lightning's ``log_every_n_steps`` cadence, without a GPU sync). When a full
-window exceeds ``threshold`` (default 10%), the detector warns once with advice built from the real DataLoader
-settings and the CPUs this process may use.
+window reaches ``threshold`` (default :data:`~lightning_gh.profiling.advice.DATA_WAIT_BOUND`), the detector warns
+once with advice built from the real DataLoader settings and the CPUs this process may use. The share and the
+threshold are the ones the trace summary uses for its ``input-bound`` verdict (:mod:`lightning_gh.profiling.advice`),
+so the two agree on the same run. The fetch is seen through the shared
+:class:`~lightning_gh.profiling.phases.StepPhaseTracker` (its ``data_wait`` phase).
 
 Example::
 
@@ -34,8 +37,10 @@ from typing import Any, Mapping
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from lightning_gh.profiling._actions import ProfilerActionWatcher, is_fetch
-from lightning_gh.profiling.summary import stall_advice
+from lightning_gh import compat, hardware
+from lightning_gh._lightning import log_to_loggers, should_update_logs
+from lightning_gh.profiling.advice import DATA_WAIT_BOUND, data_wait_share, is_input_bound, stall_advice
+from lightning_gh.profiling.phases import StepPhaseTracker
 
 __all__ = ["DataStallDetector", "DataStallWarning", "loader_info", "stall_advice", "METRIC"]
 
@@ -44,13 +49,6 @@ METRIC = "lgh/data_wait_frac"
 
 class DataStallWarning(UserWarning):
     """The training loop waits for its DataLoader for a material share of the time."""
-
-
-def _cpus_available() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _find_dataloader(obj: Any) -> Any:
@@ -76,7 +74,7 @@ def loader_info(trainer: L.Trainer) -> dict[str, Any]:
     (``LOCAL_WORLD_SIZE``, else the Trainer's devices): ranks on one node usually share the same cores.
     """
     dl = _find_dataloader(getattr(trainer, "train_dataloader", None))
-    cpus = _cpus_available()
+    cpus = hardware.cpus_available()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or getattr(trainer, "num_devices", 1) or 1)
     info: dict[str, Any] = {
         "found": dl is not None,
@@ -98,7 +96,8 @@ class DataStallDetector(Callback):
     """Measure on every training batch how long it waited for data; log the share and warn once when material.
 
     Args:
-        threshold: warn when ``sum(wait) / sum(wait + step)`` over a full window exceeds this share (0 < x < 1).
+        threshold: warn when ``sum(wait) / sum(wait + step)`` over a full window reaches this share (0 < x < 1);
+            the default is the summary's input-bound threshold, ``advice.DATA_WAIT_BOUND``.
         window: batches in the rolling window (>= 1).
         warmup: batches not counted at the start of every epoch (DataLoader workers start up), >= 0.
         log_metric: log ``lgh/data_wait_frac`` through ``trainer.loggers``.
@@ -114,7 +113,9 @@ class DataStallDetector(Callback):
         # DataStallWarning: the training loop waited for data 47.3% of the time over the last 50 batches ...
     """
 
-    def __init__(self, threshold: float = 0.10, window: int = 50, warmup: int = 5, log_metric: bool = True) -> None:
+    lgh_part = "DataStallDetector"
+
+    def __init__(self, threshold: float = DATA_WAIT_BOUND, window: int = 50, warmup: int = 5, log_metric: bool = True) -> None:
         if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 < threshold < 1:
             raise ValueError(f"DataStallDetector(threshold={threshold!r}): must be a share strictly between 0 and 1.")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -135,30 +136,31 @@ class DataStallDetector(Callback):
         self._fetch_t0: float | None = None
         self._fetched = 0.0
         self._saw_fetch = False
-        self._actions: ProfilerActionWatcher | None = None
+        self._tracker: StepPhaseTracker | None = None
         self._skip = warmup
 
-    # -- watching the fetch (Lightning reports it only to its profiler)
+    # -- watching the fetch (Lightning reports it only to its profiler; the phase tracker watches it)
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._actions = ProfilerActionWatcher(self._on_action_start, self._on_action_stop)
-            self._actions.attach(trainer.profiler)
+            compat.check(trainer, self.lgh_part)
+            self._tracker = StepPhaseTracker([self])
+            self._tracker.attach(trainer)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._actions is not None:
-            self._actions.detach()
-            self._actions = None
+        if self._tracker is not None:
+            self._tracker.detach()
+            self._tracker = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "fit")
 
-    def _on_action_start(self, action_name: str) -> None:
-        if is_fetch(action_name):
-            self._fetch_t0 = time.perf_counter()
+    def phase_started(self, phase: str, step: int, t: float) -> None:
+        if phase == "data_wait":
+            self._fetch_t0 = t
 
-    def _on_action_stop(self, action_name: str) -> None:
-        if self._fetch_t0 is not None and is_fetch(action_name):
-            self._fetched += time.perf_counter() - self._fetch_t0
+    def phase_ended(self, phase: str, step: int, t: float) -> None:
+        if phase == "data_wait" and self._fetch_t0 is not None:
+            self._fetched += t - self._fetch_t0
             self._fetch_t0 = None
             self._saw_fetch = True
 
@@ -190,13 +192,11 @@ class DataStallDetector(Callback):
             w, t = self._samples.popleft()
             self._sum_wait -= w
             self._sum_total -= t
-        frac = self._sum_wait / self._sum_total if self._sum_total > 0 else 0.0
+        frac = data_wait_share(self._sum_wait, self._sum_total)
         self.data_wait_frac = frac
-        if self.log_metric and trainer.loggers and _should_log(trainer):
-            step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
-            for logger in trainer.loggers:
-                logger.log_metrics({METRIC: frac}, step=step)
-        if not self.warned and len(self._samples) >= self.window and frac > self.threshold:
+        if self.log_metric and trainer.loggers and should_update_logs(trainer):
+            log_to_loggers(trainer, {METRIC: frac})
+        if not self.warned and len(self._samples) >= self.window and is_input_bound(frac, self.threshold):
             self.warned = True
             self._warn(trainer, frac)
 
@@ -232,10 +232,3 @@ class DataStallDetector(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.warned = bool(state_dict.get("warned", False))
 
-
-def _should_log(trainer: L.Trainer) -> bool:
-    connector = getattr(trainer, "_logger_connector", None)
-    flag = getattr(connector, "should_update_logs", None)
-    if isinstance(flag, bool):
-        return flag
-    return (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0

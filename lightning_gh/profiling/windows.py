@@ -24,7 +24,7 @@ __all__ = ["STEPS_GRAMMAR", "RANKS_GRAMMAR", "StepWindow", "StepSchedule", "Rank
 
 STEPS_GRAMMAR = (
     "comma-separated inclusive optimizer-step windows, each 'A-B' (A <= B) or a single step 'N', "
-    "non-negative and not overlapping, e.g. '10-14', '10-14,50-52', '7' or '10-14,30'"
+    "non-negative and not overlapping, e.g. '10-14', '10-14,50-52', '7' or '10-14,30' (an int N is step N)"
 )
 RANKS_GRAMMAR = (
     "'all', or comma-separated items each a global rank 'N', 'last' (the highest rank) or "
@@ -59,8 +59,13 @@ class StepSchedule:
         self._starts = [w.start for w in self.windows]
 
     @classmethod
-    def parse(cls, spec: str, argument: str = "steps") -> StepSchedule:
-        """Parse ``spec``; raise ``ValueError`` naming ``argument``, the bad part and the grammar."""
+    def parse(cls, spec: str | int, argument: str = "steps") -> StepSchedule:
+        """Parse ``spec``; raise ``ValueError`` naming ``argument``, the bad part and the grammar.
+
+        An int is that single step (``steps=7``, or ``steps: 3`` in a LightningCLI YAML, which arrives as an int).
+        """
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            spec = str(spec)
         if not isinstance(spec, str):
             raise ValueError(f"`{argument}` must be a string of {STEPS_GRAMMAR}; got {spec!r} ({type(spec).__name__}).")
         if not spec.strip():
@@ -85,7 +90,7 @@ class StepSchedule:
         return cls(tuple(windows))
 
     @classmethod
-    def resolve(cls, steps: str | None, env_var: str | None = None, argument: str = "steps") -> StepSchedule | None:
+    def resolve(cls, steps: str | int | None, env_var: str | None = None, argument: str = "steps") -> StepSchedule | None:
         """``steps`` unless the environment variable ``env_var`` is set (it wins); ``None`` means every step."""
         env = os.environ.get(env_var) if env_var else None
         if env is not None and env.strip():
@@ -121,6 +126,12 @@ class StepSchedule:
 
     def __repr__(self) -> str:
         return f"StepSchedule({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepSchedule) and self.windows == other.windows
+
+    def __hash__(self) -> int:
+        return hash(self.windows)
 
 
 @dataclass(frozen=True)

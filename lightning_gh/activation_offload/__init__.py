@@ -1,0 +1,55 @@
+"""Activation offload: saved activations to pinned host memory in the forward, back ahead of use in the backward.
+
+``ActivationOffload`` is the Lightning callback, ``offload_activations`` the same engine for plain PyTorch; both
+take one :class:`ActivationOffloadOptions`. Modules, one idea each: ``options`` (every option, validated once),
+``pool`` (reusable pinned host buffers under a host-memory guard), ``transport`` (side-stream copies and
+clocks), ``hooks`` (the saved-tensor pack/unpack hooks), ``blocks`` (finding the transformer blocks), ``policy``
+(the planner), ``recompute`` (recomputing what is not offloaded), ``stats``, ``engine`` and ``callback``.
+
+Example::
+
+    import lightning as L
+    from lightning_gh.activation_offload import ActivationOffload
+
+    trainer = L.Trainer(precision="bf16-mixed", callbacks=[ActivationOffload(policy="auto")])
+"""
+
+from lightning_gh._host import HostMemoryError
+from lightning_gh.activation_offload.blocks import find_blocks
+from lightning_gh.activation_offload.callback import ActivationOffload
+from lightning_gh.activation_offload.engine import ActivationOffloader, offload_activations
+from lightning_gh.activation_offload.options import ActivationOffloadOptions
+from lightning_gh.activation_offload.policy import (
+    BlockProfile,
+    OffloadPlan,
+    Prediction,
+    StepProfile,
+    plan_all,
+    plan_auto,
+    plan_first_k,
+    plan_with_recompute,
+    simulate,
+)
+from lightning_gh.activation_offload.pool import HostBufferPool
+from lightning_gh.activation_offload.stats import OffloadStats, TimelinePoint
+
+__all__ = [
+    "ActivationOffload",
+    "ActivationOffloadOptions",
+    "ActivationOffloader",
+    "BlockProfile",
+    "HostBufferPool",
+    "HostMemoryError",
+    "OffloadPlan",
+    "OffloadStats",
+    "Prediction",
+    "StepProfile",
+    "TimelinePoint",
+    "find_blocks",
+    "offload_activations",
+    "plan_all",
+    "plan_auto",
+    "plan_first_k",
+    "plan_with_recompute",
+    "simulate",
+]

@@ -1,0 +1,221 @@
+"""``ActivationOffload``: the activation-offload engine as a Lightning callback.
+
+The engine is entered when a training batch starts and left just before the backward
+(``on_before_backward``), so it sees exactly the training forward: validation, prediction and anything
+under ``torch.no_grad()`` are untouched, and each micro-batch of gradient accumulation is one offloaded
+forward/backward. Works under DDP (each rank offloads its own activations), with bf16/fp16 autocast and
+with activation checkpointing (it then offloads only what checkpointing still saves: the blocks' inputs).
+FSDP and ModelParallel strategies are refused at setup (see :func:`check_strategy`), and so are the parts
+it does not combine with (:mod:`lightning_gh.compat`). ``recompute=`` makes
+the blocks the plan does not offload recompute in the backward (see :mod:`lightning_gh.activation_offload.recompute`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Sequence
+
+import lightning as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from lightning_gh import compat
+from lightning_gh._lightning import log_to_loggers
+from lightning_gh.activation_offload.engine import ActivationOffloader
+from lightning_gh.activation_offload.options import MIB, ActivationOffloadOptions
+from lightning_gh.activation_offload.policy import OffloadPlan, Prediction
+
+__all__ = ["ActivationOffload", "check_strategy"]
+
+
+def check_strategy(strategy: Any) -> None:
+    """Raise ``MisconfigurationException`` for strategies the engine is not tested with: FSDP and
+    ModelParallel (FSDP2).
+
+    The engine tells parameters from activations by the storages the parameters have when a forward begins.
+    FSDP gathers each block's sharded weights during the forward into new storages, so the gathered weights
+    would be offloaded as activations, and FSDP may free that storage while a side-stream copy still reads it.
+    The callback calls this in ``setup``.
+
+    Args:
+        strategy: the trainer's strategy (``trainer.strategy``).
+
+    Example::
+
+        check_strategy(DDPStrategy())   # fine
+        check_strategy(FSDPStrategy())  # MisconfigurationException naming FSDPStrategy and what is supported
+    """
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        raise MisconfigurationException(
+            f"ActivationOffload does not support strategy {type(strategy).__name__} yet: FSDP gathers the sharded "
+            "weights during the forward, so the engine would offload the gathered weights as activations and FSDP "
+            "could free their memory while a copy still reads it. Supported: one device or DDP "
+            "(strategy='auto', 'ddp', 'ddp_spawn'). Remove ActivationOffload, or use activation checkpointing "
+            "with FSDP.")
+
+
+class ActivationOffload(L.Callback):
+    """Move saved activations of the transformer blocks to pinned host memory during the forward and
+    prefetch them back during the backward, overlapping both with compute on side streams.
+
+    Args:
+        policy, min_tensor_bytes, blocks, skip_last_blocks, prefetch_blocks, max_inflight_blocks, margin,
+        profile_steps, host_memory_fraction, backend, bandwidth_gbps, record_timeline, dedupe_casts,
+        recompute_param_casts, recompute, budget: the options, documented once in :class:`ActivationOffloadOptions`
+            (``profile_steps`` counts training batches here); they build ``options``.
+        options: all of them as one :class:`ActivationOffloadOptions` instead (then pass no other option).
+
+    Attributes:
+        options: the options in force.
+        engine: the :class:`ActivationOffloader`, from ``on_fit_start`` on.
+        plan: the plan the engine adopted last (restored from a checkpoint for ``"auto"``).
+
+    Example::
+
+        trainer = L.Trainer(precision="bf16-mixed", callbacks=[ActivationOffload(policy="auto")])
+        trainer.fit(model, datamodule)
+        print(trainer.callbacks[-1].plan.describe())
+    """
+
+    lgh_part = "ActivationOffload"
+
+    def __init__(
+        self,
+        policy: int | str = "auto",
+        min_tensor_bytes: int = MIB,
+        *,
+        blocks: str | Sequence[nn.Module] | None = None,
+        skip_last_blocks: int = 1,
+        prefetch_blocks: int = 1,
+        max_inflight_blocks: int | None = 2,
+        margin: float = 0.25,
+        profile_steps: int = 2,
+        host_memory_fraction: float = 0.5,
+        backend: str = "auto",
+        bandwidth_gbps: float | tuple[float, float] | None = None,
+        record_timeline: bool = False,
+        dedupe_casts: bool = True,
+        recompute_param_casts: bool = True,
+        recompute: str | None = None,
+        budget: str | int | float | None = None,
+        options: ActivationOffloadOptions | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = ActivationOffloadOptions.build(
+            options, "ActivationOffload", policy=policy, min_tensor_bytes=min_tensor_bytes, blocks=blocks,
+            skip_last_blocks=skip_last_blocks, prefetch_blocks=prefetch_blocks,
+            max_inflight_blocks=max_inflight_blocks, margin=margin, profile_steps=profile_steps,
+            host_memory_fraction=host_memory_fraction, backend=backend, bandwidth_gbps=bandwidth_gbps,
+            record_timeline=record_timeline, dedupe_casts=dedupe_casts,
+            recompute_param_casts=recompute_param_casts, recompute=recompute, budget=budget)
+        self.engine: ActivationOffloader | None = None
+        self.plan: OffloadPlan | None = None
+        self._restored: dict[str, Any] | None = None
+        self._logged = 0
+
+    @property
+    def policy(self) -> str | int:
+        return self.options.policy
+
+    @property
+    def budget(self) -> str | int | float | None:
+        return self.options.budget
+
+    @property
+    def recompute(self) -> str | None:
+        return self.options.recompute
+
+    @property
+    def blocks(self) -> str | Sequence[nn.Module] | None:
+        return self.options.blocks
+
+    @property
+    def record_timeline(self) -> bool:
+        return self.options.record_timeline
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(policy=self.policy)
+
+    # ------------------------------------------------------------------------------------- lifecycle
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            compat.check(trainer, self.lgh_part)
+            check_strategy(trainer.strategy)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.engine = ActivationOffloader(pl_module, options=self.options, on_plan=self._on_plan)
+        if self.engine.enabled and self._restored is not None and self.policy == "auto" \
+                and (self.budget is None) == (self._restored.get("policy") != "budget"):
+            self.engine.set_plan(_plan_from_dict(self._restored))
+        self._restored = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.engine is not None:
+            self.engine.end_forward()  # a previous batch that never reached backward
+            self.engine.begin_forward()
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+        if self.engine is not None:
+            self.engine.end_forward()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.engine is not None:
+            self.engine.end_backward()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.engine is not None:
+            self.engine.end_forward()
+            log = self.engine.budget_log
+            if len(log) > self._logged:
+                # The plan, its forecast and each correction round's measured peak, at this step, rank 0.
+                for entry in log[self._logged:]:
+                    log_to_loggers(trainer, entry)
+                self._logged = len(log)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self.engine is not None:
+            self.engine.end_forward()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.engine is not None and stage == "fit":
+            self.engine.close()
+
+    # -------------------------------------------------------------------------------------- the plan
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        e = self.engine
+        if e is not None and e.budget is not None and e.forecast is not None and e.achieved_bytes is not None:
+            rank_zero_info(f"ActivationOffload budget: target {e.budget_bytes / 2**30:.2f} GiB, predicted "
+                           f"{e.forecast.activation_bytes / 2**30:.2f} GiB at {e.forecast.ratio:.2f}x, achieved "
+                           f"{e.achieved_bytes / 2**30:.2f} GiB; plan: {e.forecast.describe_choices()}")
+
+    def _on_plan(self, plan: OffloadPlan) -> None:
+        self.plan = plan
+        rank_zero_info(f"ActivationOffload ({self.engine.blocks_name if self.engine else '?'}, "
+                       f"{len(plan.budgets)} blocks) {plan.describe()}")
+
+    def state_dict(self) -> dict[str, Any]:
+        # "auto" keeps its decision across a resume instead of measuring again.
+        if self.policy == "auto" and self.plan is not None and self.plan.policy in ("auto", "budget"):
+            return {"plan": asdict(self.plan)}
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict.get("plan")
+
+
+def _plan_from_dict(d: dict[str, Any]) -> OffloadPlan:
+    pred = d.get("prediction")
+    return OffloadPlan(
+        policy=d["policy"], budgets=tuple(d["budgets"]), release_at=tuple(d["release_at"]),
+        prefetch_at=tuple(d["prefetch_at"]), prediction=Prediction(**pred) if pred else None,
+        notes=tuple(d.get("notes", ())) + ("(restored from the checkpoint)",),
+        recompute=tuple(d.get("recompute", ())), recompute_mode=d.get("recompute_mode"),
+        modes=tuple(d.get("modes", ())))

@@ -1,0 +1,235 @@
+"""``GenerationCallback``: generate from fixed prompts during validation, with the offloaded KV cache.
+
+Where users of a training library meet a KV cache: samples and long-context evals at validation time. Every
+``every_n_steps`` optimizer steps, at the end of a validation epoch, global rank 0 generates greedily from the
+prompts, logs ``gen/tokens_per_s``, ``gen/seconds``, ``gen/new_tokens`` and the cache's GPU share to every logger,
+and appends the token ids (and texts, with a tokenizer) to ``generations.jsonl`` in the logger's folder. Other
+ranks do nothing: generation runs outside DDP's wrapper and has no collectives, so they simply wait for rank 0
+at the next synchronising step. The cache is built once and ``reset()`` before each generation, so its pinned
+host pool is allocated and page-locked once per fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_gh.kv.cache import OffloadedKVCache
+from lightning_gh.kv.options import KVOffloadOptions
+from lightning_gh.kv.spec import find_generator
+
+__all__ = ["GenerationCallback"]
+
+CACHES = ("offloaded", "dynamic")
+
+
+def _as_ids(prompts: Any) -> torch.Tensor | None:
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 1:
+            prompts = prompts.unsqueeze(0)
+        if prompts.dim() != 2 or prompts.numel() == 0 or prompts.is_floating_point():
+            raise ValueError(f"prompts must be token ids of shape (batch, length); got {prompts.dtype} "
+                             f"{tuple(prompts.shape)}.")
+        return prompts.long()
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(p, Sequence) and not isinstance(p, str) for p in prompts):
+        lengths = {len(p) for p in prompts}
+        if len(lengths) != 1 or 0 in lengths:
+            raise ValueError(f"prompts as lists of token ids must share one non-zero length; got lengths {sorted(lengths)}. "
+                             "Pass strings with a tokenizer for prompts of different lengths.")
+        return torch.tensor([list(p) for p in prompts], dtype=torch.long)
+    return None
+
+
+class GenerationCallback(L.Callback):
+    """Generate from ``prompts`` at the end of validation every ``every_n_steps`` optimizer steps (rank 0 only),
+    with :class:`~lightning_gh.kv.OffloadedKVCache`, and log speed and samples.
+
+    Args:
+        prompts: token ids ``(batch, length)`` (tensor or equal-length lists), or strings with ``tokenizer``.
+        every_n_steps: generate when at least this many optimizer steps passed since the last generation (the
+            first validation after training started always generates; the sanity check never does).
+        max_new_tokens: tokens to generate per prompt.
+        cache: ``"offloaded"`` (:class:`~lightning_gh.kv.OffloadedKVCache`, sized to prompt + new tokens) or
+            ``"dynamic"`` (the model's default cache; the reference to compare against).
+        options: :class:`~lightning_gh.kv.KVOffloadOptions` for the offloaded cache; ``max_length`` defaults to
+            prompt length + ``max_new_tokens``.
+        tokenizer: turns string prompts into ids (padded, with an attention mask) and the new ids into texts.
+        generate_fn: ``fn(pl_module, input_ids, cache, max_new_tokens) -> ids`` for models whose ``generate`` is
+            neither transformers' nor ``generate(input_ids, max_new_tokens, past_key_values)``.
+        filename: the JSON-lines file of samples, in the first logger's ``log_dir`` (else ``trainer.default_root_dir``);
+            ``None`` writes none.
+
+    Example::
+
+        prompts = torch.randint(32000, (8, 1024))
+        trainer = L.Trainer(val_check_interval=500, callbacks=[
+            lgh.GenerationCallback(prompts, every_n_steps=500, max_new_tokens=64,
+                                   options=lgh.KVOffloadOptions(resident_layers="auto"))])
+        trainer.fit(model, datamodule)   # metrics: gen/tokens_per_s, ...; samples: <log_dir>/generations.jsonl
+    """
+
+    def __init__(
+        self,
+        prompts: torch.Tensor | Sequence[Sequence[int]] | Sequence[str],
+        every_n_steps: int = 100,
+        max_new_tokens: int = 32,
+        *,
+        cache: str = "offloaded",
+        options: KVOffloadOptions | None = None,
+        tokenizer: Any = None,
+        generate_fn: Callable[..., torch.Tensor] | None = None,
+        filename: str | None = "generations.jsonl",
+    ) -> None:
+        super().__init__()
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps!r} must be an int >= 1.")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
+        if cache not in CACHES:
+            raise ValueError(f"cache={cache!r} is not known; choose one of {list(CACHES)}.")
+        if options is not None and not isinstance(options, KVOffloadOptions):
+            raise TypeError(f"options={type(options).__name__} must be a KVOffloadOptions.")
+        ids = _as_ids(prompts)
+        if ids is None:
+            if not (isinstance(prompts, Sequence) and prompts and all(isinstance(p, str) for p in prompts)):
+                raise ValueError("prompts must be token ids (batch, length), equal-length lists of ids, or a non-empty "
+                                 f"list of strings; got {type(prompts).__name__}.")
+            if tokenizer is None:
+                raise ValueError("prompts are strings, so a tokenizer is needed (tokenizer=None).")
+        self.prompts = prompts
+        self.every_n_steps = every_n_steps
+        self.max_new_tokens = max_new_tokens
+        self.cache = cache
+        self.options = options or KVOffloadOptions()
+        self.tokenizer = tokenizer
+        self.generate_fn = generate_fn
+        self.filename = filename
+        self._ids = ids
+        self._last_step: int | None = None
+        self._cache_obj: OffloadedKVCache | None = None
+        self._cache_key: tuple[Any, ...] | None = None
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, max_new_tokens=self.max_new_tokens)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_step": self._last_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_step = state_dict.get("last_step")
+
+    # ------------------------------------------------------------------------------------------ hooks
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        step = trainer.global_step
+        if self._last_step is not None and step < self._last_step + self.every_n_steps:
+            return
+        self._last_step = step
+        record = self.generate(pl_module)
+        record.update(step=step, epoch=trainer.current_epoch)
+        self.history.append(record)
+        metrics = {k: float(record[k]) for k in ("tokens_per_s", "seconds", "new_tokens") if record.get(k) is not None}
+        if record.get("gpu_kv_fraction") is not None:
+            metrics["gpu_kv_fraction"] = float(record["gpu_kv_fraction"])
+        metrics = {f"gen/{k}": v for k, v in metrics.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+            if record.get("texts") and hasattr(logger, "log_text"):
+                logger.log_text(key="gen/samples", columns=["step", "sample", "text"],
+                                data=[[step, i, t] for i, t in enumerate(record["texts"])])
+        self._write(trainer, record)
+        rank_zero_info(f"GenerationCallback step {step}: {record['new_tokens']} tokens in {record['seconds']:.2f} s "
+                       f"({record['tokens_per_s']:.1f} tokens/s, cache {self.cache})")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._cache_obj is not None:
+            self._cache_obj.close()
+            self._cache_obj, self._cache_key = None, None
+
+    # ------------------------------------------------------------------------------------- generation
+
+    def _inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._ids is not None:
+            return self._ids.to(device), None
+        enc = self.tokenizer(list(self.prompts), return_tensors="pt", padding=True)
+        mask = enc.get("attention_mask")
+        return enc["input_ids"].to(device), (mask.to(device) if mask is not None else None)
+
+    def _get_cache(self, pl_module: L.LightningModule, ids: torch.Tensor) -> OffloadedKVCache | None:
+        if self.cache == "dynamic":
+            return None
+        max_length = self.options.max_length or ids.shape[1] + self.max_new_tokens
+        key = (tuple(ids.shape), max_length, ids.device)
+        if self._cache_obj is None or self._cache_key != key:
+            if self._cache_obj is not None:
+                self._cache_obj.close()
+            self._cache_obj = OffloadedKVCache(pl_module, self.options.replace(max_length=max_length))
+            self._cache_key = key
+        else:
+            self._cache_obj.reset()
+        return self._cache_obj
+
+    @torch.inference_mode()
+    def generate(self, pl_module: L.LightningModule) -> dict[str, Any]:
+        """Generate once from the prompts now and return the record that would be logged (any rank may call it)."""
+        ids, mask = self._inputs(pl_module.device)
+        cache = self._get_cache(pl_module, ids)
+        sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda *a: None)
+        sync()
+        t0 = time.perf_counter()
+        if self.generate_fn is not None:
+            out = self.generate_fn(pl_module, ids, cache, self.max_new_tokens)
+        else:
+            target = find_generator(pl_module)
+            if hasattr(target, "generation_config"):  # transformers
+                kw: dict[str, Any] = dict(max_new_tokens=self.max_new_tokens, do_sample=False)
+                if cache is not None:
+                    kw["past_key_values"] = cache
+                if mask is not None:
+                    kw["attention_mask"] = mask
+                pad = getattr(self.tokenizer, "pad_token_id", None) if self.tokenizer is not None else None
+                if pad is None:
+                    pad = getattr(target.generation_config, "pad_token_id", None)
+                    if pad is None:
+                        pad = getattr(target.generation_config, "eos_token_id", None)
+                if pad is not None:
+                    kw["pad_token_id"] = pad
+                out = target.generate(ids, **kw)
+            else:
+                out = target.generate(ids, max_new_tokens=self.max_new_tokens, past_key_values=cache)
+        sync()
+        seconds = time.perf_counter() - t0
+        new = out[:, ids.shape[1]:]
+        record: dict[str, Any] = {
+            "seconds": seconds, "new_tokens": int(new.numel()),
+            "tokens_per_s": new.numel() / seconds if seconds > 0 else None,
+            "cache": self.cache, "ids": new.tolist(),
+            "gpu_kv_fraction": cache.plan.gpu_fraction if cache is not None and cache.plan is not None else None,
+            "plan": cache.describe() if cache is not None else "model default cache",
+        }
+        if self.tokenizer is not None and hasattr(self.tokenizer, "batch_decode"):
+            record["texts"] = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        return record
+
+    def _write(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
+        if self.filename is None:
+            return
+        folder = None
+        for logger in trainer.loggers:
+            folder = getattr(logger, "log_dir", None)
+            if folder:
+                break
+        folder = folder or trainer.default_root_dir
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, self.filename), "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,109 @@
+"""``fp8-auto``'s setup-time trial: time each candidate recipe on this model's own GEMM shapes, on this GPU.
+
+Which recipe is fastest depends on the GPU, the layer shapes and the backend releases installed, so instead of a
+fixed table ``fp8-auto`` measures, once, at setup: for every distinct ``(in_features, out_features)`` the layer filter
+would convert, one layer's forward + backward at ``tokens`` tokens, per candidate (bf16 as the yardstick), weighted
+by how many layers have that shape. torchao layers are timed compiled (as the plugin runs them: regional
+compilation or a compiled model); Transformer Engine layers under its autocast with the candidate's recipe. The sum
+is the fp8 GEMM time of one step in milliseconds: the choice is the smallest; ties (within 2%) keep the rule's order.
+
+Example::
+
+    timings = measure_gemm_shapes(model, ["fp8-te-delayed", "fp8-ao-tensorwise"], torch.device("cuda"))
+    # {"bf16": 31.2, "fp8-te-delayed": 19.8, "fp8-ao-tensorwise": 18.9}
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_gh.precision.layer_filter import LayerFilter
+from lightning_gh.precision.names import FP8_NAMES
+
+__all__ = ["gemm_shapes", "measure_gemm_shapes"]
+
+
+def gemm_shapes(model: nn.Module, layer_filter: LayerFilter) -> Counter:
+    """``{(in_features, out_features): count}`` of the layers the filter converts."""
+    plan = layer_filter.plan(model)
+    return Counter((d.in_features, d.out_features) for d in plan.decisions.values() if d.convert)
+
+
+def _time(step: Callable[[], Any], iters: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def _layer_step(name: str, k: int, n: int, tokens: int, device: torch.device) -> Callable[[], Any]:
+    """One layer's forward + backward for candidate ``name`` (or ``"bf16"``), on fresh bf16 inputs."""
+    x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    lin = nn.Linear(k, n, bias=False, device=device)
+    if name == "bf16":
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                lin(x).sum().backward()
+        return step
+    spec = FP8_NAMES[name]
+    if spec.backend == "ao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        model = convert_to_float8_training(nn.Sequential(lin), config=Float8LinearConfig.from_recipe_name(spec.recipe))
+        model.compile()
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(x).sum().backward()
+        return step
+    import transformer_engine.pytorch as te
+
+    from lightning_gh.precision.te import make_recipe, te_autocast
+
+    layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
+    recipe = make_recipe(spec.recipe)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16), te_autocast(recipe):
+            out = layer(x)
+        out.sum().backward()
+    return step
+
+
+def measure_gemm_shapes(model: nn.Module, candidates: list[str], device: torch.device,
+                        layer_filter: LayerFilter | None = None, tokens: int = 8192) -> dict[str, float]:
+    """Milliseconds of the converted layers' forward + backward per step, for bf16 and each candidate.
+
+    Args:
+        model: the model (before conversion).
+        candidates: fp8 precision names to time (``"fp8-te-delayed"``, ``"fp8-ao-tensorwise"``, ...).
+        device: the CUDA device the Trainer trains on.
+        layer_filter: which layers are converted (the plugin's filter).
+        tokens: tokens per step (batch x sequence) to time the GEMMs at.
+
+    Returns:
+        ``{"bf16": ms, candidate: ms, ...}``; a candidate that fails to run is left out.
+    """
+    shapes = gemm_shapes(model, layer_filter or LayerFilter())
+    out: dict[str, float] = {}
+    with torch.cuda.device(device):
+        for name in ["bf16", *candidates]:
+            try:
+                out[name] = sum(count * _time(_layer_step(name, k, n, tokens, device)) for (k, n), count in
+                                shapes.items())
+            except Exception:  # a backend that cannot run here is not a candidate
+                continue
+    return out

@@ -1,0 +1,217 @@
+"""Where each parameter's optimizer state lives: slots (one per parameter), host buckets and their flat buffers.
+
+A :class:`Slot` is one parameter; a :class:`Bucket` is a run of host-resident slots, consecutive in
+gradient-arrival order, whose fp32 master weights and gradients sit in two flat page-locked
+:class:`~lightning_gh._host.HostBuffer` s and whose moments sit in one flat host tensor: the unit of copy and
+CPU work. Slots not in a bucket form the GPU tail (their state on the GPU, see :mod:`.tail`).
+
+:class:`LayoutMixin` is the part of :class:`~lightning_gh.superoffload.HeterogeneousAdamW` that builds this
+layout and writes loaded state into it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from lightning_gh.superoffload import memory
+from lightning_gh.superoffload.memory import HostBuffer
+
+__all__ = ["Bucket", "LayoutMixin", "Slot", "chunk_by_size"]
+
+
+@dataclass
+class Slot:
+    """One parameter: where its state lives and, per step, whether its gradient arrived."""
+
+    index: int
+    param: torch.Tensor
+    group: int
+    numel: int
+    residency: Literal["host", "device"] = "host"
+    bucket: Bucket | None = None
+    offset: int = 0
+    step: torch.Tensor | None = None
+    # host residency: flat fp32 views into the bucket's buffers
+    master: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    # device residency (GPU tail): fp32 master copy only when the parameter itself is not fp32
+    dev_master: torch.Tensor | None = None
+    step_id: int = -1  # the step in which this slot's gradient last arrived
+
+
+@dataclass
+class Bucket:
+    """A run of host-resident parameters, consecutive in gradient-arrival order, updated as one task."""
+
+    index: int
+    slots: list[Slot]
+    numel: int
+    master_buf: HostBuffer | None = None
+    grad_buf: HostBuffer | None = None
+    moments: torch.Tensor | None = None
+    backup: torch.Tensor | None = None
+    backup_steps: dict[int, float] = field(default_factory=dict)
+    backup_fresh: bool = False  # the backup equals the current state (taken since the last update)
+    ready_t: float = 0.0  # when the worker last committed this bucket (perf_counter)
+    ready: threading.Event = field(default_factory=threading.Event)
+    step_id: int = -1
+    active: list[Slot] = field(default_factory=list)  # slots with a gradient in step `step_id`
+    arrived: int = 0
+    pushed: bool = False  # an H2D copy was issued for step `step_id`
+    stream_synced: int = -1  # last step whose H2D the compute stream already waits on
+    d2h_event: Any = None
+    h2d_event: Any = None
+    cpu_ms: float = 0.0  # exponential average of the worker's time on this bucket
+
+    def __post_init__(self) -> None:
+        self.ready.set()
+
+
+
+def chunk_by_size(slots: list[Slot], bucket_size: int) -> list[list[Slot]]:
+    """Consecutive runs of ``slots`` of at least ``bucket_size`` elements each (the last run may be smaller)."""
+    groups: list[list[Slot]] = []
+    chunk: list[Slot] = []
+    size = 0
+    for slot in slots:
+        chunk.append(slot)
+        size += slot.numel
+        if size >= bucket_size:
+            groups.append(chunk)
+            chunk, size = [], 0
+    if chunk:
+        groups.append(chunk)
+    return groups
+
+
+
+class LayoutMixin:
+    """Builds the slots' layout (host buckets and GPU-tail state) and writes loaded state into it."""
+
+    # Provided by HeterogeneousAdamW.
+    _slots: list[Slot]
+    _buckets: list[Bucket]
+    _pending_state: dict[int, dict[str, torch.Tensor]]
+    _cuda: bool
+
+    def _build_layout(self, arrival: list[int]) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise RuntimeError(
+                f"HeterogeneousAdamW in a process group of {torch.distributed.get_world_size()} ranks: data-parallel "
+                "training is not supported (its hooks see each rank's local gradients before DDP averages them, so "
+                "the ranks would drift apart). Use Trainer(strategy='superoffload', devices=1), or for several GPUs "
+                "with the optimizer state in host memory strategy='deepspeed_stage_2_offload' (ZeRO-Offload) or "
+                "FSDPStrategy(cpu_offload=True).")
+        seen: set[int] = set()
+        order = [i for i in arrival if not (i in seen or seen.add(i))]
+        order += [s.index for s in reversed(self._slots) if s.param.requires_grad and s.index not in seen]
+        total = sum(self._slots[i].numel for i in order)
+        frac = 0.0 if self.gpu_fraction == "auto" else float(self.gpu_fraction)
+        device_target = int(math.ceil(frac * total))
+        device_idx: set[int] = set()
+        acc = 0
+        for i in reversed(order):  # the last-arriving gradients form the tail
+            if acc >= device_target:
+                break
+            device_idx.add(i)
+            acc += self._slots[i].numel
+        self._order = order
+        host_order = [i for i in order if i not in device_idx]
+        host_numel = sum(self._slots[i].numel for i in host_order)
+        if self.host_memory_check:
+            self._plan = memory.check_host_memory(host_numel, self._backup_needed())
+        if self._cuda:
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._h2d_stream = torch.cuda.Stream(self.device)
+        for chunk in chunk_by_size([self._slots[i] for i in host_order], self.bucket_size):
+            self._new_bucket(chunk)
+        for i in sorted(device_idx):
+            self._make_device_slot(self._slots[i])
+        self._pending_state.clear()
+        self._layout_built = True
+        self._layout_step = self._step_id
+
+    def _new_bucket(self, slots: list[Slot]) -> None:
+        numel = sum(s.numel for s in slots)
+        b = Bucket(index=len(self._buckets), slots=list(slots), numel=numel)
+        b.master_buf = HostBuffer(numel, pin=self._cuda, zero=False)
+        b.grad_buf = HostBuffer(numel, pin=self._cuda, zero=False)
+        b.moments = torch.zeros(2 * numel, dtype=torch.float32)
+        if self._cuda:
+            b.d2h_event = torch.cuda.Event()
+            b.h2d_event = torch.cuda.Event()
+        off = 0
+        for s in slots:
+            s.bucket, s.offset, s.residency = b, off, "host"
+            s.master = b.master_buf.tensor[off:off + s.numel]
+            s.grad = b.grad_buf.tensor[off:off + s.numel]
+            s.exp_avg = b.moments[off:off + s.numel]
+            s.exp_avg_sq = b.moments[numel + off:numel + off + s.numel]
+            s.master.view(s.param.shape).copy_(s.param.detach())
+            s.step = torch.zeros((), dtype=torch.float32)
+            self._apply_pending(s)
+            s.dev_master = None
+            off += s.numel
+        self._buckets.append(b)
+
+    def _make_device_slot(self, s: Slot) -> None:
+        self._install_device_state(s, self._device_state(s, None))
+        self._apply_pending(s)
+
+    def _device_state(self, s: Slot, host_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor | None]:
+        """Allocate (and fill from ``host_state``) a parameter's GPU-tail state without touching the slot, so an
+        allocation that fails leaves the slot as it was."""
+        p = s.param
+        dev = p.device
+        st: dict[str, torch.Tensor | None] = {
+            "exp_avg": torch.zeros(p.shape, dtype=torch.float32, device=dev),
+            "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=dev),
+            "dev_master": None if p.dtype == torch.float32 else p.detach().to(torch.float32),
+            "step": torch.zeros((), dtype=torch.float32, device=dev),
+        }
+        if host_state is not None:
+            st["exp_avg"].copy_(host_state["exp_avg"].view(p.shape))
+            st["exp_avg_sq"].copy_(host_state["exp_avg_sq"].view(p.shape))
+            st["step"].copy_(host_state["step"])
+            if st["dev_master"] is not None:
+                st["dev_master"].copy_(host_state["master"].view(p.shape))
+        return st
+
+    @staticmethod
+    def _install_device_state(s: Slot, st: dict[str, torch.Tensor | None]) -> None:
+        s.residency, s.bucket = "device", None
+        s.exp_avg, s.exp_avg_sq, s.dev_master, s.step = st["exp_avg"], st["exp_avg_sq"], st["dev_master"], st["step"]
+        s.master = s.grad = None
+
+    def _apply_pending(self, s: Slot) -> None:
+        st = self._pending_state.get(s.index)
+        if st is None:
+            return
+        self._write_state(s, st)
+
+    def _write_state(self, s: Slot, st: dict[str, torch.Tensor]) -> None:
+        if s.residency == "host":
+            s.bucket.backup_fresh = False
+            s.exp_avg.copy_(st["exp_avg"].reshape(-1))
+            s.exp_avg_sq.copy_(st["exp_avg_sq"].reshape(-1))
+            if "master" in st:
+                s.master.copy_(st["master"].reshape(-1))
+            else:
+                s.master.view(s.param.shape).copy_(s.param.detach())
+        else:
+            s.exp_avg.copy_(st["exp_avg"].view(s.param.shape))
+            s.exp_avg_sq.copy_(st["exp_avg_sq"].view(s.param.shape))
+            if s.dev_master is not None:
+                if "master" in st:
+                    s.dev_master.copy_(st["master"].view(s.param.shape))
+                else:
+                    s.dev_master.copy_(s.param.detach())
+        s.step.copy_(st["step"].reshape(()))
+

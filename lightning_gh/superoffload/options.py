@@ -1,0 +1,171 @@
+"""SuperOffload's options: one frozen, validated dataclass shared by :class:`HeterogeneousAdamW` and
+:class:`SuperOffloadStrategy`, plus the checks of the optimizer-only arguments.
+
+The strategy and the optimizer take the same options under the same names; both build a
+:class:`SuperOffloadOptions` from their keyword arguments (or take one as ``options=``), so a bad value fails
+with the same message wherever it is given.
+
+Example::
+
+    >>> from lightning_gh.superoffload import SuperOffloadOptions
+    >>> opts = SuperOffloadOptions(gpu_fraction=0.25, speculative=False)
+    >>> opts.gpu_fraction, opts.needs_backup(validation=True)
+    (0.25, False)
+    >>> SuperOffloadOptions(speculative="no")
+    Traceback (most recent call last):
+    ...
+    ValueError: speculative='no' must be True or False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SuperOffloadOptions", "resolve_options", "validate_hyperparameters", "validate_options"]
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SuperOffloadOptions:
+    """The options SuperOffload's optimizer and strategy share.
+
+    Attributes:
+        gpu_fraction: share of the parameters (by count, taken from the last-arriving gradients) whose state
+            stays on the GPU and is updated there with fused AdamW; ``"auto"`` sizes this GPU tail from measured
+            stalls (all on the host at first). ``0.0`` saves the most GPU memory.
+        max_gpu_fraction: upper bound on the share of parameters the ``"auto"`` tail may keep on the GPU, or
+            ``None`` (bounded by free GPU memory only).
+        speculative: start CPU updates before the gradient norm is known and undo them exactly if the step
+            must be clipped or skipped.
+        skip_nonfinite: skip the whole step (no state change) when the gradient norm is inf/NaN.
+        cpu_threads: threads of the CPU update, or ``None`` (all CPUs this process may use but two with CUDA,
+            else torch's setting).
+        bucket_size: parameters per host bucket (the unit of copy and CPU work).
+        host_memory_check: refuse with a :class:`~lightning_gh._host.HostMemoryError` when host RAM cannot hold
+            the state.
+    """
+
+    gpu_fraction: float | str = "auto"
+    max_gpu_fraction: float | None = None
+    speculative: bool = True
+    skip_nonfinite: bool = True
+    cpu_threads: int | None = None
+    bucket_size: int = 1 << 24
+    host_memory_check: bool = True
+
+    def __post_init__(self) -> None:
+        gf = self.gpu_fraction
+        if not (gf == "auto" or (_is_number(gf) and 0.0 <= gf <= 1.0)):
+            raise ValueError(f"gpu_fraction={gf!r} must be a float in [0, 1] or 'auto'.")
+        mgf = self.max_gpu_fraction
+        if mgf is not None and not (_is_number(mgf) and 0.0 <= mgf <= 1.0):
+            raise ValueError(f"max_gpu_fraction={mgf!r} must be a float in [0, 1] or None.")
+        for name in ("speculative", "skip_nonfinite", "host_memory_check"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be True or False.")
+        if self.cpu_threads is not None and not (_is_count(self.cpu_threads) and self.cpu_threads >= 1):
+            raise ValueError(f"cpu_threads={self.cpu_threads!r} must be an int >= 1 or None.")
+        if not (_is_count(self.bucket_size) and self.bucket_size >= 1):
+            raise ValueError(f"bucket_size={self.bucket_size!r} must be a positive int (parameters per bucket).")
+        # Normalise numbers so equal options compare equal (0 and 0.0) and the optimizer does float math.
+        if gf != "auto":
+            object.__setattr__(self, "gpu_fraction", float(gf))
+        if mgf is not None:
+            object.__setattr__(self, "max_gpu_fraction", float(mgf))
+
+    def needs_backup(self, validation: bool) -> bool:
+        """Whether speculative updates keep an exact pre-step copy (only when the step may be clipped/skipped)."""
+        return self.speculative and validation
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as keyword arguments of :class:`HeterogeneousAdamW` / :class:`SuperOffloadStrategy`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+_DEFAULTS = SuperOffloadOptions()
+
+
+def resolve_options(options: SuperOffloadOptions | None, owner: str, **kwargs: Any) -> SuperOffloadOptions:
+    """The options from ``options=`` or from the keyword arguments, never a mix of both.
+
+    Args:
+        options: what the caller passed as ``options=``, or ``None``.
+        owner: the class taking them, for the message.
+        kwargs: the caller's option keyword arguments (the :class:`SuperOffloadOptions` fields).
+
+    A keyword argument left at its default cannot be told from one not given, so only keywords that differ from
+    :class:`SuperOffloadOptions`' defaults count as given next to ``options``.
+
+    Raises:
+        TypeError: ``options`` is not a :class:`SuperOffloadOptions`, or it and a keyword argument other than its
+            default are both given (as Python's own "got multiple values for argument").
+        ValueError: a bad value.
+    """
+    if options is None:
+        return SuperOffloadOptions(**kwargs)
+    if not isinstance(options, SuperOffloadOptions):
+        raise TypeError(f"{owner}(options=...) must be a SuperOffloadOptions, got {type(options).__name__}.")
+    given = {k: v for k, v in kwargs.items() if not _same(v, getattr(_DEFAULTS, k))}
+    if given:
+        names = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise TypeError(f"{owner} got both options= and {names}: pass the options in one place "
+                         f"(e.g. options=dataclasses.replace(options, {next(iter(given))}=...)).")
+    return options
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def validate_hyperparameters(where: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    """Check AdamW's hyper-parameters as ``torch.optim.AdamW`` does, naming where they come from.
+
+    Args:
+        where: ``""`` for the constructor's arguments, or ``"param_groups[i] "`` for a param group.
+    """
+    if not (_is_number(lr) and lr >= 0):
+        raise ValueError(f"{where}lr={lr!r} must be a float >= 0.")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"{where}betas={betas!r} must be a pair of floats in [0, 1).")
+    if not (_is_number(eps) and eps >= 0):
+        raise ValueError(f"{where}eps={eps!r} must be a float >= 0.")
+    if not (_is_number(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"{where}weight_decay={weight_decay!r} must be a float >= 0.")
+
+
+def validate_options(
+    *,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    gpu_fraction: float | str = "auto",
+    max_gpu_fraction: float | None = None,
+    max_grad_norm: float | None = None,
+    max_grad_value: float | None = None,
+    cpu_threads: int | None = None,
+    bucket_size: int = 1 << 24,
+    pipeline_trigger: str = "backward",
+) -> None:
+    """Check :class:`HeterogeneousAdamW`'s options. Raises ``ValueError`` naming the argument, the value and
+    what is allowed (the shared options through :class:`SuperOffloadOptions`, so every owner says the same)."""
+    validate_hyperparameters("", lr, betas, eps, weight_decay)
+    SuperOffloadOptions(gpu_fraction=gpu_fraction, max_gpu_fraction=max_gpu_fraction, cpu_threads=cpu_threads,
+                        bucket_size=bucket_size)
+    if max_grad_norm is not None and not (_is_number(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a float > 0 or None.")
+    if max_grad_value is not None and not (_is_number(max_grad_value) and max_grad_value > 0):
+        raise ValueError(f"max_grad_value={max_grad_value!r} must be a float > 0 or None.")
+    if pipeline_trigger not in ("backward", "closure"):
+        raise ValueError(f"pipeline_trigger={pipeline_trigger!r} must be 'backward' or 'closure'.")

@@ -1,0 +1,302 @@
+"""``Trainer(strategy="superoffload")``: run the LightningModule's own AdamW as a :class:`HeterogeneousAdamW`.
+
+The strategy is Lightning's single-device strategy plus four things:
+
+* ``setup_optimizers`` calls ``configure_optimizers`` as usual, then rebuilds every ``torch.optim.AdamW`` it
+  returns as a ``HeterogeneousAdamW`` with the same param groups and hyper-parameters, and re-points the
+  LR schedulers at it (they keep working: the optimizer reads the LR at every step);
+* ``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm" | "value")`` becomes the optimizer's
+  ``max_grad_norm`` / ``max_grad_value``. Lightning clips after backward, when the speculative CPU update
+  has already started on unclipped gradients, so the precision plugin's own clipping is turned off for
+  these optimizers and the optimizer clips (exactly, with rollback) itself;
+* under automatic optimization only the backward inside ``optimizer.step(closure)`` (the last micro-batch
+  of ``accumulate_grad_batches``) starts the offload pipeline; earlier micro-batches accumulate on the GPU;
+* checkpoints wait for in-flight CPU updates, and the optimizer state stays in host memory when a
+  checkpoint is restored (Lightning would otherwise move it to the GPU).
+
+Registered in Lightning's strategy registry as ``"superoffload"`` when this module is imported (``import
+lightning_gh`` does that).
+
+Precision: ``"bf16-true"`` keeps bf16 weights on the GPU (2 B/param) and the fp32 master weights on the host:
+classic mixed-precision training with an fp32 master copy. ``"bf16-mixed"`` keeps fp32 weights on the GPU
+(4 B/param; autocast casts per op) that equal the host master weights bitwise, so the run matches a plain
+``bf16-mixed`` run with ``torch.optim.AdamW(fused=True)``. ``"32-true"`` is the same with fp32 compute.
+
+Example::
+
+    import lightning as L
+    import lightning_gh  # registers "superoffload"
+
+    trainer = L.Trainer(strategy="superoffload", precision="bf16-true", gradient_clip_val=1.0, max_steps=1000)
+    trainer.fit(model, datamodule)            # model.configure_optimizers returns torch.optim.AdamW
+
+    # or with options:
+    trainer = L.Trainer(strategy=lightning_gh.SuperOffloadStrategy(gpu_fraction=0.0), precision="bf16-true")
+    opts = lightning_gh.superoffload.SuperOffloadOptions(gpu_fraction=0.0, speculative=False)
+    trainer = L.Trainer(strategy=lightning_gh.SuperOffloadStrategy(options=opts), precision="bf16-true")
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+from lightning_gh import _lightning, compat
+from lightning_gh.superoffload.optimizer import HeterogeneousAdamW
+from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options
+
+__all__ = ["SuperOffloadStrategy"]
+
+
+class SuperOffloadStrategy(SingleDeviceStrategy):
+    """Single-device Lightning strategy that trains with :class:`HeterogeneousAdamW`.
+
+    Args:
+        gpu_fraction: share of parameters kept on the GPU (see :class:`HeterogeneousAdamW`); ``"auto"`` sizes
+            the GPU tail from measured stalls.
+        speculative: start CPU updates before backward ends and undo them exactly when the step is clipped or
+            skipped.
+        skip_nonfinite: skip a step whose gradient norm is inf/NaN.
+        cpu_threads: threads of the CPU AdamW (default: all CPUs but two).
+        bucket_size: parameters per host bucket.
+        host_memory_check: refuse with a clear :class:`~lightning_gh._host.HostMemoryError` (a ``MemoryError``)
+            when host RAM cannot hold the state.
+        max_gpu_fraction: cap on the share of parameters the ``"auto"`` GPU tail may take (it is also bounded
+            by free GPU memory); ``None``: memory only.
+        options: the options above as one :class:`SuperOffloadOptions` (shared with
+            :class:`HeterogeneousAdamW`) instead of keyword arguments; giving both is an error.
+        device: the device; normally left to ``Trainer(accelerator=..., devices=1)``.
+        accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy``.
+
+    Example::
+
+        trainer = L.Trainer(strategy=SuperOffloadStrategy(gpu_fraction=0.0), precision="bf16-true",
+                            gradient_clip_val=1.0)
+    """
+
+    strategy_name = "superoffload"
+    lgh_part = "SuperOffload"
+
+    def __init__(
+        self,
+        gpu_fraction: float | str = "auto",
+        speculative: bool = True,
+        skip_nonfinite: bool = True,
+        cpu_threads: int | None = None,
+        bucket_size: int = 1 << 24,
+        host_memory_check: bool = True,
+        max_gpu_fraction: float | None = None,
+        device: str | torch.device | None = None,
+        accelerator: Any = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        options: SuperOffloadOptions | None = None,
+    ) -> None:
+        self.options = resolve_options(
+            options, "SuperOffloadStrategy", gpu_fraction=gpu_fraction, speculative=speculative,
+            skip_nonfinite=skip_nonfinite, cpu_threads=cpu_threads, bucket_size=bucket_size,
+            host_memory_check=host_memory_check, max_gpu_fraction=max_gpu_fraction)
+        super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._explicit_device = device is not None
+        self._parallel_devices: list[torch.device] | None = None
+        self._clip_installed = False
+        self._scaler_warned = False
+
+    # Lightning's accelerator connector fills `parallel_devices` on strategies that have the attribute; a
+    # single-device strategy picked by name would otherwise stay on its default device (the CPU).
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices is not None and len(devices) > 1:
+            raise ValueError(
+                f"SuperOffloadStrategy trains on one device, but Trainer asked for devices={len(devices)} "
+                f"({', '.join(map(str, devices))}). Data-parallel training with SuperOffload is not supported yet: "
+                "use devices=1, or for several GPUs with the optimizer state in host memory "
+                "strategy='deepspeed_stage_2_offload' (DeepSpeed ZeRO-Offload) or FSDPStrategy(cpu_offload=True).")
+        self._parallel_devices = devices
+        if devices and not self._explicit_device:
+            _lightning.set_root_device(self, devices[0])
+
+    # ------------------------------------------------------------------ optimizers
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        module = self.lightning_module
+        clip_val = trainer.gradient_clip_val
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm"
+        clip_kwargs: dict[str, Any] = {}
+        if clip_val:
+            clip_kwargs = {"max_grad_value": float(clip_val)} if algorithm == "value" else {"max_grad_norm": float(clip_val)}
+        trigger = "closure" if module.automatic_optimization else "backward"
+        converted = []
+        for opt in self.optimizers:
+            if isinstance(opt, HeterogeneousAdamW):
+                opt.pipeline_trigger = trigger
+                if opt._module is None:
+                    opt.attach(module)
+                for k, v in clip_kwargs.items():
+                    setattr(opt, k, v)
+                new = opt
+            elif isinstance(opt, torch.optim.AdamW):
+                new = HeterogeneousAdamW.from_optimizer(opt, module=module, pipeline_trigger=trigger,
+                                                        options=self.options, **clip_kwargs)
+                self._rebind_schedulers(opt, new)
+            else:
+                raise TypeError(_unsupported_optimizer_message(opt))
+            converted.append(new)
+        self.optimizers = converted
+
+    def _rebind_schedulers(self, old: torch.optim.Optimizer, new: HeterogeneousAdamW) -> None:
+        """Point every scheduler bound to ``old`` at ``new``, including the schedulers nested in a
+        ``SequentialLR`` or ``ChainedScheduler`` (their ``_schedulers``). The two optimizers share their
+        param-group dicts (see ``HeterogeneousAdamW.from_optimizer``), so a scheduler missed here still sets the
+        learning rate the new optimizer reads; rebinding keeps ``optimizer.step`` bookkeeping right too."""
+        seen: set[int] = set()
+
+        def rebind(sched: Any) -> None:
+            if id(sched) in seen:
+                return
+            seen.add(id(sched))
+            if getattr(sched, "optimizer", None) is old:
+                sched.optimizer = new
+                if hasattr(old.step, "_wrapped_by_lr_sched") and not hasattr(new.step, "_wrapped_by_lr_sched"):
+                    _mark_step_for_schedulers(new)
+            for inner in getattr(sched, "_schedulers", None) or ():
+                rebind(inner)
+
+        configs: list[LRSchedulerConfig] = self.lr_scheduler_configs
+        for cfg in configs:
+            rebind(cfg.scheduler)
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """The options as :class:`HeterogeneousAdamW` keyword arguments (kept for code that read them before 0.3)."""
+        return self.options.as_kwargs()
+
+    def setup(self, trainer: Any) -> None:
+        compat.check(trainer, self.lgh_part)
+        super().setup(trainer)
+        self._install_clipping()
+        self._check_precision_plugin()
+
+    def _check_precision_plugin(self) -> None:
+        """Warn once when a loss scaler is in use (``precision="16-mixed"``).
+
+        Lightning's ``MixedPrecision.optimizer_step`` runs the closure (forward and backward) *before* it calls
+        ``scaler.step(optimizer)``, so the backward never runs inside ``optimizer.step(closure)``: every gradient is
+        collected and updated in ``step()`` after backward, i.e. correct but with no CPU/backward overlap. This is
+        a warning, not an error, because the results are still right (the scaler unscales first and skips
+        non-finite steps)."""
+        plugin = self.precision_plugin
+        if self._scaler_warned or not isinstance(plugin, MixedPrecision) or getattr(plugin, "scaler", None) is None:
+            return
+        if not any(isinstance(o, HeterogeneousAdamW) for o in self.optimizers):
+            return
+        self._scaler_warned = True
+        rank_zero_warn(
+            f"SuperOffloadStrategy with precision={plugin.precision!r} (a GradScaler): Lightning runs backward before "
+            "optimizer.step(), so the CPU AdamW update cannot overlap the backward pass and each step ends waiting "
+            "for the whole CPU update (the math is unchanged). Use precision='bf16-mixed' or 'bf16-true', which "
+            "need no loss scaling, to get the overlap.", category=UserWarning)
+
+    def _install_clipping(self) -> None:
+        """Route Lightning's post-backward clipping of our optimizers to the optimizer itself."""
+        _lightning.route_clip_gradients(self.precision_plugin, _clip_gradients)
+
+    # ------------------------------------------------------------------ checkpoints and teardown
+    def _heterogeneous(self) -> list[HeterogeneousAdamW]:
+        return [o for o in self.optimizers if isinstance(o, HeterogeneousAdamW)]
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        for opt in self._heterogeneous():
+            opt.synchronize()  # the weights on the GPU must be the committed ones
+        return super().lightning_module_state_dict()
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # Lightning's default also moves the state to the GPU, which is what this strategy avoids.
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            opt.load_state_dict(state)
+
+    def teardown(self) -> None:
+        for opt in self._heterogeneous():
+            opt.close()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls,
+                description="Heterogeneous CPU/GPU AdamW (lightning_gh): optimizer state in host memory, "
+                            "CPU update overlapped with backward",
+            )
+
+
+def _unsupported_optimizer_message(opt: Any) -> str:
+    """Why ``opt`` cannot be offloaded, and what to use instead."""
+    name = type(opt).__name__
+    if isinstance(opt, torch.optim.Adam):
+        instead = ("torch.optim.Adam's weight decay is L2 (added to the gradient), not AdamW's decoupled decay: "
+                   "return torch.optim.AdamW (with weight_decay=0.0 it is the same update as Adam without decay)")
+    elif type(opt).__module__.startswith(("torchao", "deepspeed", "bitsandbytes")):
+        instead = (f"{name} already manages its own state placement; use it with strategy='auto' (or DeepSpeed's "
+                   f"own strategy), or return torch.optim.AdamW to let SuperOffload place the state")
+    else:
+        instead = (f"return torch.optim.AdamW (or a HeterogeneousAdamW), or keep {name} with strategy='auto' "
+                   f"(its state then stays on the GPU)")
+    return (f"SuperOffloadStrategy runs AdamW on the CPU; configure_optimizers returned {name}, which it cannot "
+            f"offload: {instead}.")
+
+
+def _clip_gradients(original: Any, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+    """The precision plugin's ``clip_gradients`` under this strategy: other optimizers clip as before; for a
+    :class:`HeterogeneousAdamW` the clip value becomes its ``max_grad_norm``, applied in its ``step()``."""
+    opt = _lightning.unwrap_optimizer(optimizer)
+    if not isinstance(opt, HeterogeneousAdamW):
+        if gradient_clip_algorithm is None:
+            return original(optimizer, clip_val)
+        return original(optimizer, clip_val, gradient_clip_algorithm)
+    algo = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"
+    if not clip_val or clip_val <= 0:
+        return None
+    if algo == "value":
+        if opt.max_grad_value != float(clip_val):
+            raise RuntimeError(
+                f"SuperOffloadStrategy: value clipping must be known before backward (the gradients are "
+                f"already on the host when Lightning clips); got clip value {clip_val} at step time but "
+                f"{opt.max_grad_value} at setup. Set Trainer(gradient_clip_val=..., "
+                f"gradient_clip_algorithm='value').")
+        return None
+    # norm clipping is decided in optimizer.step(), after this call, so a per-step value is honoured
+    opt.max_grad_norm = float(clip_val)
+    return None
+
+
+def _mark_step_for_schedulers(opt: HeterogeneousAdamW) -> None:
+    """Mirror what an LR scheduler does to its optimizer's ``step`` (it warns if ``step`` was not wrapped)."""
+    ref = weakref.ref(opt)
+    func = type(opt).step
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        o = ref()
+        o._opt_called = True  # type: ignore[union-attr]
+        return func(o, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = wrapper  # type: ignore[method-assign]
+
+
+SuperOffloadStrategy.register_strategies(StrategyRegistry)

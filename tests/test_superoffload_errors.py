@@ -1,0 +1,80 @@
+"""SuperOffload's guards: host RAM per rank, and clear errors for optimizers and strategies it cannot serve, each
+naming what was given and what to use instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gh import hardware
+from lightning_gh._host import HostMemoryError
+from lightning_gh.superoffload import HeterogeneousAdamW
+from lightning_gh.superoffload import memory
+from lightning_gh.superoffload.strategy import _unsupported_optimizer_message
+
+
+def test_host_memory_guard_checks_each_ranks_share(monkeypatch):
+    params = 10_000_000
+    need = params * memory.host_bytes_per_param(speculative_backup=True)
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: int(need / 0.9 * 1.5))
+    memory.check_host_memory(params, True, local_ranks=1)  # fits on its own
+    with pytest.raises(HostMemoryError, match=r"this rank's share: 1/2 of the host.*run fewer ranks per host"):
+        memory.check_host_memory(params, True, local_ranks=2)  # two ranks on the host do not
+    with pytest.raises(ValueError, match=r"local_ranks=0 must be an int >= 1 or None"):
+        memory.check_host_memory(params, True, local_ranks=0)
+
+
+def test_local_world_size_reads_the_launcher(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert memory.local_world_size() == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert memory.local_world_size() == 1  # no process group in this test
+
+
+def test_optimizer_guard_uses_the_local_world_size(monkeypatch):
+    model = nn.Linear(512, 512)
+    need = sum(p.numel() for p in model.parameters()) * memory.host_bytes_per_param(speculative_backup=True)
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: int(need / 0.9 * 3))
+    HeterogeneousAdamW(model.parameters(), module=model).close()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(HostMemoryError, match="1/8"):
+        HeterogeneousAdamW(model.parameters(), module=model)
+
+
+@pytest.mark.parametrize("attrs, kind", [
+    ({"device_mesh": None, "placements": ()}, "a DTensor"),
+    ({"_fsdp_flattened": True}, "an FSDP FlatParameter"),
+    ({"ds_id": 3}, "a DeepSpeed ZeRO-3 partitioned parameter"),
+])
+def test_sharded_parameters_are_refused_with_what_to_use(attrs, kind):
+    p = nn.Parameter(torch.zeros(4, 2))
+    for k, v in attrs.items():
+        setattr(p, k, v)
+    with pytest.raises(TypeError, match=rf"got {kind}.*of shape \(4, 2\).*FSDPStrategy\(cpu_offload=True\).*"
+                                        r"deepspeed_stage_3_offload.*strategy='superoffload', devices=1"):
+        HeterogeneousAdamW([p])
+
+
+def test_data_parallel_process_group_is_refused_with_what_to_use(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    model = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match=r"process group of 2 ranks.*deepspeed_stage_2_offload.*"
+                                           r"FSDPStrategy\(cpu_offload=True\)"):
+        HeterogeneousAdamW(model.parameters(), module=model)
+
+
+def test_unsupported_optimizers_name_the_alternative():
+    p = [nn.Parameter(torch.zeros(2))]
+    msg = _unsupported_optimizer_message(torch.optim.Adam(p, weight_decay=0.1))
+    assert "returned Adam" in msg and "decoupled" in msg and "torch.optim.AdamW" in msg
+    msg = _unsupported_optimizer_message(torch.optim.SGD(p, lr=0.1))
+    assert "returned SGD" in msg and "strategy='auto'" in msg
+
+
+def test_several_devices_name_the_alternatives():
+    import lightning as L
+
+    with pytest.raises(ValueError, match=r"devices=2.*use devices=1.*deepspeed_stage_2_offload.*cpu_offload=True"):
+        L.Trainer(accelerator="cpu", devices=2, strategy="superoffload")

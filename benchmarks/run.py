@@ -34,8 +34,9 @@ def suites() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--suite", required=True, choices=suites())
+    # No help until the suite's own options are added, so `--suite X --help` lists them too.
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    ap.add_argument("--suite", default=None, choices=suites(), help="the suite to run (required)")
     ap.add_argument("--preset", nargs="+", default=None, choices=sorted(PRESETS),
                     help="presets to run (default: the suite's own list)")
     ap.add_argument("--iters", type=int, default=30, help="timed steps per variant")
@@ -43,10 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None, help="folder for the JSON (default: $OUT or bench_out/)")
     known, _ = ap.parse_known_args(argv)
-    suite = importlib.import_module(f"suites.{known.suite}")
-    if hasattr(suite, "add_arguments"):
-        suite.add_arguments(ap)
+    if known.suite is not None:
+        suite = importlib.import_module(f"suites.{known.suite}")
+        if hasattr(suite, "add_arguments"):
+            suite.add_arguments(ap)
+    ap.add_argument("-h", "--help", action="help", help="show this help (with --suite X: that suite's options too)")
     args = ap.parse_args(argv)
+    if args.suite is None:
+        ap.error("the following arguments are required: --suite")
     if args.iters <= 0 or args.warmup < 0:
         ap.error(f"--iters={args.iters} must be > 0 and --warmup={args.warmup} >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from lightning_gh.activation_offload import ActivationOffload, ActivationOffloadOptions, offload_activations
     from lightning_gh.graphs import CUDAGraphCapture, GraphCaptureError, GraphReport
     from lightning_gh.hardware import HardwareInfo
+    from lightning_gh.kv import GenerationCallback, KVOffloadOptions, OffloadedKVCache
     from lightning_gh.precision import (Float8Options, Float8Precision, FP8UnavailableError, LayerFilter,
                                         export_bf16_state_dict, list_precisions, precision)
     from lightning_gh.profiling.nvtx import NVTXRangeCallback
@@ -55,6 +56,9 @@ _WHERE: dict[str, str] = {
     "SuperOffloadOptions": "lightning_gh.superoffload",
     "SuperOffloadStrategy": "lightning_gh.superoffload",
     "HostMemoryError": "lightning_gh._host",
+    "GenerationCallback": "lightning_gh.kv",
+    "KVOffloadOptions": "lightning_gh.kv",
+    "OffloadedKVCache": "lightning_gh.kv",
     "ManagedMemoryError": "lightning_gh.unified",
     "ManagedMemoryOptions": "lightning_gh.unified",
     "ManagedMemoryUnavailable": "lightning_gh.unified",

@@ -34,7 +34,7 @@ PARTS: tuple[str, ...] = (
     "fp8",
     "ActivationOffload",
     "SuperOffload",
-    "OffloadedKVCache",
+    "GenerationCallback",
     "ManagedOptimizerState",
 )
 

@@ -101,7 +101,7 @@ def test_plan_prefers_offload_on_a_fast_link():
 def test_impossible_budget_names_the_floor():
     bp = _profile()
     floor = plan_floor(bp, 50.0, 50.0)
-    with pytest.raises(ValueError, match=rf"floor of full recompute plus offload, {floor.activation_bytes / GIB:.2f} GiB"):
+    with pytest.raises(ValueError, match=rf"floor of full recompute plus offload, {floor.activation_bytes / GIB:.2f} GiB "):
         plan_budget(bp, floor.activation_bytes - MIB, 50.0, 50.0)
 
 
@@ -171,10 +171,10 @@ class HFModule(L.LightningModule):
 
 def _data(n=12, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.DataLoader(torch.randint(0, 128, (n, 32), generator=g), batch_size=2)
+    return torch.utils.data.DataLoader(torch.randint(0, 128, (n, 24), generator=g), batch_size=2)
 
 
-def _fit(module, callbacks, steps=10):
+def _fit(module, callbacks, steps=9):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, precision="32-true", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks, deterministic=True)
@@ -199,7 +199,7 @@ def test_hf_budget_plan_mixes_recompute_and_offload_losses_bitwise():
 def test_hf_budget_plain_offload_activations_loop():
     module = HFModule()
     model = module.model
-    off = offload_activations(model, budget="24KiB", backend="host-copy", min_tensor_bytes=1, profile_steps=1)
+    off = offload_activations(model, budget=0.6, backend="host-copy", min_tensor_bytes=1, profile_steps=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for batch in list(_data(16)):
         with off:
@@ -208,9 +208,8 @@ def test_hf_budget_plain_offload_activations_loop():
         off.end_backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    if off.plain_activation_bytes <= 24 * 1024:
-        pytest.skip("tiny model needs less than the budget")
-    assert off.plan.policy == "budget" and off.forecast.activation_bytes <= 24 * 1024
+    assert off.plan.policy == "budget" and off.forecast.activation_bytes <= off.budget_bytes
+    assert off.budget_bytes == int(0.6 * off.plain_activation_bytes) and off.achieved_bytes is not None
 
 
 def test_hf_budget_above_need_is_a_noop(caplog):

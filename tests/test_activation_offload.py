@@ -548,9 +548,9 @@ def _fit(callbacks, steps=3, accumulate=1, val=0, devices=1, **kw):
     model = LlamaLM.from_preset("tiny", overrides=dict(n_layers=3), lr=3e-3)
     dm = MarkovDataModule.for_model(model)
     trainer = L.Trainer(accelerator="cpu", devices=devices, max_steps=steps, accumulate_grad_batches=accumulate,
-                        limit_val_batches=val, val_check_interval=2 if val else None, logger=False,
+                        limit_val_batches=val, val_check_interval=2 if val else None,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=callbacks, **kw)
+                        callbacks=callbacks, **{"logger": False, **kw})
     trainer.fit(model, dm)
     return model, trainer
 
@@ -691,3 +691,18 @@ def test_gpu_skips_cpu_tensors_and_auto_decides():
         out.backward()
     assert off.stats.skipped.get("other-device", 0) > 0
     assert off.plan is not None and off.plan.prediction is not None
+
+
+def test_plan_and_saved_memory_reach_the_users_logger(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = ActivationOffload(policy="all", **CPU)
+    _fit([cb], steps=3, logger=CSVLogger(tmp_path, name="", version="logs"), log_every_n_steps=1)
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "metrics.csv")))
+    moved = [float(r["lgh/activation_offload/offloaded_bytes"]) for r in rows
+             if r.get("lgh/activation_offload/offloaded_bytes")]
+    assert moved and all(b > 0 for b in moved)
+    assert all(float(r["lgh/activation_offload/offloaded_blocks"]) >= 1 for r in rows
+               if r.get("lgh/activation_offload/offloaded_blocks"))

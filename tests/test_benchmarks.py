@@ -39,3 +39,12 @@ def test_ratios_are_against_the_first_variant_even_when_it_failed():
           Result("s", "large", "fp8", t(50.0)), Result("s", "small", "plain", t(10.0)), Result("s", "small", "x", t(5.0))]
     add_ratios(rs)
     assert [r.extra["speedup_vs_first"] for r in rs] == [None, None, None, 1.0, 2.0]
+
+
+def test_suite_help_lists_the_suites_own_options():
+    proc = subprocess.run([sys.executable, "benchmarks/run.py", "--suite", "kv", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--iters" in proc.stdout and "--resident" in proc.stdout, proc.stderr[-2000:]
+    missing = subprocess.run([sys.executable, "benchmarks/run.py"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode == 2 and "required: --suite" in missing.stderr

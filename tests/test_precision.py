@@ -393,3 +393,14 @@ def test_old_registry_paths_still_work_with_a_deprecation_warning():
                       ("is_compiled", is_compiled), ("export_bf16_state_dict", export_bf16_state_dict)):
         with pytest.warns(DeprecationWarning, match=rf"registry.{name} moved to"):
             assert getattr(registry, name) is new
+
+
+def test_lgh_precision_stays_callable_once_the_package_is_imported():
+    # Importing the subpackage binds lightning_gh.precision to it, shadowing the lazily exported function.
+    import lightning_gh as lgh
+    import lightning_gh.precision  # noqa: F401
+
+    plugin = lgh.precision("32-true")
+    assert type(plugin).__name__ == "Precision"
+    with pytest.raises(ValueError, match="precision name='nope' is not known"):
+        lgh.precision("nope")

@@ -214,8 +214,9 @@ def test_a_stop_decided_after_our_hook_names_the_steps_that_ran(tmp_path):
     assert entry["steps"] == [2, 3] and entry["reason"] == "end of training"
     assert Path(entry["files"]["torch"]).name == "rank0_steps2-3.pt.trace.json.gz"
     steps, phases = _steps_and_phases(entry["files"]["torch"])
-    # The marker of step 4 was opened before the stop was known; it holds no batch, only the data wait.
-    assert steps == [2, 3, 4] and phases[4] == ["data_wait"]
+    # The marker of step 4 was opened before the stop was known; it holds no batch and no fetch (lgh/data_wait is
+    # the tracker's fetch, and Lightning fetches nothing once should_stop is set).
+    assert steps == [2, 3, 4] and phases[4] == []
     assert [r["step"] for r in summarize_trace(entry["files"]["torch"], write=False)["steps"]] == [2, 3]
 
 
@@ -353,3 +354,85 @@ def test_window_verdict_is_logged_through_the_loggers(tmp_path, monkeypatch):
     assert len(rows) == 1
     assert 0.0 <= float(rows[0]["lgh/profile_data_wait_frac"]) < 1.0
     assert float(rows[0]["lgh/profile_step_time_ms"]) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the shared step-phase tracker (issue 12 item 6): the phases SelectiveProfiler, NVTXRangeCallback and
+# DataStallDetector all map onto their own ranges
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def phase_started(self, phase, step, t):
+        self.events.append(f"+{phase}")
+
+    def phase_ended(self, phase, step, t):
+        self.events.append(f"-{phase}")
+
+
+def _one_batch(tracker, manual: bool = False) -> None:
+    t = None
+    tracker.on_train_batch_start(t)
+    if manual:  # training_step runs backward and the optimizer itself
+        tracker.on_before_backward(t)
+        tracker.on_after_backward(t)
+        tracker.on_before_optimizer_step(t)
+        tracker._on_optimizer_step_end(None, (), {})  # the post-hook of a watched optimizer
+        tracker.on_before_zero_grad(t)
+    else:
+        tracker.on_before_zero_grad(t)
+        tracker.on_before_backward(t)
+        tracker.on_after_backward(t)
+        tracker.on_before_optimizer_step(t)
+    tracker.on_train_batch_end(t)
+
+
+def test_tracker_phases_with_automatic_optimization():
+    from lightning_gh.profiling.phases import StepPhaseTracker
+
+    rec = _Recorder()
+    _one_batch(StepPhaseTracker([rec]))
+    assert rec.events == ["+forward", "-forward", "+zero_grad", "-zero_grad", "+backward", "-backward", "+optimizer",
+                          "-optimizer"]
+
+
+def test_tracker_nests_the_optimizer_phases_in_forward_with_manual_optimization():
+    from lightning_gh.profiling.phases import StepPhaseTracker
+
+    rec = _Recorder()
+    _one_batch(StepPhaseTracker([rec], automatic=False), manual=True)
+    assert rec.events == ["+forward", "+backward", "-backward", "+optimizer", "-optimizer", "+zero_grad", "-zero_grad",
+                          "-forward"]
+
+
+def test_tracker_ends_the_optimizer_phase_when_the_step_returns():
+    from lightning_gh.profiling.phases import StepPhaseTracker
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    rec = _Recorder()
+    tracker = StepPhaseTracker([rec])
+    tracker.watch_optimizers([opt])
+    tracker.on_before_optimizer_step(None)
+    p.grad = torch.ones(2)
+    opt.step()
+    assert rec.events == ["+optimizer", "-optimizer"] and tracker.phase is None
+    tracker.on_train_batch_end(None)  # nothing left to close
+    assert rec.events == ["+optimizer", "-optimizer"]
+    tracker.detach()  # removes the optimizer hook
+    tracker.on_before_optimizer_step(None)
+    opt.step()
+    assert tracker.phase == "optimizer"
+
+
+def test_every_part_listens_to_the_one_tracker():
+    """No part keeps its own phase hooks: each forwards Lightning's hooks to a StepPhaseTracker and implements only
+    the listener side (issue 12 item 6)."""
+    from lightning_gh.profiling import DataStallDetector, NVTXRangeCallback
+    from lightning_gh.profiling.phases import StepPhaseTracker
+
+    for part in (SelectiveProfiler(steps="1", summary=False), NVTXRangeCallback(), DataStallDetector()):
+        assert callable(getattr(part, "phase_started")) and callable(getattr(part, "phase_ended"))
+    assert isinstance(NVTXRangeCallback()._phases, StepPhaseTracker)

@@ -89,7 +89,8 @@ def fit(strategy, tmp_path, max_steps=10, ckpt_path=None, scheduler="lambda", **
 
 def test_registered_by_name():
     assert "superoffload" in StrategyRegistry
-    assert StrategyRegistry["superoffload"]["strategy"] is SuperOffloadStrategy
+    # the entry may be the class or a lazy factory (lightning_gh/_strategies.py): either builds our strategy
+    assert isinstance(StrategyRegistry.get("superoffload"), SuperOffloadStrategy)
 
 
 def test_import_lightning_gh_registers_the_strategy():
@@ -250,3 +251,34 @@ def test_torch_scheduler_internals_the_strategy_relies_on():
     chained = lr_sched.ChainedScheduler([lr_sched.ConstantLR(opt)], optimizer=opt)
     assert len(seq._schedulers) == 2 and len(chained._schedulers) == 1
     assert getattr(opt.step, "_wrapped_by_lr_sched", False)
+
+
+def test_cpu_run_says_it_steps_aside_and_bf16_checkpoint_names_its_masters(tmp_path):
+    """On the CPU the strategy says once that nothing is offloaded; a checkpoint of bf16 weights says where their
+    fp32 masters are (a plain Trainer never runs our code when it loads the file, so the save is the moment)."""
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    with pytest.warns(UserWarning) as record:
+        fit(SuperOffloadStrategy(gpu_fraction=0.0), tmp_path, max_steps=4, precision="bf16-true",
+            callbacks=[ckpt_cb], enable_checkpointing=True)
+    texts = [str(w.message) for w in record]
+    assert sum("there is no GPU memory to relieve" in t for t in texts) == 1
+    saved = [t for t in texts if "fp32 master copies are in its optimizer state" in t]
+    assert len(saved) == 1 and "strategy='superoffload'" in saved[0]
+    meta = torch.load(tmp_path / "ckpt" / "step=2.ckpt", weights_only=False)["lightning_gh"]
+    assert meta == {"superoffload": {"fp32_master_in_optimizer_state": True}}
+
+
+def test_stats_reach_the_users_logger(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    model = TinyLM()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="superoffload", max_steps=4, log_every_n_steps=1,
+                        logger=CSVLogger(tmp_path, name="", version="logs"), enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False)
+    trainer.fit(model, OrderedData.for_model(model, num_train_samples=32))
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "metrics.csv")))
+    logged = {k for r in rows for k, v in r.items() if v}
+    assert {"lgh/superoffload/cpu_update_ms", "lgh/superoffload/host_bytes_per_step",
+            "lgh/superoffload/gpu_tail_frac"} <= logged, logged

@@ -10,6 +10,15 @@ from `on_train_batch_start` to `on_train_batch_end`:
                                           for forward and backward; loss, optimizer and Lightning stay eager)
   lightning + compile + CUDAGraphCapture  the decoder under torch.compile (default mode), the whole step captured
 
+With ``--hf mistral llama qwen2`` the suite runs Hugging Face ``transformers`` decoders instead (issue 17 item 11a):
+a plain LightningModule around ``<Family>ForCausalLM`` (random init, default config options: ``use_cache=True``,
+sdpa attention), hidden 512, 6 layers, 8 heads (4 KV heads), FFN 1408, vocab 32000, batch 4 x 128 tokens,
+``bf16-mixed``, ``AdamW(fused=True)``, ``self.log("train/loss", loss)``; per family ``hf eager`` against
+``hf + CUDAGraphCapture`` and ``hf eager use_cache=False`` (what a user gets by turning the cache off by hand;
+preset name ``hf-<family>``), and ``hf-llama-item``: the same Llama with a ``loss.item()``
+in ``training_step``, where the callback declines at its rehearsal, to measure what a declined callback costs
+(goal 1.00x). ``loss_max_rel_diff`` compares every step's loss with the eager run's.
+
 Anchors (../shared/gpu/README.md, H200): plain Lightning step of a 6-layer d=512 GPT 6.79 ms; a hand-written
 whole-step CUDA graph of a similar GPT 2.37 ms. Goal: >= 2.5x over `lightning eager`, and at least as fast as
 `lightning + compile reduce-overhead`. `loss_last` (the last step's logged loss, same seed and data for every
@@ -62,7 +71,120 @@ def _variants(cfg, ctx: BenchContext):
     ]
 
 
+HF_FAMILIES = ("mistral", "llama", "qwen2")
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--hf", nargs="+", default=None, choices=HF_FAMILIES,
+                    help="run transformers decoders of these families instead of the demo presets")
+
+
+def _hf_config(family: str):
+    import transformers
+
+    kw = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
+              num_key_value_heads=4, max_position_embeddings=512)
+    cls = {"mistral": transformers.MistralConfig, "llama": transformers.LlamaConfig,
+           "qwen2": transformers.Qwen2Config}[family]
+    return cls(**kw)
+
+
+def _hf_module(family: str, item_in_step: bool = False, use_cache: bool = True):
+    import lightning as L
+    import transformers
+
+    class HFDecoder(L.LightningModule):
+        """What a user writes around a transformers decoder: no change for any lightning_gh part."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            name = {"mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
+            self.model = getattr(transformers, name)(_hf_config(family))
+            self.model.config.use_cache = use_cache
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = self.model(input_ids=ids, labels=ids).loss
+            if item_in_step:
+                self.seen = loss.item()  # a host sync: CUDAGraphCapture must decline and then cost nothing
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+    return HFDecoder()
+
+
+def _hf_run(ctx: BenchContext) -> list[Result]:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class LossTrace(L.Callback):
+        """Every step's loss, kept on the device (no sync during the timed steps)."""
+
+        def __init__(self) -> None:
+            self.losses: list[torch.Tensor] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].detach().float().clone())
+
+    class Tokens(L.LightningDataModule):
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            n = (ctx.warmup + ctx.iters + 2) * 4
+            return DataLoader(TensorDataset(torch.randint(0, 32000, (n, 128), generator=g)), batch_size=4,
+                              pin_memory=ctx.cuda)
+
+    results: list[Result] = []
+    plan = [(f"hf-{f}", f, False) for f in ctx.args.hf]
+    if "llama" in ctx.args.hf:
+        plan.append(("hf-llama-item", "llama", True))
+    for preset_name, family, item in plan:
+        base_losses = None
+        variants = [("hf eager", lambda: [], True), ("hf + CUDAGraphCapture", lambda: [CUDAGraphCapture()], True)]
+        if not item:  # what a user can have without us: the same eager run with config.use_cache=False
+            variants.append(("hf eager use_cache=False", lambda: [], False))
+        for variant, callbacks, use_cache in variants:
+            r = Result(ctx.suite, preset_name, variant, None, 4 * 128, 0.0)
+            reset_memory(ctx.device)
+            try:
+                cbs, trace = callbacks(), LossTrace()
+                r.timing, trainer = lightning_steps(_hf_module(family, item, use_cache), ctx,
+                                                    callbacks=[*cbs, trace], datamodule=Tokens())
+                r.peak_mem_bytes = peak_memory(ctx.device)
+                losses = torch.stack(trace.losses).cpu()
+                r.extra["loss_last"] = round(float(losses[-1]), 6)
+                if base_losses is None:
+                    base_losses = losses
+                else:
+                    rel = ((losses - base_losses).abs() / base_losses.abs()).max()
+                    r.extra["loss_max_rel_diff"] = float(rel)
+                    r.extra["loss_bitwise_equal"] = bool(torch.equal(losses, base_losses))
+                for cb in cbs:
+                    rep = cb.report
+                    r.extra.update(graph_state=rep.state, graph_replayed=rep.replayed_steps,
+                                   graph_eager=rep.eager_steps, graph_reason=rep.reason)
+                trainer = None
+            except Exception as e:  # a failing variant is a result, not a crash of the suite
+                r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                traceback.print_exc()
+            results.append(r)
+            reset_memory(ctx.device)
+        rows = {r.variant: r for r in results if r.preset == preset_name}
+        e, g = rows["hf eager"].median_ms, rows["hf + CUDAGraphCapture"].median_ms
+        if e and g:
+            gx = rows["hf + CUDAGraphCapture"].extra
+            print(f"[graphs/{preset_name}] eager {e:.3f} ms, CUDAGraphCapture {g:.3f} ms: {e / g:.2f}x "
+                  f"(state {gx.get('graph_state')}, loss max rel diff {gx.get('loss_max_rel_diff')}, "
+                  f"bitwise {gx.get('loss_bitwise_equal')}; reason {gx.get('graph_reason')})", flush=True)
+    return results
+
+
 def run(ctx: BenchContext) -> list[Result]:
+    if getattr(ctx.args, "hf", None):
+        return _hf_run(ctx)
     results = []
     for name in ctx.presets:
         cfg = preset(name)

@@ -198,8 +198,8 @@ def run(ctx: BenchContext) -> list[Result]:
     variants: list[tuple[str, Callable[..., torch.Tensor], bool]] = [
         ("GPU-only DynamicCache", lambda max_new=new: generate(max_new), False)]
     if not getattr(ctx.args, "no_hf_offloaded", False):
-        variants.append(("transformers offloaded", lambda max_new=new: generate(max_new, cache_implementation="offloaded"),
-                         True))
+        variants.append(("transformers offloaded",
+                         lambda max_new=new: generate(max_new, cache_implementation="offloaded"), True))
     for share in ctx.args.resident if ctx.args is not None else [0.0, 0.25, 0.5]:
         k = int(round(share * layers))
         variants.append((f"ours R={k}", ours(resident_layers=k), False))
@@ -329,8 +329,8 @@ def _probe(generate, ours, full_kv: int, layers: int, mode_box: dict) -> str:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         ok = "error" not in row and all(v == "equal" for k, v in row.items()
                                         if k not in ("hf_offloaded", "ours_contiguous_copies"))
-        print(f"[kv] probe {m:<13} " + ", ".join(f"{k}: {v}" for k, v in row.items()) + ("  <- all equal" if ok else ""),
-              flush=True)
+        verdict = "  <- all equal" if ok else ""
+        print(f"[kv] probe {m:<13} " + ", ".join(f"{k}: {v}" for k, v in row.items()) + verdict, flush=True)
         if ok and chosen is None:
             chosen = m
             break
@@ -383,7 +383,8 @@ def _one(ctx, preset_name, variant, fn, needs_cuda, shape, full_kv, layer_bytes,
             if link:
                 bound_ms = step_bytes / (link["h2d_plain_gbps"] * 1e9) * 1e3
                 r.extra["pcie_bound_ms_per_token"] = round(bound_ms, 2)
-                r.extra["pcie_bound_tokens_per_s"] = round(batch * new / ((prefill.median_ms + (new - 1) * bound_ms) / 1e3), 1) if bound_ms else None
+                bound_s = (prefill.median_ms + (new - 1) * bound_ms) / 1e3
+                r.extra["pcie_bound_tokens_per_s"] = round(batch * new / bound_s, 1) if bound_ms else None
             s = cache.stats
             r.extra.update(late_fetches=s.late_fetches, ring_hits=s.ring_hits)
             cache.close()
@@ -393,7 +394,8 @@ def _one(ctx, preset_name, variant, fn, needs_cuda, shape, full_kv, layer_bytes,
             # Two layers on the GPU at a time (the one computing, the one prefetched), moved whole both ways.
             r.extra.update(kv_gpu_gib=round(2 * layer_bytes / 2**30, 3),
                            kv_gpu_fraction=round(2 / shape["layers"], 3),
-                           link_gb_per_step=round(2 * full_kv * (shape["prompt"] + new // 2) / (shape["prompt"] + new) / 1e9, 3))
+                           link_gb_per_step=round(2 * full_kv * (shape["prompt"] + new // 2)
+                                                  / (shape["prompt"] + new) / 1e9, 3))
     except Exception as e:  # a variant that fails (out of memory under the cap) is a result
         r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if not isinstance(e, torch.OutOfMemoryError):
@@ -423,7 +425,8 @@ def _verdict(results: list[Result], name: str, shape: dict[str, int]) -> None:
         print(f"  {v:<24} {t:8.1f} tokens/s  {e.get('vs_gpu_only') or 0:5.2f}x GPU-only  "
               f"{(e.get('vs_hf_offloaded') or 0):5.2f}x HF-offloaded  peak {(r.peak_mem_bytes or 0) / 2**30:6.2f} GiB  "
               f"KV on GPU {e.get('kv_gpu_fraction', 0):.0%}  same tokens: {e.get('tokens_equal')}  "
-              f"decode {e.get('decode_ms_per_token')} ms/token  PCIe bound {e.get('pcie_bound_ms_per_token', '-')} ms/token")
+              f"decode {e.get('decode_ms_per_token')} ms/token  "
+              f"PCIe bound {e.get('pcie_bound_ms_per_token', '-')} ms/token")
     ours = [(v, tps[v], rows[v]) for v in rows if v.startswith("ours") and tps.get(v)]
     if gpu and hf and ours:
         ok_hf = [v for v, t, _ in ours if t >= GOAL_VS_HF * hf]

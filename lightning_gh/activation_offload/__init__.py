@@ -4,7 +4,7 @@
 take one :class:`ActivationOffloadOptions`. Modules, one idea each: ``options`` (every option, validated once),
 ``pool`` (reusable pinned host buffers under a host-memory guard), ``transport`` (side-stream copies and
 clocks), ``hooks`` (the saved-tensor pack/unpack hooks), ``blocks`` (finding the transformer blocks), ``policy``
-(the planner), ``recompute`` (recomputing what is not offloaded), ``stats``, ``engine`` and ``callback``.
+(the planner), ``budget`` (activation memory by budget: ``budget="6GiB"``), ``recompute`` (recomputing what is not offloaded), ``stats``, ``engine`` and ``callback``.
 
 Example::
 
@@ -12,10 +12,21 @@ Example::
     from lightning_gh.activation_offload import ActivationOffload
 
     trainer = L.Trainer(precision="bf16-mixed", callbacks=[ActivationOffload(policy="auto")])
+    trainer = L.Trainer(precision="bf16-mixed", callbacks=[ActivationOffload(budget="6GiB")])  # or budget=0.5
 """
 
 from lightning_gh._host import HostMemoryError
 from lightning_gh.activation_offload.blocks import find_blocks
+from lightning_gh.activation_offload.budget import (
+    Budget,
+    BudgetForecast,
+    BudgetProfile,
+    ModeCost,
+    compiler_budget,
+    parse_budget,
+    plan_budget,
+    plan_floor,
+)
 from lightning_gh.activation_offload.callback import ActivationOffload
 from lightning_gh.activation_offload.engine import ActivationOffloader, offload_activations
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
@@ -38,6 +49,10 @@ __all__ = [
     "ActivationOffloadOptions",
     "ActivationOffloader",
     "BlockProfile",
+    "Budget",
+    "BudgetForecast",
+    "BudgetProfile",
+    "ModeCost",
     "HostBufferPool",
     "HostMemoryError",
     "OffloadPlan",
@@ -45,10 +60,14 @@ __all__ = [
     "Prediction",
     "StepProfile",
     "TimelinePoint",
+    "compiler_budget",
     "find_blocks",
     "offload_activations",
+    "parse_budget",
     "plan_all",
     "plan_auto",
+    "plan_budget",
+    "plan_floor",
     "plan_first_k",
     "plan_with_recompute",
     "simulate",

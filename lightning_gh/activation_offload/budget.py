@@ -190,6 +190,11 @@ class BudgetForecast:
 # ----------------------------------------------------------------------------------------------- planning
 
 
+def _gib(nbytes: int) -> str:
+    """GiB with two decimals; small sizes (tests, tiny models) also in MiB, so they do not read as 0.00."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= 0.01 * GIB else f"{nbytes / GIB:.6f} GiB ({nbytes / 2**20:.3f} MiB)"
+
+
 def _fracs(n_blocks: int) -> tuple[float, ...]:
     # Quarters give the last ~3% of a budget on 8 blocks; halves keep the search quick on deep models.
     return (0.0, 0.25, 0.5, 0.75, 1.0) if n_blocks <= 16 else (0.0, 0.5, 1.0)
@@ -296,13 +301,17 @@ def plan_budget(
     floor = plan_floor(bp, d2h_gbps, h2d_gbps, margin, skip_last_blocks)
     if floor.activation_bytes > budget_bytes:
         raise ValueError(
-            f"budget={budget_bytes / GIB:.2f} GiB of activation memory is below the floor of full recompute plus "
-            f"offload, {floor.activation_bytes / GIB:.2f} GiB measured on this model and batch (the plain step needs "
-            f"{act / GIB:.2f} GiB). Raise the budget to at least {floor.activation_bytes / GIB:.2f} GiB, or shrink "
+            f"budget={_gib(budget_bytes)} of activation memory is below the floor of full recompute plus "
+            f"offload, {_gib(floor.activation_bytes)} measured on this model and batch (the plain step needs "
+            f"{_gib(act)}). Raise the budget to at least {_gib(floor.activation_bytes)}, or shrink "
             "the batch or sequence.")
     opts = [_options(bp, i, eligible) for i in range(n)]
     kept_sum = lambda ch: sum(bp.costs[i][m].kept_bytes * (1 - f) for i, (m, f) in enumerate(ch))  # noqa: E731
-    while act > budget_bytes:
+    # Each step takes one block to another of its options; a bound on the steps keeps a plateau (moves that only
+    # shift the peak) from spinning: every block can walk through each of its options once.
+    for _ in range(sum(len(o) for o in opts)):
+        if act <= budget_bytes:
+            break
         best = None
         for i in range(n):
             for opt in opts[i]:

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lightning_gh import compat
-from lightning_gh._lightning import log_to_loggers
+from lightning_gh._lightning import log_to_loggers, should_update_logs
 from lightning_gh.activation_offload.engine import ActivationOffloader
 from lightning_gh.activation_offload.options import MIB, ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import OffloadPlan, Prediction
@@ -172,6 +172,15 @@ class ActivationOffload(L.Callback):
                            batch_idx: int) -> None:
         if self.engine is not None:
             self.engine.end_forward()
+            if trainer.loggers and should_update_logs(trainer) and self.engine.stats.forwards:
+                st = self.engine.stats
+                # what this step moved off the device and what it kept there (the memory the plan saved)
+                log_to_loggers(trainer, {
+                    "lgh/activation_offload/offloaded_bytes": float(st.last_offloaded_bytes),
+                    "lgh/activation_offload/resident_bytes": float(st.last_resident_bytes),
+                    "lgh/activation_offload/offloaded_blocks": float(sum(1 for b in st.last_offloaded_by_block if b)),
+                    "lgh/activation_offload/recompute_blocks": float(len(st.last_recompute_blocks)),
+                })
             log = self.engine.budget_log
             if len(log) > self._logged:
                 # The plan, its forecast and each correction round's measured peak, at this step, rank 0.

@@ -358,7 +358,9 @@ class ActivationOffloader(SavedTensorHooks):
         if self._b_knob_prev is not None:
             import torch._functorch.config as fconfig
 
-            fconfig.activation_memory_budget = self._b_knob_prev
+            if fconfig.activation_memory_budget != self._b_knob_prev:
+                fconfig.activation_memory_budget = self._b_knob_prev
+                torch._dynamo.reset()  # graphs partitioned under our budget must not serve later compiles
             self._b_knob_prev = None
         if self._pool is not None:
             self._pool.clear()
@@ -495,7 +497,11 @@ class ActivationOffloader(SavedTensorHooks):
 
         if self._b_knob_prev is None:
             self._b_knob_prev = fconfig.activation_memory_budget
-        fconfig.activation_memory_budget = value
+        if fconfig.activation_memory_budget != value:
+            fconfig.activation_memory_budget = value
+            # The knob is read when a graph is partitioned: a graph compiled before (another instance of the same
+            # model class reuses it: the H200 run of 2026-11-23 measured no change without this) must be dropped.
+            torch._dynamo.reset()
         msg = (f"ActivationOffload budget: '{owner}' is torch.compile'd, so its blocks' boundaries are traced, not "
                f"run; set torch._functorch.config.activation_memory_budget = {value:.3f} for {why} (the compiler "
                "recomputes what it must; restored when training ends)")
@@ -531,7 +537,6 @@ class ActivationOffloader(SavedTensorHooks):
         self._set_knob(_budget.compiler_budget(frac), owner,
                        f"{self.budget_bytes / 2**30:.2f} GiB of the compiled step's measured {act / 2**30:.2f} GiB "
                        "(torch._dynamo.reset(): the model recompiles once)")
-        torch._dynamo.reset()
 
     def _grad_bytes(self, present: bool = False) -> int:
         if present:

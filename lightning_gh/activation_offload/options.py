@@ -20,13 +20,13 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
 from torch import nn
 
+from lightning_gh._options import resolve
 from lightning_gh.activation_offload.budget import parse_budget
 from lightning_gh.activation_offload.recompute import RECOMPUTE_MODES
 
@@ -91,8 +91,8 @@ class ActivationOffloadOptions:
             Refused for blocks that are already checkpointed, compiled, or run Transformer Engine layers.
         budget: the activation memory to fit in, instead of a technique (see
             :mod:`lightning_gh.activation_offload.budget`): a size string (``"6GiB"``, ``"512MiB"``, ``"6GB"``),
-            an int of bytes, or a float in ``(0, 1]``, a fraction of the activation memory the plain step
-            measures (``0.5``: half). Activation memory is the step's peak allocation minus the model state
+            an int of bytes, or a float in ``(0, 1]``, a fraction of the activation memory the engine's plain
+            measuring step needs (``0.5``: half; its cast deduplication is already on in that step). Activation memory is the step's peak allocation minus the model state
             (weights, their gradients, optimizer state). The first steps measure each block under every way of
             saving memory (keep, offload, ``"norm-act"``, ``"selective"`` and ``"full"`` recompute), a planner
             picks per block the mix that fits at the lowest predicted step time, and up to two correction rounds
@@ -195,24 +195,4 @@ class ActivationOffloadOptions:
             given: the option keyword arguments; for a caller whose signature lists them with their defaults,
                 pass all of them: values equal to the default count as not given.
         """
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        unknown = sorted(set(given) - set(defaults))
-        if unknown:
-            raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {sorted(defaults)}.")
-        if options is None:
-            return cls(**given)
-        if not isinstance(options, cls):
-            raise TypeError(f"{where}(options=...) must be an {cls.__name__}, got {type(options).__name__}.")
-        changed = {k: v for k, v in given.items() if v is not defaults[k] and not _same(v, defaults[k])}
-        if changed:
-            shown = ", ".join(f"{k}={v!r}" for k, v in changed.items())
-            raise TypeError(f"{where} got both options= and {shown}: pass the options in one place "
-                            f"(e.g. options=dataclasses.replace(options, {next(iter(changed))}=...)).")
-        return options
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b) and type(a) is type(b)
-    except Exception:  # objects whose == is elementwise or raises are never a default
-        return False
+        return resolve(cls, options, where, **given)

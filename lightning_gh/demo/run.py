@@ -74,12 +74,10 @@ def _series(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
 
 
 def _plot_losses(train: list[tuple[int, float]], val: list[tuple[int, float]], entropy: float, path: Path) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the demo may run inside a user's session
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
     if val:
@@ -91,7 +89,6 @@ def _plot_losses(train: list[tuple[int, float]], val: list[tuple[int, float]], e
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:

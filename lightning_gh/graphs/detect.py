@@ -36,8 +36,8 @@ import torch
 from lightning_gh.graphs.buffers import signature_difference
 from lightning_gh.graphs.optim import unsupported_optimizer_reason
 
-__all__ = ["Finding", "SyncEvent", "SyncMonitor", "SYNC_WARNING", "combine", "dynamic_shape_finding", "is_library_file",
-           "scheduler_finding", "setup_findings", "sync_finding"]
+__all__ = ["CAPTURE_SKIPPED_SYNCS", "Finding", "SyncEvent", "SyncMonitor", "SYNC_WARNING", "combine",
+           "dynamic_shape_finding", "is_library_file", "scheduler_finding", "setup_findings", "sync_finding"]
 
 # The text of the warning CUDA's sync debug mode raises (c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync).
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -222,8 +222,24 @@ def _culprit(event: SyncEvent) -> tuple[traceback.FrameSummary | None, traceback
     return user, (frames[-1] if frames else None)
 
 
+#: Host syncs that their library skips while a CUDA stream is capturing (it asks
+#: ``torch.cuda.is_current_stream_capturing()``), so a captured step never makes them: ``(file name, function)``.
+#: transformers (>= 5) checks in ``find_packed_sequence_indices`` whether a training batch packs several sequences
+#: (``if not is_tracing(mask) and (mask[:, -1] == 0).all()``) whenever a decoder runs without a KV cache, without an
+#: attention mask; under capture it skips the check and builds the (equivalent) explicit causal mask instead.
+CAPTURE_SKIPPED_SYNCS: frozenset[tuple[str, str]] = frozenset({("masking_utils.py", "find_packed_sequence_indices")})
+
+
+def _skipped_under_capture(event: SyncEvent) -> bool:
+    return any((os.path.basename(f.filename), f.name) in CAPTURE_SKIPPED_SYNCS for f in event.stack)
+
+
 def sync_finding(events: Sequence[SyncEvent]) -> Finding | None:
-    """One finding naming where the step synchronizes with the host (``None`` when it never does)."""
+    """One finding naming where the step synchronizes with the host (``None`` when it never does).
+
+    Syncs listed in :data:`CAPTURE_SKIPPED_SYNCS` are not counted: the library makes them only outside a capture.
+    """
+    events = [ev for ev in events if not _skipped_under_capture(ev)]
     if not events:
         return None
     places: dict[str, None] = {}

@@ -20,6 +20,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gh import compat
 from lightning_gh.kv.cache import OffloadedKVCache
 from lightning_gh.kv.options import KVOffloadOptions
 from lightning_gh.kv.spec import find_generator
@@ -37,11 +38,13 @@ def _as_ids(prompts: Any) -> torch.Tensor | None:
             raise ValueError(f"prompts must be token ids of shape (batch, length); got {prompts.dtype} "
                              f"{tuple(prompts.shape)}.")
         return prompts.long()
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(p, Sequence) and not isinstance(p, str) for p in prompts):
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
+        return None
+    if all(isinstance(p, Sequence) and not isinstance(p, str) for p in prompts):
         lengths = {len(p) for p in prompts}
         if len(lengths) != 1 or 0 in lengths:
-            raise ValueError(f"prompts as lists of token ids must share one non-zero length; got lengths {sorted(lengths)}. "
-                             "Pass strings with a tokenizer for prompts of different lengths.")
+            raise ValueError(f"prompts as lists of token ids must share one non-zero length; got lengths "
+                             f"{sorted(lengths)}. Pass strings with a tokenizer for prompts of different lengths.")
         return torch.tensor([list(p) for p in prompts], dtype=torch.long)
     return None
 
@@ -73,6 +76,8 @@ class GenerationCallback(L.Callback):
                                    options=lgh.KVOffloadOptions(resident_layers="auto"))])
         trainer.fit(model, datamodule)   # metrics: gen/tokens_per_s, ...; samples: <log_dir>/generations.jsonl
     """
+
+    lgh_part = "GenerationCallback"
 
     def __init__(
         self,
@@ -115,6 +120,9 @@ class GenerationCallback(L.Callback):
         self._cache_obj: OffloadedKVCache | None = None
         self._cache_key: tuple[Any, ...] | None = None
         self.history: list[dict[str, Any]] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        compat.check(trainer, self.lgh_part)
 
     @property
     def state_key(self) -> str:

@@ -13,8 +13,8 @@ Storage, allocated once at the first ``update`` (when the batch, heads, dtype an
 returns, so attention runs the same kernels on the same numbers and greedy tokens are bitwise those of
 transformers' ``DynamicCache``. What happens in ``update(i)`` of an offloaded layer, in stream order::
 
-    compute stream : ...layer i-1 attention | marker M_i | wait READY_i | write new k,v into slot | marker W_i | attention i ...
-    copy stream    :   wait FREE(s) | fetch prefix of layer j into slot s | READY_j | wait W_i | append new k,v of i to host
+    compute : ... attention i-1 | M_i | wait READY_i | write new k,v into slot | W_i | attention i ...
+    copy    :   wait FREE(s) | fetch prefix of layer j into slot s | READY_j | wait W_i | append new k,v of i
 
 1. ``M_i`` is recorded first: every slot whose layer's attention was queued before it is released with
    ``FREE = M_i`` (:meth:`StagingRing.release_consumed`); a fetch into such a slot waits on it, so a slot is
@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from lightning_gh import hardware
 from lightning_gh.kv.options import KVOffloadOptions
 from lightning_gh.kv.plan import KVPlan, make_plan
 from lightning_gh.kv.pool import HostKVPool, Slot, StagingRing
@@ -87,17 +88,11 @@ class KVStats:
 
 
 def _free_gpu_bytes(device: torch.device) -> int | None:
-    if device.type != "cuda":
+    room = hardware.gpu_memory_room(device)
+    if room is None:
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    # Memory torch has reserved but not handed out is free to us as well.
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    get_frac = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if get_frac is not None:
-        frac = get_frac(device)
-        if frac < 1.0:
-            free = min(free, max(0, int(frac * total) - torch.cuda.memory_allocated(device)))
-    return int(free)
+    # Memory torch has reserved but not handed out is free to the cache as well.
+    return int(room[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 class KVOffloadEngine:
@@ -109,7 +104,8 @@ class KVOffloadEngine:
         name: how messages name the owner.
     """
 
-    def __init__(self, num_layers: int, options: KVOffloadOptions | None = None, name: str = "OffloadedKVCache") -> None:
+    def __init__(self, num_layers: int, options: KVOffloadOptions | None = None,
+                 name: str = "OffloadedKVCache") -> None:
         if not isinstance(num_layers, int) or num_layers <= 0:
             raise ValueError(f"num_layers={num_layers!r} must be an int > 0.")
         self.num_layers = num_layers
@@ -162,7 +158,8 @@ class KVOffloadEngine:
     def _backend(self, device: torch.device) -> str:
         b = self.options.backend
         if b == "cuda" and device.type != "cuda":
-            raise ValueError(f"backend='cuda' but the keys are on {device}; allowed there: 'auto', 'host-copy', 'plain'.")
+            raise ValueError(f"backend='cuda' but the keys are on {device}; allowed there: 'auto', 'host-copy', "
+                             "'plain'.")
         if b == "auto":
             if device.type == "cuda":
                 return "cuda"
@@ -194,7 +191,8 @@ class KVOffloadEngine:
                               resident_layers=self.options.resident_layers,
                               gpu_budget_bytes=self.options.gpu_budget_bytes, num_slots=self.options.num_slots,
                               placement=self.options.placement, backend=backend,
-                              free_bytes=_free_gpu_bytes(k.device), gpu_memory_fraction=self.options.gpu_memory_fraction)
+                              free_bytes=_free_gpu_bytes(k.device),
+                              gpu_memory_fraction=self.options.gpu_memory_fraction)
         self._build(max_len)
 
     def _build(self, max_len: int) -> None:
@@ -222,8 +220,8 @@ class KVOffloadEngine:
                              "sequence. Allowed: max_length >= prompt length + new tokens.")
         old_len, old_res, old_pool, old_host = self.max_length, self._resident, self.pool, dict(self._host_index)
         new_len = max(self._default_length(needed), 2 * old_len)
-        warn_once("grow", f"{self.name}: {needed} tokens do not fit the {old_len} allocated; reallocating for {new_len} "
-                  "(buffers move: pass max_length=prompt+new tokens to allocate once, e.g. for CUDA graphs).")
+        warn_once("grow", f"{self.name}: {needed} tokens do not fit the {old_len} allocated; reallocating for "
+                  f"{new_len} (buffers move: pass max_length=prompt+new tokens to allocate once).")
         self.synchronize()
         plan = self.plan
         assert plan is not None
@@ -247,7 +245,8 @@ class KVOffloadEngine:
 
     # ---------------------------------------------------------------------------------------- update
 
-    def update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, key_states: torch.Tensor,
+               value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` ``(B, H, q, D)`` to ``layer`` and return all of its keys and
         values so far, ``(B, H, n, D)`` views of fixed buffers."""
         if not 0 <= layer < self.num_layers:
@@ -258,9 +257,10 @@ class KVOffloadEngine:
         if not self.allocated:
             self._allocate(key_states, value_states, stop)
         elif key_states.shape[0] != self.batch_size or key_states.shape[1] != self._kv_shape[0]:  # type: ignore[index]
-            raise ValueError(f"{self.name} was sized for batch {self.batch_size} x {self._kv_shape[0]} key/value heads "  # type: ignore[index]
-                             f"at its first use; layer {layer} brings {tuple(key_states.shape)}. Use a new cache (or "
-                             "reset() and the same batch) for another batch size.")
+            heads = self._kv_shape[0]  # type: ignore[index]
+            raise ValueError(f"{self.name} was sized for batch {self.batch_size} x {heads} key/value heads at its "
+                             f"first use; layer {layer} brings {tuple(key_states.shape)}. Use a new cache (or reset() "
+                             "and the same batch) for another batch size.")
         if stop > self.max_length:
             self._grow(stop)
         self.stats.updates += 1

@@ -5,10 +5,10 @@ Example::
     >>> from lightning_gh.kv import KVOffloadOptions
     >>> KVOffloadOptions(resident_layers=4, max_length=4160).num_slots
     2
-    >>> KVOffloadOptions(num_slots=1)
+    >>> KVOffloadOptions(num_slots=1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: num_slots=1 must be an int >= 2: a layer's staging slot may be refilled only after attention has read it, so the next layer needs a slot of its own.
+    ValueError: num_slots=1 must be an int >= 2: ...
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ from typing import Any
 __all__ = ["KVPlan", "make_plan", "place"]
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def place(num_layers: int, resident: int, placement: str) -> tuple[int, ...]:
     """Indices of ``resident`` resident layers out of ``num_layers``."""
     if resident >= num_layers:
@@ -89,13 +93,13 @@ class KVPlan:
         return len(self.offloaded) * per_token * (fetch + new_tokens)
 
     def describe(self) -> str:
-        gib = 2**30
         if not self.offloaded:
-            return (f"all {self.num_layers} layers on the GPU ({self.gpu_kv_bytes / gib:.2f} GiB, backend "
+            return (f"all {self.num_layers} layers on the GPU ({_size(self.gpu_kv_bytes)}, backend "
                     f"{self.backend}; {self.reason})")
+        host = "pinned host memory" if self.backend == "cuda" else "host memory"
         return (f"{len(self.resident)}/{self.num_layers} layers resident {list(self.resident)}, "
-                f"{len(self.offloaded)} offloaded to {self.host_kv_bytes / gib:.2f} GiB of pinned host memory, "
-                f"{self.slots} staging slots; GPU KV {self.gpu_kv_bytes / gib:.2f} GiB = {self.gpu_fraction:.0%} of "
+                f"{len(self.offloaded)} offloaded to {_size(self.host_kv_bytes)} of {host}, "
+                f"{self.slots} staging slots; GPU KV {_size(self.gpu_kv_bytes)} = {self.gpu_fraction:.0%} of "
                 f"a GPU-only cache (batch {self.batch_size}, max_length {self.max_length}, backend {self.backend}; "
                 f"{self.reason})")
 
@@ -128,8 +132,8 @@ def make_plan(*, num_layers: int, layer_bytes: int, batch_size: int, max_length:
     what = f"one layer's keys+values for batch {batch_size} x max_length {max_length} is {layer_bytes:,} bytes"
     if explicit and gpu_budget_bytes is not None and gpu_budget_bytes < layer_bytes:
         raise ValueError(f"gpu_budget_bytes={gpu_budget_bytes:,} is below one layer: {what}. Allowed: at least "
-                         f"{min(num_layers, num_slots) * layer_bytes:,} bytes (the staging ring of num_slots={num_slots} "
-                         "layers), or lower the batch or max_length.")
+                         f"{min(num_layers, num_slots) * layer_bytes:,} bytes (the staging ring of "
+                         f"num_slots={num_slots} layers), or lower the batch or max_length.")
     if isinstance(resident_layers, int) and resident_layers > num_layers:
         raise ValueError(f"resident_layers={resident_layers} exceeds the model's {num_layers} cached layers; allowed: "
                          f"'auto' or 0..{num_layers}.")
@@ -155,16 +159,19 @@ def make_plan(*, num_layers: int, layer_bytes: int, batch_size: int, max_length:
                     source = (f"gpu_budget_bytes={budget:,}" if explicit else
                               f"gpu_memory_fraction={gpu_memory_fraction} of the {free_bytes or 0:,} free GPU bytes "
                               f"= {budget:,} bytes")
-                    raise ValueError(f"{source} cannot hold the staging ring of num_slots={num_slots} layers: {what}. "
-                                     f"Allowed: at least {ring * layer_bytes:,} bytes; or lower the batch or max_length.")
+                    raise ValueError(f"{source} cannot hold the staging ring of num_slots={num_slots} layers: "
+                                     f"{what}. Allowed: at least {ring * layer_bytes:,} bytes; or lower the batch or "
+                                     "max_length.")
                 count = min(num_layers, budget // layer_bytes - ring)
                 reason = f"auto: budget {budget / 2**30:.2f} GiB = {count} resident + {ring} slots"
     resident = place(num_layers, count, placement)
     offloaded = tuple(i for i in range(num_layers) if i not in resident)
     slots = min(num_slots, len(offloaded)) if offloaded else 0
     plan = KVPlan(num_layers, resident, offloaded, slots, layer_bytes, batch_size, max_length, backend, reason)
-    if explicit and isinstance(resident_layers, int) and gpu_budget_bytes is not None and plan.gpu_kv_bytes > gpu_budget_bytes:
-        raise ValueError(f"resident_layers={resident_layers} with {slots} staging slots needs {plan.gpu_kv_bytes:,} GPU "
-                         f"bytes, above gpu_budget_bytes={gpu_budget_bytes:,} ({what}). Allowed: resident_layers <= "
-                         f"{max(0, gpu_budget_bytes // layer_bytes - min(num_slots, num_layers))}, or resident_layers='auto'.")
+    over = gpu_budget_bytes is not None and plan.gpu_kv_bytes > gpu_budget_bytes
+    if explicit and isinstance(resident_layers, int) and over:
+        most = max(0, gpu_budget_bytes // layer_bytes - min(num_slots, num_layers))  # type: ignore[operator]
+        raise ValueError(f"resident_layers={resident_layers} with {slots} staging slots needs {plan.gpu_kv_bytes:,} "
+                         f"GPU bytes, above gpu_budget_bytes={gpu_budget_bytes:,} ({what}). Allowed: resident_layers "
+                         f"<= {most}, or resident_layers='auto'.")
     return plan

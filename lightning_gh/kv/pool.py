@@ -106,8 +106,8 @@ class StagingRing:
     def __init__(self, num_slots: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.shape = tuple(shape)
-        self.slots = [Slot(i, torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                      for i in range(num_slots)]
+        self.slots = [Slot(i, torch.empty(shape, dtype=dtype, device=device),
+                           torch.empty(shape, dtype=dtype, device=device)) for i in range(num_slots)]
 
     @property
     def nbytes(self) -> int:

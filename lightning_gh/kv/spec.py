@@ -10,7 +10,7 @@ Example::
 
     >>> from lightning_gh.demo import LlamaLM
     >>> kv_spec(LlamaLM.from_preset("tiny"))
-    KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, layer_types=('full_attention', 'full_attention'), source='Llama')
+    KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, layer_types=('full_attention', 'full_attention'), source='LlamaLM')
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def _no_cache(model: Any, why: str) -> TypeError:
 
 def _from_hf(model: Any, cfg: Any) -> KVSpec:
     name = type(model).__name__
-    if getattr(cfg, "is_encoder_decoder", False) or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+    top = getattr(model, "config", None)
+    if getattr(cfg, "is_encoder_decoder", False) or getattr(top, "is_encoder_decoder", False):
         raise _no_cache(model, "encoder-decoder models keep a cross-attention cache as well, which is not supported")
     supports = getattr(type(model), "_supports_default_dynamic_cache", None)
     if callable(supports) and not supports():
@@ -139,7 +140,8 @@ def kv_spec(model: Any) -> KVSpec:
         if cfg is not None:
             return KVSpec(int(cfg.n_layers), int(cfg.n_kv_heads), int(cfg.dim // cfg.n_heads),
                           ("full_attention",) * int(cfg.n_layers), type(cand).__name__)
-    raise _no_cache(model, "found no decoder config (num_hidden_layers, or n_layers/n_kv_heads) on it or its submodules")
+    raise _no_cache(model, "found no decoder config (num_hidden_layers, or n_layers/n_kv_heads) on it or its "
+                           "submodules")
 
 
 def find_generator(model: nn.Module) -> nn.Module:

@@ -35,6 +35,7 @@ import ctypes
 import os
 import warnings
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -134,18 +135,20 @@ class HostCopyTransport(Transport):
         pass
 
 
-def _loaded_cudart_paths() -> list[str]:
-    """Paths of the CUDA runtime libraries this process has mapped (torch loads its own)."""
-    paths: list[str] = []
+def _cudart_candidates() -> list[tuple[str, int]]:
+    """Where to look for the CUDA runtime, first the copy torch already loaded (found by its soname without
+    loading anything: ``RTLD_NOLOAD``), then the pip package's, then the system's."""
+    noload = getattr(os, "RTLD_NOLOAD", 0)
+    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"]
+    out = [(n, noload | ctypes.RTLD_GLOBAL) for n in names]
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                p = line.rstrip().split(" ")[-1]
-                if "libcudart.so" in os.path.basename(p) and p not in paths:
-                    paths.append(p)
-    except OSError:
+        import nvidia  # the CUDA runtime of torch's pip wheels lives under nvidia/*/lib
+
+        for root in getattr(nvidia, "__path__", []):
+            out += [(str(p), ctypes.DEFAULT_MODE) for p in sorted(Path(root).glob("*/lib/libcudart.so*"))]
+    except ImportError:
         pass
-    return paths
+    return out + [(n, ctypes.DEFAULT_MODE) for n in names]
 
 
 _MEMCPY2D: Callable[..., int] | None | bool = False  # False: not looked up yet
@@ -157,9 +160,11 @@ def _cuda_memcpy2d() -> Callable[..., int] | None:
     if _MEMCPY2D is not False:
         return _MEMCPY2D  # type: ignore[return-value]
     fn = None
-    for name in _loaded_cudart_paths() + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
+    if torch.cuda.is_available():
+        torch.cuda.init()  # torch loads its CUDA runtime lazily
+    for name, mode in _cudart_candidates():
         try:
-            lib = ctypes.CDLL(name)
+            lib = ctypes.CDLL(name, mode=mode)
             fn = lib.cudaMemcpy2DAsync
         except (OSError, AttributeError):
             continue

@@ -18,6 +18,10 @@ Example::
     trainer = L.Trainer(plugins=[lgh.precision("fp8-te-current")])
 """
 
+import sys as _sys
+import types as _types
+from typing import Any as _Any
+
 from lightning_gh.precision.ao import TorchAOFloat8Precision
 from lightning_gh.precision.auto import AutoFloat8Precision, Fp8Choice, choose_fp8
 from lightning_gh.precision.base import Float8PrecisionBase
@@ -51,3 +55,19 @@ __all__ = [
     "precision",
     "precision_names",
 ]
+
+
+class _CallablePackage(_types.ModuleType):
+    """This package, callable as ``precision(name, **options)``.
+
+    ``lightning_gh`` exports the function ``precision`` lazily, under the same name as this package. Once anything
+    imports the package (``from lightning_gh.precision import LayerFilter``), Python's import system binds
+    ``lightning_gh.precision`` to the package module, shadowing the lazy function; ``lgh.precision("fp8-auto")``
+    then still has to work, so the package forwards calls to the function.
+    """
+
+    def __call__(self, name: str, **options: _Any) -> _Any:
+        return precision(name, **options)
+
+
+_sys.modules[__name__].__class__ = _CallablePackage

@@ -70,7 +70,11 @@ class Float8Precision(Precision):
         if clash:
             raise ValueError(f"Float8Precision: {clash} given both as arguments and in backend_options; give each once.")
         self.recipe = recipe
-        self.plugin: Precision = precision(recipe, **options, **(backend_options or {}))
+        try:
+            self.plugin: Precision = precision(recipe, **options, **(backend_options or {}))
+        except (TypeError, ValueError) as e:
+            # name the argument the user wrote in the config, not precision()'s own
+            raise type(e)(f"Float8Precision(recipe={recipe!r}, ...): {e}") from None
         self.precision = self.plugin.precision
 
     def __repr__(self) -> str:

@@ -30,16 +30,15 @@ def _label(name: str, n: int = 48) -> str:
 
 def plot_summary(summary: Mapping[str, Any], path: str | os.PathLike) -> Path:
     """Draw ``summary`` (from :func:`~lightning_gh.profiling.summary.summarize`) into a PNG at ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot: drawing a file must not switch the backend of the user's notebook or session.
+    from matplotlib.figure import Figure
 
     path = Path(path)
     steps = summary["steps"]
     labels = [str(r["step"]) if r["step"] is not None else "all" for r in steps]
     x = list(range(len(steps)))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.25]})
+    fig = Figure(figsize=(13, 4.8))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.25]})
 
     bottom = [0.0] * len(steps)
     if summary.get("gpu") is not None:
@@ -94,5 +93,4 @@ def plot_summary(summary: Mapping[str, Any], path: str | os.PathLike) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

@@ -122,10 +122,12 @@ class DataStallDetector(Callback):
             raise ValueError(f"DataStallDetector(window={window!r}): must be an int >= 1 (batches).")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
             raise ValueError(f"DataStallDetector(warmup={warmup!r}): must be an int >= 0 (batches per epoch).")
+        if not isinstance(log_metric, bool):
+            raise TypeError(f"DataStallDetector(log_metric={log_metric!r}): must be True or False.")
         self.threshold = float(threshold)
         self.window = window
         self.warmup = warmup
-        self.log_metric = bool(log_metric)
+        self.log_metric = log_metric
         self.data_wait_frac: float | None = None
         self.warned = False
         self._samples: deque[tuple[float, float]] = deque()

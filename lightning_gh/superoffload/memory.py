@@ -97,6 +97,11 @@ def local_world_size() -> int:
 
     Read from ``LOCAL_WORLD_SIZE`` (torchrun), else from an initialised process group (its size, capped at the
     number of visible GPUs: one rank per GPU on a host), else 1.
+
+    Example::
+
+        >>> local_world_size() >= 1
+        True
     """
     import os
 

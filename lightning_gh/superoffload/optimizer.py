@@ -55,8 +55,10 @@ Layout
 
 Auto GPU tail (``gpu_fraction="auto"``, CUDA only)
     Everything starts on the host; over the first pipelined steps the last-processed host buckets (the earliest
-    layers) move to the GPU while the next forward measurably waits for the CPU, within free GPU memory and
-    ``max_gpu_fraction`` (the policy and its thresholds: :mod:`lightning_gh.superoffload.tail`).
+    layers) move to the GPU while the next forward measurably waits for the CPU, each growth a trial kept only if
+    the step gets faster without allocator retries, within the GPU memory left after a step's peak and
+    ``max_gpu_fraction``; the decision is logged once (the policy and its thresholds:
+    :mod:`lightning_gh.superoffload.tail`).
 
 Math
     Identical to ``torch.nn.utils.clip_grad_norm_`` followed by ``torch.optim.AdamW(fused=True)`` on the fp32
@@ -150,8 +152,9 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
             stays on the GPU and is updated there with fused AdamW. ``"auto"``: all on the host at first, then,
             over the first pipelined steps, move the last-arriving buckets to the GPU while the next forward
             measurably waits for the CPU. ``0.0`` saves the most GPU memory. Without CUDA: the tail runs on the
-            CPU in ``step()`` (same math) and ``"auto"`` means ``0.0``. The auto tail grows only into free GPU
-            memory (see ``max_gpu_fraction``).
+            CPU in ``step()`` (same math) and ``"auto"`` means ``0.0``. The auto tail grows only into the GPU memory
+            left after a step's peak, keeps a growth only when the step measurably gets faster (so it is never
+            slower than ``0.0``), and logs its decision in one line (``stats["tail_decision"]``).
         max_gpu_fraction: upper bound on the share of parameters (by count) the auto tail may keep on the GPU,
             or ``None`` (bounded by free GPU memory only). Each move is also bounded by the GPU memory the
             allocator can still obtain minus a headroom of ``max(1 GiB, 5%`` of the device``)``; a move that

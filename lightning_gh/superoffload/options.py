@@ -23,6 +23,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_gh._options import resolve
+
 __all__ = ["SuperOffloadOptions", "resolve_options", "validate_hyperparameters", "validate_options"]
 
 
@@ -41,7 +43,7 @@ class SuperOffloadOptions:
     Attributes:
         gpu_fraction: share of the parameters (by count, taken from the last-arriving gradients) whose state
             stays on the GPU and is updated there with fused AdamW; ``"auto"`` sizes this GPU tail from measured
-            stalls (all on the host at first). ``0.0`` saves the most GPU memory.
+            steps (all on the host at first; a growth is kept only if it makes the step faster). ``0.0`` saves the most GPU memory.
         max_gpu_fraction: upper bound on the share of parameters the ``"auto"`` tail may keep on the GPU, or
             ``None`` (bounded by free GPU memory only).
         speculative: start CPU updates before the gradient norm is known and undo them exactly if the step
@@ -92,39 +94,16 @@ class SuperOffloadOptions:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-_DEFAULTS = SuperOffloadOptions()
-
-
 def resolve_options(options: SuperOffloadOptions | None, owner: str, **kwargs: Any) -> SuperOffloadOptions:
-    """The options from ``options=`` or from the keyword arguments, never a mix of both.
+    """The options from ``options=`` or from the keyword arguments, never a mix of both (see
+    :func:`lightning_gh._options.resolve`).
 
     Args:
         options: what the caller passed as ``options=``, or ``None``.
         owner: the class taking them, for the message.
         kwargs: the caller's option keyword arguments (the :class:`SuperOffloadOptions` fields).
-
-    A keyword argument left at its default cannot be told from one not given, so only keywords that differ from
-    :class:`SuperOffloadOptions`' defaults count as given next to ``options``.
-
-    Raises:
-        TypeError: ``options`` is not a :class:`SuperOffloadOptions`, or it and a keyword argument other than its
-            default are both given (as Python's own "got multiple values for argument").
-        ValueError: a bad value.
     """
-    if options is None:
-        return SuperOffloadOptions(**kwargs)
-    if not isinstance(options, SuperOffloadOptions):
-        raise TypeError(f"{owner}(options=...) must be a SuperOffloadOptions, got {type(options).__name__}.")
-    given = {k: v for k, v in kwargs.items() if not _same(v, getattr(_DEFAULTS, k))}
-    if given:
-        names = ", ".join(f"{k}={v!r}" for k, v in given.items())
-        raise TypeError(f"{owner} got both options= and {names}: pass the options in one place "
-                         f"(e.g. options=dataclasses.replace(options, {next(iter(given))}=...)).")
-    return options
-
-
-def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
+    return resolve(SuperOffloadOptions, options, owner, **kwargs)
 
 
 def validate_hyperparameters(where: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:

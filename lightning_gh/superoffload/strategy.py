@@ -111,6 +111,7 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         self._parallel_devices: list[torch.device] | None = None
         self._clip_installed = False
         self._scaler_warned = False
+        self._ckpt_warned = False
 
     # Lightning's accelerator connector fills `parallel_devices` on strategies that have the attribute; a
     # single-device strategy picked by name would otherwise stay on its default device (the CPU).
@@ -190,6 +191,20 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         self._install_clipping()
         self._check_precision_plugin()
+        if self.root_device.type != "cuda":
+            # Every other GPU part says when it steps aside; the math is the same, only nothing moves.
+            rank_zero_warn(f"SuperOffloadStrategy on {self.root_device}: there is no GPU memory to relieve, so the "
+                           "optimizer state simply stays in host memory and AdamW runs on the CPU as usual (same "
+                           "results; use a CUDA device to offload).", category=UserWarning)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        opt = _lightning.unwrap_optimizer(optimizer)
+        trainer = getattr(self.lightning_module, "trainer", None) if self.lightning_module is not None else None
+        if isinstance(opt, HeterogeneousAdamW) and trainer is not None and trainer.loggers \
+                and _lightning.should_update_logs(trainer):
+            _lightning.log_to_loggers(trainer, _stats_metrics(opt))
+        return out
 
     def _check_precision_plugin(self) -> None:
         """Warn once when a loss scaler is in use (``precision="16-mixed"``).
@@ -224,6 +239,20 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
             opt.synchronize()  # the weights on the GPU must be the committed ones
         return super().lightning_module_state_dict()
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        # A plain Trainer never runs our code when it loads this file, so the one moment to say it is now: with
+        # low-precision module weights the fp32 master lives only in the optimizer state.
+        if not self._ckpt_warned and self._heterogeneous() and any(
+                p.dtype in (torch.bfloat16, torch.float16) for p in self.lightning_module.parameters()):
+            self._ckpt_warned = True
+            rank_zero_warn(
+                f"SuperOffloadStrategy: the checkpoint {str(filepath)!r} holds the module's "
+                f"{next(self.lightning_module.parameters()).dtype} weights; their fp32 master copies are in its "
+                "optimizer state. Resume it with strategy='superoffload' to keep them: a Trainer without it loads the "
+                "low-precision weights and drops the masters.", category=UserWarning)
+        checkpoint.setdefault("lightning_gh", {})["superoffload"] = {"fp32_master_in_optimizer_state": True}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # Lightning's default also moves the state to the GPU, which is what this strategy avoids.
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -242,6 +271,21 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
                 description="Heterogeneous CPU/GPU AdamW (lightning_gh): optimizer state in host memory, "
                             "CPU update overlapped with backward",
             )
+
+
+def _stats_metrics(opt: HeterogeneousAdamW) -> dict[str, float]:
+    """What the user's logger gets from the offloaded optimizer at each logging step (``lgh/superoffload/*``)."""
+    st = opt.stats
+    total = opt.host_numel + opt.device_numel
+    return {
+        "lgh/superoffload/cpu_stall_ms": float(st.get("last_stall_ms") or 0.0),
+        "lgh/superoffload/cpu_update_ms": float(st.get("cpu_ms_per_step") or 0.0),
+        # fp32 gradients down and fp32 weights back up for every host-resident parameter
+        "lgh/superoffload/host_bytes_per_step": float(8 * opt.host_numel),
+        "lgh/superoffload/gpu_tail_frac": float(opt.device_numel / max(total, 1)),
+        "lgh/superoffload/skipped_steps": float(st.get("skipped_steps", 0)),
+        "lgh/superoffload/rollbacks": float(st.get("rollbacks", 0)),
+    }
 
 
 def _unsupported_optimizer_message(opt: Any) -> str:

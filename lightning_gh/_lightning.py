@@ -33,6 +33,7 @@ __all__ = [
     "is_compiled",
     "is_last_training_batch",
     "log_to_loggers",
+    "route_clip_gradients",
     "set_closure_result",
     "set_root_device",
     "should_update_logs",

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Any, Iterator, Mapping
 
 from lightning_gh.activation_offload.policy import BlockProfile, OffloadPlan, StepProfile, _schedule, simulate
 
@@ -307,43 +307,42 @@ def plan_budget(
             "the batch or sequence.")
     opts = [_options(bp, i, eligible) for i in range(n)]
     kept_sum = lambda ch: sum(bp.costs[i][m].kept_bytes * (1 - f) for i, (m, f) in enumerate(ch))  # noqa: E731
+
+    def neighbours(ch: list[tuple[str | None, float]]) -> Iterator[tuple[list[tuple[str | None, float]], Any]]:
+        """Every mix that moves one block of ``ch`` to another of its options, with its evaluation."""
+        for i in range(n):
+            for opt in opts[i]:
+                if opt != ch[i]:
+                    cand = ch[:i] + [opt] + ch[i + 1:]
+                    yield cand, _evaluate(bp, cand, d2h_gbps, h2d_gbps, margin)
+
     # Each step takes one block to another of its options; a bound on the steps keeps a plateau (moves that only
     # shift the peak) from spinning: every block can walk through each of its options once.
     for _ in range(sum(len(o) for o in opts)):
         if act <= budget_bytes:
             break
         best = None
-        for i in range(n):
-            for opt in opts[i]:
-                if opt == choices[i]:
-                    continue
-                cand = choices[:i] + [opt] + choices[i + 1:]
-                a, t, p, f = _evaluate(bp, cand, d2h_gbps, h2d_gbps, margin)
-                dmem = act - a
+        for cand, (a, t, p, f) in neighbours(choices):
+            dmem = act - a
+            if dmem <= 0:
+                # No change at the peak: still worth it if it lowers what the blocks keep (the peak may move).
+                dmem = (kept_sum(choices) - kept_sum(cand)) * 1e-3
                 if dmem <= 0:
-                    # No change at the peak: still worth it if it lowers what the blocks keep (the peak may move).
-                    dmem = (kept_sum(choices) - kept_sum(cand)) * 1e-3
-                    if dmem <= 0:
-                        continue
-                score = (max(t - ms, 0.0) + 1e-9) / dmem
-                if best is None or score < best[0]:
-                    best = (score, cand, a, t, p, f)
+                    continue
+            score = (max(t - ms, 0.0) + 1e-9) / dmem
+            if best is None or score < best[0]:
+                best = (score, cand, a, t, p, f)
         if best is None:
             break
         _, choices, act, ms, plan, fc = best
     # Give back: a faster option for one block that still fits.
     for _ in range(4 * n):
         best = None
-        for i in range(n):
-            for opt in opts[i]:
-                if opt == choices[i]:
-                    continue
-                cand = choices[:i] + [opt] + choices[i + 1:]
-                a, t, p, f = _evaluate(bp, cand, d2h_gbps, h2d_gbps, margin)
-                # Faster, or as fast and closer to the budget (less traffic and recompute for nothing).
-                better = t < ms - 1e-6 or (t <= ms + 1e-6 and a > act)
-                if a <= budget_bytes and better and (best is None or (t, -a) < (best[3], -best[2])):
-                    best = (None, cand, a, t, p, f)
+        for cand, (a, t, p, f) in neighbours(choices):
+            # Faster, or as fast and closer to the budget (less traffic and recompute for nothing).
+            better = t < ms - 1e-6 or (t <= ms + 1e-6 and a > act)
+            if a <= budget_bytes and better and (best is None or (t, -a) < (best[3], -best[2])):
+                best = (None, cand, a, t, p, f)
         if best is None:
             break
         _, choices, act, ms, plan, fc = best

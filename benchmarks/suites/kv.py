@@ -8,10 +8,19 @@ each variant generates `--new-tokens` greedily from the same prompts, and is tim
   transformers offloaded            `cache_implementation="offloaded"`: every layer's whole cache both ways per step
   ours R=k                          `OffloadedKVCache(model, resident_layers=k, max_length=prompt+new)`, k = 0, 25%, 50%
   ours 50% KV budget                `gpu_budget_bytes` = half the GPU-only cache's KV bytes (resident + staging ring)
+  ours default                      `OffloadedKVCache(model)`: what a user gets with no options (`"auto"` split from
+                                    half the free GPU memory, sized at first use)
   ours all resident                 every layer on the GPU in preallocated buffers (no copies)
+  GPU-only chunked prefill          DynamicCache with `prefill_chunk_size` (`--prefill-chunk`): reference tokens of
+                                    the capped variants
 
-then, under `torch.cuda.set_per_process_memory_fraction` (`--cap-gib`): GPU-only (expected to run out of memory),
-ours `resident_layers="auto"`, ours R=0.
+then, under `torch.cuda.set_per_process_memory_fraction` (`--cap-gib`, default 5 GiB: below weights + the GPU-only
+KV bytes of the anchor, so GPU-only cannot fit however the prefill runs), every variant with transformers'
+`prefill_chunk_size` (prefill activations bounded by the chunk, not the prompt): GPU-only (expected to run out of
+memory), transformers' offloaded cache, ours default, ours with only `max_length` given; and ours default without
+chunking (its prompt-sized prefill activations alone exceed the cap). An ours variant that runs out of memory is
+retried once with the allocator's expandable segments, and the row says so. The chunked variants run under flash
+and memory-efficient SDPA together (flash cannot take the mask of a chunk after the first).
 
 Tokens are compared bitwise, so on the GPU a probe runs first (8 new tokens): GPU-only twice, transformers' offloaded
 cache, ours; under torch's default SDPA choice, then forced SDPA backends (flash, efficient, cudnn), then
@@ -28,6 +37,7 @@ prompt 4096, 64 new tokens: GPU-only 461 tokens/s, 11.8 GiB peak; offloaded 141 
 Goals: same tokens; >= 2.5x transformers' offloaded cache; >= 0.8x GPU-only holding <= 50% of its KV bytes.
 
     python benchmarks/run.py --suite kv --iters 3 --warmup 1                # anchor shape, on the GPU
+    python benchmarks/run.py --suite kv --iters 2 --warmup 1 --resident 0 --lean --cap-gib 5   # the 2026-11-24 run
     python benchmarks/run.py --suite kv --device cpu --iters 1 --warmup 0   # tiny functional run
 """
 
@@ -60,7 +70,12 @@ def add_arguments(ap) -> None:
         g.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, dest=f"kv_{name}")
     g.add_argument("--resident", type=float, nargs="+", default=[0.0, 0.25, 0.5],
                    help="resident-layer shares for the `ours R=k` variants")
-    g.add_argument("--cap-gib", type=float, default=11.0, help="memory cap of the capped variants (0: skip them)")
+    g.add_argument("--cap-gib", type=float, default=5.0, help="memory cap of the capped variants (0: skip them)")
+    g.add_argument("--prefill-chunk", type=int, default=None,
+                   help="transformers' prefill_chunk_size of the chunked and capped variants (default: 512 on CUDA, a "
+                        "quarter of the prompt on the CPU)")
+    g.add_argument("--lean", action="store_true",
+                   help="skip `ours R=50%% first` and `ours all resident` (GPU time is scarce)")
     g.add_argument("--no-probe", action="store_true", help="skip the determinism probe (GPU)")
     g.add_argument("--no-hf-offloaded", action="store_true", help="skip transformers' offloaded cache (slow)")
 
@@ -171,26 +186,44 @@ def run(ctx: BenchContext) -> list[Result]:
 
     mode_box = {"mode": "default"}
 
-    def generate(max_new: int, **kw) -> torch.Tensor:
-        with _mode(mode_box["mode"]):
+    def generate(max_new: int, mode: str | None = None, **kw) -> torch.Tensor:
+        with _mode(mode or mode_box["mode"]):
             return model.generate(prompts, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
                                   do_sample=False, pad_token_id=0, **kw)
 
-    def ours(**opts):
+    def ours(default: bool = False, chunk: int | None = None, **opts):
+        """`default`: `OffloadedKVCache(model)` as a user writes it (on the CPU with the host-copy backend, since
+        `"auto"` does not offload there); `chunk`: transformers' `prefill_chunk_size`."""
         cache_box: dict[str, Any] = {}
+        if not default:
+            opts = dict(max_length=max_len, **opts)
+        if not default or not ctx.cuda:
+            opts["backend"] = backend
+        gen_kw: dict[str, Any] = {} if chunk is None else {"prefill_chunk_size": chunk, "mode": chunk_mode()}
 
         def fn(max_new: int = new):
             c = cache_box.get("c")
             if c is None:
                 t0 = time.perf_counter()
-                c = cache_box["c"] = OffloadedKVCache(model, max_length=max_len, backend=backend, **opts)
+                c = cache_box["c"] = OffloadedKVCache(model, **opts)
                 cache_box["built_s"] = time.perf_counter() - t0
             else:
                 c.reset()
-            return generate(max_new, past_key_values=c)
+            return generate(max_new, past_key_values=c, **gen_kw)
         fn.box = cache_box  # type: ignore[attr-defined]
         return fn
 
+    chunk = getattr(ctx.args, "prefill_chunk", None) if ctx.args is not None else None
+    chunk = chunk or (512 if ctx.cuda else max(1, shape["prompt"] // 4))
+
+    def chunk_mode() -> str:
+        # A chunk after the first attends with an explicit mask, which the flash kernel does not take.
+        return "flash+efficient" if mode_box["mode"] == "flash" else mode_box["mode"]
+
+    def chunked(max_new: int = new, **kw) -> torch.Tensor:
+        return generate(max_new, prefill_chunk_size=chunk, mode=chunk_mode(), **kw)
+
+    lean = bool(getattr(ctx.args, "lean", False)) if ctx.args is not None else False
     layers = shape["layers"]
     if ctx.cuda and not getattr(ctx.args, "no_probe", False):
         mode_box["mode"] = _probe(generate, ours, full_kv, layers, mode_box)
@@ -204,9 +237,11 @@ def run(ctx: BenchContext) -> list[Result]:
         k = int(round(share * layers))
         variants.append((f"ours R={k}", ours(resident_layers=k), False))
     variants.append(("ours 50% KV budget", ours(gpu_budget_bytes=full_kv // 2), False))
-    if ctx.cuda:
+    variants.append(("ours default", ours(default=True), False))
+    if ctx.cuda and not lean:
         variants.append(("ours R=50% first", ours(resident_layers=layers // 2, placement="first"), False))
-    variants.append(("ours all resident", ours(resident_layers=layers), False))
+    if not lean:
+        variants.append(("ours all resident", ours(resident_layers=layers), False))
 
     results: list[Result] = []
     reference: torch.Tensor | None = None
@@ -217,34 +252,71 @@ def run(ctx: BenchContext) -> list[Result]:
         results[-1].extra.pop("_out", None)
         _progress(ctx, results)
         gc.collect()
+    # The capped variants prefill in chunks, which changes the prefill's numbers: their reference is GPU-only
+    # with the same chunks, uncapped, and the tokens it gives against the one-forward prefill are recorded too.
+    r = _one(ctx, name, "GPU-only chunked prefill", chunked, False, shape, full_kv, layer_bytes, link, reference)
+    chunk_reference = r.extra.pop("_out", None)
+    r.extra.update(prefill_chunk_size=chunk, attention=chunk_mode())
+    results.append(r)
+    _progress(ctx, results)
+    gc.collect()
 
     cap = getattr(ctx.args, "cap_gib", 0.0) if ctx.args is not None else 0.0
     if ctx.cuda and cap:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
         capped = f"{name}-cap{cap:g}GiB"
-        # Under a cap, the caching allocator's fragmentation (freed 1.4 GiB prefill blocks of other sizes) decides
-        # as much as the live bytes: on 2026-11-23 every variant, ours R=0 (8.3 GiB peak uncapped) included, ran out
-        # at an 11 GiB cap. Expandable segments keep reserved memory close to what is allocated.
+        # On 2026-11-23, at an 11 GiB cap and with the prompt in one forward, ours ran out of memory in the prefill
+        # too (1.38 GiB MLP blocks; 8.3 GiB peak uncapped). Chunks bound those activations by design. Expandable
+        # segments (keeping reserved memory close to allocated) are only the fallback, and the row says when.
         set_alloc = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-        if set_alloc is not None:
-            torch.cuda.empty_cache()
-            set_alloc("expandable_segments:True")
-        for variant, fn in (("GPU-only DynamicCache", lambda max_new=new: generate(max_new)),
-                            ("ours auto", ours()), ("ours R=0", ours(resident_layers=0))):
-            reset_memory(dev)
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), index)
-            try:
-                r = _one(ctx, capped, variant, fn, False, shape, full_kv, layer_bytes, link, reference)
-            finally:
-                torch.cuda.set_per_process_memory_fraction(1.0, index)
-            r.extra.pop("_out", None)
-            r.extra["cap_gib"] = cap
-            results.append(r)
-            _progress(ctx, results)
+        capped_variants: list[tuple[str, Callable[[], Callable[..., torch.Tensor]], bool]] = [
+            ("GPU-only DynamicCache", lambda: chunked, False),
+            ("transformers offloaded",
+             lambda: (lambda max_new=new: chunked(max_new, cache_implementation="offloaded")), False),
+            ("ours default", lambda: ours(default=True, chunk=chunk), True),
+            ("ours max_length given", lambda: ours(chunk=chunk), True),
+            ("ours default, prompt in one forward", lambda: ours(default=True), False),
+        ]
+
+        def run_capped(variant: str, fn: Callable[..., torch.Tensor], expandable: bool) -> Result:
             gc.collect()
             torch.cuda.empty_cache()
-    _verdict(results, name, shape)
+            reset_memory(dev)
+            if expandable:
+                try:
+                    set_alloc("expandable_segments:True")
+                except RuntimeError as e:  # this torch cannot switch it at run time: the row says so
+                    print(f"[kv] expandable segments could not be turned on: {e}", flush=True)
+                    expandable = False
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), index)
+            try:
+                ref = reference if "one forward" in variant else chunk_reference
+                r = _one(ctx, capped, variant, fn, False, shape, full_kv, layer_bytes, link, ref)
+            finally:
+                torch.cuda.set_per_process_memory_fraction(1.0, index)
+                box = getattr(fn, "box", None)
+                if box and box.get("c") is not None:
+                    box["c"].close()  # a cache left by a failed call: unpin its pool now
+                if expandable:
+                    set_alloc("expandable_segments:False")
+            r.extra.pop("_out", None)
+            r.extra.update(cap_gib=cap, expandable_segments=expandable,
+                           prefill_chunk_size=None if "one forward" in variant else chunk)
+            return r
+
+        for variant, make, retry in capped_variants:
+            r = run_capped(variant, make(), False)
+            if retry and set_alloc is not None and r.error and "OutOfMemory" in r.error:
+                results.append(r)
+                _progress(ctx, results)
+                r = run_capped(variant + ", expandable segments", make(), True)
+            results.append(r)
+            _progress(ctx, results)
+        gc.collect()
+        torch.cuda.empty_cache()
+    for preset in dict.fromkeys(r.preset for r in results):
+        _verdict(results, preset, shape)
     return results
 
 
@@ -276,12 +348,13 @@ class _mode:
         self._old = None
 
     def __enter__(self):
-        if self.name in ("flash", "efficient", "cudnn"):
+        if self.name in ("flash", "efficient", "cudnn", "flash+efficient"):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                       "cudnn": SDPBackend.CUDNN_ATTENTION}[self.name]
-            self._ctx = sdpa_kernel([backend])
+            backends = {"flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+                        "cudnn": [SDPBackend.CUDNN_ATTENTION],
+                        "flash+efficient": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]}[self.name]
+            self._ctx = sdpa_kernel(backends)
             self._ctx.__enter__()
         elif self.name == "deterministic":
             self._old = torch.are_deterministic_algorithms_enabled()
@@ -414,8 +487,9 @@ def _verdict(results: list[Result], name: str, shape: dict[str, int]) -> None:
         if r.preset == name and t:
             r.extra["vs_gpu_only"] = round(t / gpu, 3) if gpu else None
             r.extra["vs_hf_offloaded"] = round(t / hf, 3) if hf else None
+    cap = next((r.extra["cap_gib"] for r in rows.values() if r.extra.get("cap_gib")), None)
     print(f"\n[kv/{name}] anchor (H200): GPU-only {ANCHOR_GPU_ONLY_TPS} tokens/s, transformers offloaded "
-          f"{ANCHOR_HF_OFFLOADED_TPS} tokens/s")
+          f"{ANCHOR_HF_OFFLOADED_TPS} tokens/s" + (f"; memory cap {cap:g} GiB" if cap else ""))
     for v, r in rows.items():
         t = tps.get(v)
         if not t:
@@ -438,5 +512,13 @@ def _verdict(results: list[Result], name: str, shape: dict[str, int]) -> None:
             ratio = best[1] / gpu
             print(f"  goal >= {GOAL_VS_GPU_ONLY}x GPU-only at <= {GOAL_KV_FRACTION:.0%} KV on GPU: best {best[0]} "
                   f"{ratio:.2f}x -> {'met' if ratio >= GOAL_VS_GPU_ONLY else 'NOT met'}")
-    same = [v for v, r in rows.items() if r.extra.get("tokens_equal") is False]
+    if cap:
+        fits = [v for v in rows if v.startswith("ours") and tps.get(v)]
+        gpu_row = rows.get("GPU-only DynamicCache")
+        oom = gpu_row is not None and "OutOfMemory" in (gpu_row.error or "")
+        print(f"  goal: GPU-only runs out of memory under the cap and ours decodes: GPU-only "
+              f"{'ran out of memory' if oom else 'did not run out of memory'}; ours decoded: {', '.join(fits) or 'none'}"
+              f" -> {'met' if oom and fits else 'NOT met'}")
+    # GPU-only with a chunked prefill is compared to the one-forward prefill for information only.
+    same = [v for v, r in rows.items() if r.extra.get("tokens_equal") is False and not v.startswith("GPU-only")]
     print(f"  tokens bitwise equal to GPU-only: {'all' if not same else 'NOT for ' + ', '.join(same)}")

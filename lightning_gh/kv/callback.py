@@ -67,6 +67,9 @@ class GenerationCallback(L.Callback):
             neither transformers' nor ``generate(input_ids, max_new_tokens, past_key_values)``.
         filename: the JSON-lines file of samples, in the first logger's ``log_dir`` (else ``trainer.default_root_dir``);
             ``None`` writes none.
+        prefill_chunk_size: passed to transformers' ``generate``: the prompt runs through the model this many
+            tokens at a time, so prefill activations are bounded by the chunk instead of the prompt (long prompts
+            under a memory cap). ``None`` prefills in one forward. Only for transformers models.
 
     Example::
 
@@ -90,6 +93,7 @@ class GenerationCallback(L.Callback):
         tokenizer: Any = None,
         generate_fn: Callable[..., torch.Tensor] | None = None,
         filename: str | None = "generations.jsonl",
+        prefill_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
@@ -100,6 +104,10 @@ class GenerationCallback(L.Callback):
             raise ValueError(f"cache={cache!r} is not known; choose one of {list(CACHES)}.")
         if options is not None and not isinstance(options, KVOffloadOptions):
             raise TypeError(f"options={type(options).__name__} must be a KVOffloadOptions.")
+        if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
+                                               or isinstance(prefill_chunk_size, bool) or prefill_chunk_size < 1):
+            raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be None or an int >= 1 (prompt tokens "
+                             "per prefill forward).")
         ids = _as_ids(prompts)
         if ids is None:
             if not (isinstance(prompts, Sequence) and prompts and all(isinstance(p, str) for p in prompts)):
@@ -115,6 +123,7 @@ class GenerationCallback(L.Callback):
         self.tokenizer = tokenizer
         self.generate_fn = generate_fn
         self.filename = filename
+        self.prefill_chunk_size = prefill_chunk_size
         self._ids = ids
         self._last_step: int | None = None
         self._cache_obj: OffloadedKVCache | None = None
@@ -212,8 +221,14 @@ class GenerationCallback(L.Callback):
                         pad = getattr(target.generation_config, "eos_token_id", None)
                 if pad is not None:
                     kw["pad_token_id"] = pad
+                if self.prefill_chunk_size is not None:
+                    kw["prefill_chunk_size"] = self.prefill_chunk_size
                 out = target.generate(ids, **kw)
             else:
+                if self.prefill_chunk_size is not None:
+                    raise ValueError(f"prefill_chunk_size={self.prefill_chunk_size} is an option of transformers' "
+                                     f"generate, and {type(target).__name__}.generate is not transformers'. Allowed "
+                                     "here: None, or a generate_fn that chunks the prompt itself.")
                 out = target.generate(ids, max_new_tokens=self.max_new_tokens, past_key_values=cache)
         sync()
         seconds = time.perf_counter() - t0

@@ -186,14 +186,18 @@ class KVOffloadEngine:
         backend = self._backend(k.device)
         if dk != dv:
             raise ValueError(f"{self.name} needs keys and values of one head size; got {dk} and {dv}.")
-        layer_bytes = 2 * b * h * max_len * dk * k.element_size()
-        self.plan = make_plan(num_layers=self.num_layers, layer_bytes=layer_bytes, batch_size=b, max_length=max_len,
-                              resident_layers=self.options.resident_layers,
-                              gpu_budget_bytes=self.options.gpu_budget_bytes, num_slots=self.options.num_slots,
-                              placement=self.options.placement, backend=backend,
-                              free_bytes=_free_gpu_bytes(k.device),
-                              gpu_memory_fraction=self.options.gpu_memory_fraction)
+        self.plan = self._plan(max_len, backend)
         self._build(max_len)
+
+    def _plan(self, max_len: int, backend: str) -> KVPlan:
+        h, d, _ = self._kv_shape  # type: ignore[misc]
+        layer_bytes = 2 * self.batch_size * h * max_len * d * torch.empty((), dtype=self.dtype).element_size()
+        return make_plan(num_layers=self.num_layers, layer_bytes=layer_bytes, batch_size=self.batch_size,
+                         max_length=max_len, resident_layers=self.options.resident_layers,
+                         gpu_budget_bytes=self.options.gpu_budget_bytes, num_slots=self.options.num_slots,
+                         placement=self.options.placement, backend=backend,
+                         free_bytes=_free_gpu_bytes(self.device) if self.device is not None else None,
+                         gpu_memory_fraction=self.options.gpu_memory_fraction)
 
     def _build(self, max_len: int) -> None:
         plan = self.plan
@@ -215,32 +219,39 @@ class KVOffloadEngine:
             self.transport, self.pool, self.ring = None, None, None
 
     def _grow(self, needed: int) -> None:
+        """Reallocate for a longer ``max_length`` and decide the split again for the larger layers.
+
+        A chunked prefill (transformers' ``prefill_chunk_size``) shows the cache one chunk at a time, so a cache
+        sized at first use grows several times during the prompt. Keeping the first split would hold many more
+        GPU bytes than the budget once the layers are longer; so the kept tokens are parked on the host, the old
+        buffers are dropped (their memory goes back to the allocator, where the new plan may count it as free),
+        and the plan is made again, as at first use.
+        """
         if self.options.max_length is not None:
             raise ValueError(f"max_length={self.options.max_length} is full: a forward needs {needed} tokens per "
                              "sequence. Allowed: max_length >= prompt length + new tokens.")
-        old_len, old_res, old_pool, old_host = self.max_length, self._resident, self.pool, dict(self._host_index)
+        old_len = self.max_length
         new_len = max(self._default_length(needed), 2 * old_len)
         warn_once("grow", f"{self.name}: {needed} tokens do not fit the {old_len} allocated; reallocating for "
                   f"{new_len} (buffers move: pass max_length=prompt+new tokens to allocate once).")
         self.synchronize()
         plan = self.plan
         assert plan is not None
-        per_token = plan.layer_bytes // max(1, old_len)
-        self.plan = KVPlan(plan.num_layers, plan.resident, plan.offloaded, plan.slots, per_token * new_len,
-                           plan.batch_size, new_len, plan.backend, plan.reason)
-        self._build(new_len)
-        for i, (k, v) in old_res.items():
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(self.num_layers):
             n = self.lengths[i]
-            self._resident[i][0][:, :, :n].copy_(k[:, :, :n])
-            self._resident[i][1][:, :, :n].copy_(v[:, :, :n])
-        if old_pool is not None and self.pool is not None:
-            for layer, j in old_host.items():
-                n = self.lengths[layer]
-                ok, ov = old_pool.layer(j)
-                nk, nv = self.pool.layer(self._host_index[layer])
-                nk[:, :, :n].copy_(ok[:, :, :n])
-                nv[:, :, :n].copy_(ov[:, :, :n])
-            old_pool.release()
+            if n:
+                k, v = self.buffers(i)
+                kept[i] = (k[:, :, :n].to("cpu", copy=True), v[:, :, :n].to("cpu", copy=True))
+        if self.pool is not None:
+            self.pool.release()
+        self._resident, self.pool, self.ring, self.transport = {}, None, None, None
+        self.plan = self._plan(new_len, plan.backend)
+        self._build(new_len)
+        for i, (k, v) in kept.items():
+            nk, nv = self.buffers(i)
+            nk[:, :, : k.shape[2]].copy_(k)
+            nv[:, :, : v.shape[2]].copy_(v)
         self.stats.grown += 1
 
     # ---------------------------------------------------------------------------------------- update

@@ -36,7 +36,9 @@ class KVOffloadOptions:
             at first use) holds them all, else as many as the budget leaves after the staging ring; an int fixes it.
         max_length: tokens per sequence the cache holds (prompt + new tokens). Every buffer is allocated once for
             it, so addresses never change. ``None`` sizes the buffers at first use (prompt + 256, rounded up to 256)
-            and doubles them, with one warning, when they fill up.
+            and doubles them, with one warning, when they fill up, deciding the split again for the longer layers.
+            transformers' ``prefill_chunk_size`` shows the cache the prompt chunk by chunk, so it grows during the
+            prompt: give ``max_length`` there to allocate once, at the right size.
         gpu_budget_bytes: GPU bytes the cache may hold (resident layers + staging ring) when ``resident_layers`` is
             ``"auto"``; with an int ``resident_layers`` it is checked, not used to decide. Must hold one layer.
         gpu_memory_fraction: the share of free GPU memory ``"auto"`` may budget when ``gpu_budget_bytes`` is None.

@@ -220,10 +220,48 @@ def test_hf_budget_above_need_is_a_noop(caplog):
     assert "nothing to do" in cb.plan.describe()
 
 
-def test_hf_impossible_budget_names_the_floor():
+def test_hf_impossible_size_budget_is_refused_after_the_warmup_step():
+    """What the step saves outside the blocks stays under every plan: a size budget below it is certain to fail, and
+    is refused at the first step after the warm-up, before any measuring step, naming that bound."""
+    module = HFModule()
     cb = ActivationOffload(budget="1KiB", backend="host-copy", min_tensor_bytes=1, profile_steps=1)
-    with pytest.raises(ValueError, match=r"budget='1KiB'.*below the floor of full recompute plus offload, [0-9.]+ GiB"):
-        _fit(HFModule(), [cb], steps=8)
+    with pytest.raises(ValueError, match=r"budget='1KiB': 1.00 KiB of activation memory is below the floor of full "
+                                         r"recompute plus offload, which is at least [0-9.]+ [KMG]iB") as e:
+        _fit(module, [cb], steps=8)
+    assert "Checked after 1 step(s)" in str(e.value)
+    assert len(module.losses) == 1  # only the warm-up step ran
+    assert cb.engine._b_other > 1024
+
+
+def test_hf_impossible_fraction_names_the_exact_floor_before_any_planned_step():
+    module = HFModule()
+    cb = ActivationOffload(budget=0.01, backend="host-copy", min_tensor_bytes=1, profile_steps=1)
+    with pytest.raises(ValueError, match=r"budget=0.01 \(1% of the plain step's activation memory; the plain step "
+                                         r"measured [0-9.]+ [KMG]iB\).*below the floor of full recompute plus "
+                                         r"offload, [0-9.]+ GiB") as e:
+        _fit(module, [cb], steps=12)
+    e_ = cb.engine
+    n_measuring = 1 + len(e_._b_phases)  # warm-up, raw, plain, one per recompute mode
+    assert f"Checked after the {n_measuring} measuring steps" in str(e.value)
+    assert len(module.losses) == n_measuring and e_.forecast is None
+
+
+def test_fraction_is_of_the_plain_step_without_engine_effects():
+    """Under bf16 autocast the engine's own measuring step keeps less than a plain run (it shares autocast's repeated
+    casts and re-casts the weights in the backward); a fraction is a fraction of the plain run's memory."""
+    module = HFModule()
+    cb = ActivationOffload(budget=0.6, backend="host-copy", min_tensor_bytes=1, profile_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=9, precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb])
+    trainer.fit(module, _data())
+    e = cb.engine
+    assert e.plain_activation_bytes > e.engine_plain_bytes > 0
+    assert e.budget_bytes == int(0.6 * e.plain_activation_bytes)
+    assert e.forecast.activation_bytes <= e.budget_bytes
+    # The raw step's saved bytes are those of a plain autograd run: the same blocks under hooks that only count.
+    raw = e._b_raw
+    assert sum(raw.used) == 0 and sum(raw.resident) > 0
 
 
 def test_hf_gradient_checkpointing_detected_and_taken_over():

@@ -1,8 +1,9 @@
 """Activation memory by budget: the user names the memory, the planner picks per block how to reach it.
 
-``ActivationOffload(budget="6GiB")`` (or ``budget=0.5``, half of what the plain step needs) replaces the choice
-of a technique. The engine measures, in its first steps, each transformer block under every way of saving memory
-it implements, and this module turns those measurements into a plan:
+``ActivationOffload(budget="6GiB")`` (or ``budget=0.5``, half of what the plain step needs: the same step with no
+engine effect at all, which the engine measures) replaces the choice of a technique. The engine measures, in its
+first steps, each transformer block under every way of saving memory it implements, and this module turns those
+measurements into a plan:
 
 * **keep**: the block keeps what it saves (costs nothing);
 * **offload**: the engine copies what the block saves to host memory (all of it or a quarter, half, three

@@ -146,7 +146,10 @@ class ActivationOffloader(SavedTensorHooks):
         self._b_knob_prev: float | None = None
         self.budget_profile: _budget.BudgetProfile | None = None
         self.budget_bytes: int | None = None
-        self.plain_activation_bytes: int | None = None
+        self.plain_activation_bytes: int | None = None  # the plain step's, no engine effect at all (fractions)
+        self.engine_plain_bytes: int | None = None  # the engine's own measuring step (cast dedupe, weight re-cast)
+        self._b_raw: Forward | None = None
+        self._b_other: int | None = None
         self.forecast: _budget.BudgetForecast | None = None
         self.achieved_bytes: int | None = None
         self._b_cbase = 0
@@ -251,6 +254,7 @@ class ActivationOffloader(SavedTensorHooks):
         assert plan is not None
         fwd = Forward(self._forwards, plan, profiling)
         fwd.tag = tag
+        fwd.raw = tag is not None and tag[0] == "raw"
         if tag is not None:
             self._start_measure(fwd)
         self._forwards += 1
@@ -490,7 +494,7 @@ class ActivationOffloader(SavedTensorHooks):
                 continue  # no norm or gate modules in the blocks: nothing for this mode to recompute
             self._rcs[mode] = rc
             modes.append(mode)
-        self._b_phases = [None] * self.profile_steps + list(modes)
+        self._b_phases = [_RAW] + [None] * self.profile_steps + list(modes)
 
     def _set_knob(self, value: float, owner: str, why: str) -> None:
         import torch._functorch.config as fconfig
@@ -550,6 +554,8 @@ class ActivationOffloader(SavedTensorHooks):
                 return plan_none(n, "budget-warmup"), True, ("warmup", None)
             mode = self._b_phases[self._b_issued] if self._b_issued < len(self._b_phases) else None
             self._b_issued += 1
+            if mode == _RAW:
+                return plan_none(n, "budget-raw"), True, ("raw", None)
             plan = plan_none(n, "budget-measure")
             if mode is not None:
                 plan = OffloadPlan(plan.policy, plan.budgets, plan.release_at, plan.prefetch_at, modes=(mode,) * n)
@@ -582,7 +588,15 @@ class ActivationOffloader(SavedTensorHooks):
             if fwd.act_peak is None:
                 self._end_measure(fwd)  # no end_backward(): the peak up to now (the optimizer step included)
             kind, arg = fwd.tag
-            if kind == "measure" and self._b_state == "measure":
+            if kind == "warmup":
+                self._b_other = fwd.other
+                self._check_lower_bound()
+            elif kind == "raw":
+                self._b_raw = fwd
+                if fwd.act_peak is not None:
+                    self.plain_activation_bytes = fwd.act_peak
+                self._check_lower_bound()
+            elif kind == "measure" and self._b_state == "measure":
                 prof = self._measure(fwd)
                 if prof is not None:
                     self._b_meas.setdefault(arg, []).append((prof, fwd))
@@ -593,8 +607,8 @@ class ActivationOffloader(SavedTensorHooks):
 
     def _make_budget_plan(self) -> None:
         plain = self._b_meas.get(None, [])
-        modes = [m for m in self._b_phases if m is not None]
-        if len(plain) < self.profile_steps or any(m not in self._b_meas for m in modes):
+        modes = [m for m in self._b_phases if m not in (None, _RAW)]
+        if self._b_raw is None or len(plain) < self.profile_steps or any(m not in self._b_meas for m in modes):
             return
         n = len(self.blocks)
         step = _median_profile([p for p, _ in plain])
@@ -614,25 +628,63 @@ class ActivationOffloader(SavedTensorHooks):
         peaks = [f.act_peak for _, f in plain if f.act_peak is not None]
         act = int(statistics.median(peaks)) if peaks else model_plain
         self.budget_profile = bp = bp.with_overhead(act - model_plain)
-        self.plain_activation_bytes = act
-        self.budget_bytes = budget = self.budget.resolve(act)
+        self.engine_plain_bytes = act
+        # The reference of a fraction: the raw step, measured on CUDA, or on a CPU its tracked saved bytes under the
+        # same timeline model as the planner's (so both sides of the comparison count alike).
+        raw = self._b_raw.act_peak if self._b_raw.act_peak is not None else self._tracked_activation(self._b_raw)
+        self.plain_activation_bytes = raw
+        self.budget_bytes = budget = self.budget.resolve(raw)
+        sz = self._size
         if budget >= act:
             self._b_state = "done"
             plan = plan_none(n, "budget")
             self.plan = OffloadPlan("budget", plan.budgets, plan.release_at, plan.prefetch_at, notes=(
-                f"budget {self._size(budget)} ({self.budget.describe()}) >= the plain step's measured "
-                f"{self._size(act)} of activation memory: nothing to do",))
+                f"budget {sz(budget)} ({self.budget.describe()}; the plain step measured {sz(raw)}) >= the "
+                f"{sz(act)} the engine's own step needs with its free savings (cast dedupe, weight re-cast): "
+                "nothing to do",))
             self.budget_log.append({"activation_budget/target_gib": budget / 2**30,
-                                    "activation_budget/plain_gib": act / 2**30})
+                                    "activation_budget/plain_gib": raw / 2**30,
+                                    "activation_budget/engine_plain_gib": act / 2**30})
             self.on_plan(self.plan)
             return
         try:
             plan, fc = _budget.plan_budget(bp, budget, d2h, h2d, self.margin, self.skip_last_blocks)
         except ValueError as e:
             self._b_state = "failed"
-            raise ValueError(f"ActivationOffload budget={self.options.budget!r}: {e}") from None
+            raise ValueError(f"ActivationOffload budget={self.options.budget!r} ({self.budget.describe()}; the "
+                             f"plain step measured {sz(raw)}): {e} Checked after the {self._forwards} measuring "
+                             "steps, before any planned step.") from None
         self._b_state, self._b_round = "correct", 0
         self._adopt_budget_plan(plan, fc)
+
+    def _check_lower_bound(self) -> None:
+        """Refuse a budget that no plan can reach as soon as that is certain, before the measuring steps end.
+
+        What the step saves outside the blocks (embedding output, final norm, the head's input and logits) stays on
+        the device under every plan, all of it at the end of the forward, so it bounds the floor from below. It is
+        known after the warm-up step; a fraction also needs the raw step's measured peak (CUDA). The exact floor
+        (full recompute plus offload in every block) needs the measuring steps and is checked right after them.
+        """
+        other = self._b_other
+        if other is None or self._b_state != "measure":
+            return
+        if self.budget.bytes is not None:
+            budget = self.budget.bytes
+        elif self.plain_activation_bytes is not None:
+            budget = self.budget.resolve(self.plain_activation_bytes)
+        else:
+            return
+        if budget < other:
+            self._b_state = "failed"
+            sz = self._size
+            of = "" if self.budget.bytes is not None else \
+                f" ({self.budget.describe()}; the plain step measured {sz(self.plain_activation_bytes)})"
+            raise ValueError(
+                f"ActivationOffload budget={self.options.budget!r}: {sz(budget)}{of} of activation memory is below "
+                f"the floor of full recompute plus offload, which is at least {sz(other)} on this model and batch: "
+                "what the step saves outside the transformer blocks (embedding, final norm, head and logits) stays "
+                f"on the device under every plan. Raise the budget above {sz(other)} (the exact floor is measured "
+                f"in the next steps), or shrink the batch or sequence. Checked after {self._forwards} step(s).")
 
     @staticmethod
     def _size(nbytes: float) -> str:
@@ -645,8 +697,9 @@ class ActivationOffloader(SavedTensorHooks):
         act, budget = self.plain_activation_bytes, self.budget_bytes
         d2h, h2d = self._link_gbps()
         sz = self._size
+        rnd = f" (correction {self._b_round})" if self._b_round else ""
         note = (f"budget {sz(budget)} ({self.budget.describe()}; the plain step measured "
-                f"{sz(act)}); plan{'' if not self._b_round else f' (correction {self._b_round})'}: "
+                f"{sz(act)}, the engine's measuring step {sz(self.engine_plain_bytes)}); plan{rnd}: "
                 f"{fc.describe_choices()}; predicted {sz(fc.activation_bytes)} at {fc.step_ms:.1f} ms "
                 f"fwd+bwd ({fc.ratio:.2f}x the plain {fc.plain_step_ms:.1f} ms: recompute +{fc.recompute_ms:.1f} ms, "
                 f"link stall +{fc.stall_ms:.1f} ms at {d2h:.0f}/{h2d:.0f} GB/s, margin {self.margin:.0%})")
@@ -656,6 +709,7 @@ class ActivationOffloader(SavedTensorHooks):
         self.forecast = fc
         self.budget_log.append({"activation_budget/target_gib": budget / 2**30,
                                 "activation_budget/plain_gib": act / 2**30,
+                                "activation_budget/engine_plain_gib": self.engine_plain_bytes / 2**30,
                                 "activation_budget/predicted_gib": fc.activation_bytes / 2**30,
                                 "activation_budget/predicted_ms": fc.step_ms,
                                 "activation_budget/round": float(self._b_round)})
@@ -752,6 +806,9 @@ class ActivationOffloader(SavedTensorHooks):
         bstart = m.get(("b", n), m["fwd_end"])
         return StepProfile(tuple(blocks), max(ms(m[("fe", n - 1)], m["fwd_end"]), 0.0),
                            max(ms(bstart, m[("b", n - 1)]), 0.0), fwd.other)
+
+
+_RAW = "raw"  # budget mode's measuring phase with no engine effect: the reference of a fraction budget
 
 
 def _median_profile(profiles: list[StepProfile]) -> StepProfile:

@@ -150,6 +150,8 @@ class Forward:
         self.mem_base: int | None = None
         self.act_peak: int | None = None
         self.rc_cached: dict[int, int] = {}
+        # budget mode's reference step: no cast dedupe, no weight re-cast, nothing moved (what a plain run keeps)
+        self.raw = False
 
 
 class SavedTensorHooks:
@@ -240,7 +242,7 @@ class SavedTensorHooks:
         with self._lock:
             self.stats.saved_tensors += 1
             block = fwd.current
-            if self.recompute_param_casts and t.grad_fn is not None:
+            if self.recompute_param_casts and not fwd.raw and t.grad_fn is not None:
                 param = self._param_of_cast(t)
                 if param is not None:
                     self.stats.recomputed_param_casts += 1
@@ -266,7 +268,7 @@ class SavedTensorHooks:
                     and (not e.moved or t._version == e.version):
                 self.stats.deduplicated_saves += 1
                 return self._handle(fwd, block, t, e)
-            ck = self._cast_key(t, block) if self.dedupe_casts else None
+            ck = self._cast_key(t, block) if self.dedupe_casts and not fwd.raw else None
             if ck is not None:
                 hit = fwd.casts.get(ck[0])
                 if hit is not None:

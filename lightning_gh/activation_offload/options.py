@@ -91,14 +91,17 @@ class ActivationOffloadOptions:
             Refused for blocks that are already checkpointed, compiled, or run Transformer Engine layers.
         budget: the activation memory to fit in, instead of a technique (see
             :mod:`lightning_gh.activation_offload.budget`): a size string (``"6GiB"``, ``"512MiB"``, ``"6GB"``),
-            an int of bytes, or a float in ``(0, 1]``, a fraction of the activation memory the engine's plain
-            measuring step needs (``0.5``: half; its cast deduplication is already on in that step). Activation memory is the step's peak allocation minus the model state
+            an int of bytes, or a float in ``(0, 1]``, a fraction of the activation memory the plain step needs
+            (``0.5``: half), measured by the engine in one step where it changes nothing (no cast deduplication, no
+            weight re-cast, nothing moved). Activation memory is the step's peak allocation minus the model state
             (weights, their gradients, optimizer state). The first steps measure each block under every way of
             saving memory (keep, offload, ``"norm-act"``, ``"selective"`` and ``"full"`` recompute), a planner
             picks per block the mix that fits at the lowest predicted step time, and up to two correction rounds
-            adjust it to the measured peak. Needs ``policy="auto"`` (the default) and ``recompute=None``: the
-            planner chooses both. On a ``torch.compile``'d model it sets the compiler's own
-            ``activation_memory_budget`` instead.
+            adjust it to the measured peak. A budget below the floor is a ``ValueError`` naming the floor in GiB,
+            raised after the warm-up step when it is below what the step saves outside the blocks, else after the
+            measuring steps, before any planned step. Needs ``policy="auto"`` (the default) and ``recompute=None``:
+            the planner chooses both. On a ``torch.compile``'d model it sets the compiler's own
+            ``activation_memory_budget`` instead (a fraction is then handed to it as is).
 
     Example::
 

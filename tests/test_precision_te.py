@@ -190,6 +190,69 @@ def test_plugin_checkpoint_restores_matching_layers_and_warns_about_the_rest(plu
         plugin_without_te("current").load_state_dict(ckpt)
 
 
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + self.proj(self.norm(x))
+
+
+def _blocks_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Sequential(_Block(), _Block(), _Block()),
+                               torch.nn.Linear(32, 8))
+
+
+def _prepare(plugin, model, native_te=()):
+    """Drive the plugin's setup steps by hand: the blocks' projections stand in for converted TE layers."""
+    plugin._before_conversion(model, torch.device("cpu"))
+    plugin._converted = {f"1.{i}.proj": block.proj for i, block in enumerate(model[1])}
+    plugin.native_te = list(native_te)
+    return plugin._compile_regions(model)
+
+
+def test_blocks_holding_te_layers_are_compiled_in_place_by_default(plugin_without_te):
+    with pytest.raises(ValueError, match=r"compile_blocks='yes'.*expected True, False or a dict"):
+        precision("fp8-te-current", compile_blocks="yes")
+
+    model = _blocks_model()
+    note = _prepare(plugin_without_te(), model)
+    assert "compiled 3 blocks of 1 in place" in note and "TE layers running eagerly inside" in note
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model[1])
+    assert getattr(model[0], "_compiled_call_impl", None) is None  # the rest of the model stays eager
+    assert all(k.startswith(("0.", "1.", "2.")) and "_orig_mod" not in k for k in model.state_dict())
+
+    eager = _blocks_model()
+    plugin = plugin_without_te()
+    plugin.compile_blocks = False  # as TEFloat8Precision(compile_blocks=False) sets it
+    assert _prepare(plugin, eager) == ""
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in eager[1])
+
+    user_compiled = torch.compile(_blocks_model())  # the user's own compile is left alone
+    plugin = plugin_without_te()
+    plugin._before_conversion(user_compiled, torch.device("cpu"))
+    plugin._converted = {f"1.{i}.proj": block.proj for i, block in enumerate(user_compiled._orig_mod[1])}
+    plugin.native_te = []
+    assert plugin._compile_regions(user_compiled) == ""
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in user_compiled._orig_mod[1])
+
+    native = _blocks_model()
+    assert "blocks not compiled: the model has Transformer Engine modules" in _prepare(
+        plugin_without_te(), native, native_te=["1.0.te_layer"])
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in native[1])
+
+
+def test_compiled_blocks_match_the_eager_blocks(plugin_without_te):
+    torch.manual_seed(0)
+    model = _blocks_model()
+    x = torch.randn(4, 32)
+    expected = model(x)
+    _prepare(plugin_without_te(), model)
+    torch.testing.assert_close(model(x), expected)
+
+
 def test_ddp_reduces_delayed_scaling_amax_over_the_data_parallel_group(monkeypatch):
     """Runs without TE: the group the plugin passes to TE's autocast under DDP (one gloo process stands in)."""
     import torch.distributed as dist

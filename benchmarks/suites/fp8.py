@@ -9,8 +9,11 @@ Three modes, each measured side by side in one process:
                  curves are compared with bf16-mixed eager (10-step moving average, tolerance 1%).
   --hf           the model a user brings: a plain LightningModule around transformers' LlamaForCausalLM (random
                  init, the issue-18 configuration by default), Trainer(precision=...) or plugins=[precision(name)],
-                 fused AdamW; variants --hf-variants (see HF_VARIANTS); ratios against bf16-mixed eager, losses
-                 step by step against it. JSON is also written after every variant (partial results survive).
+                 fused AdamW; variants --hf-variants (see HF_VARIANTS: bf16 anchors, Lightning's
+                 "transformer-engine", the TE and torchao defaults, the TE layer choice and compile_blocks=False
+                 rows, fp8-auto with its choice and trial figures); ratios against bf16-mixed eager and Lightning's
+                 TE, losses step by step against bf16; --hf-loss-variants run --hf-loss-steps (200) steps and are
+                 checked on the last-50 mean (the issue-18 loss goal). JSON is also written after every variant.
   --gemm         the GEMM cross-over behind the layer filter's min_dim rule: one Linear, forward + backward, bf16
                  against torchao float8 (compiled) and Transformer Engine fp8, for square and Llama shapes.
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import statistics
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,9 +110,27 @@ BASES = ("bf16", "bf16-compiled")
 
 # --hf: the issue-18 model (hidden 4096, 4 layers, FFN 14336, 32/8 heads, vocab 32000, 2x4096 tokens)
 HF_SHAPE = (4096, 4, 14336, 32, 8, 32000, 2, 4096)
+_EAGER = {"compile_blocks": False}
+_ALL_LAYERS = {"skip_head": False, "skip_first": False}
+_LIKE_LIGHTNING = {"master_weights": False, "weights_dtype": torch.bfloat16, **_ALL_LAYERS}
 HF_VARIANTS = {
     # key: (label, precision string or plugin name, plugin options, how the model is compiled)
     "bf16": ("bf16-mixed eager", "bf16-mixed", None, "none"),
+    "lightning-te": ("Lightning transformer-engine", "transformer-engine", None, "none"),
+    "te-delayed": ("fp8-te-delayed (default: fp32 masters, blocks compiled)", "fp8-te-delayed", {}, "none"),
+    "te-current": ("fp8-te-current (default: fp32 masters, blocks compiled)", "fp8-te-current", {}, "none"),
+    "te-delayed-head": ("fp8-te-delayed, head in fp8 (skip_head=False)", "fp8-te-delayed",
+                        {"skip_head": False}, "none"),
+    "te-delayed-all": ("fp8-te-delayed, head + first projection in fp8", "fp8-te-delayed", _ALL_LAYERS, "none"),
+    "te-delayed-eager": ("fp8-te-delayed compile_blocks=False", "fp8-te-delayed", _EAGER, "none"),
+    "te-delayed-eager-head": ("fp8-te-delayed compile_blocks=False, head in fp8", "fp8-te-delayed",
+                              {**_EAGER, "skip_head": False}, "none"),
+    "te-delayed-eager-first": ("fp8-te-delayed compile_blocks=False, first projection in fp8", "fp8-te-delayed",
+                               {**_EAGER, "skip_first": False}, "none"),
+    "te-delayed-eager-all": ("fp8-te-delayed compile_blocks=False, head + first in fp8", "fp8-te-delayed",
+                             {**_EAGER, **_ALL_LAYERS}, "none"),
+    "te-delayed-eager-like-lightning": ("fp8-te-delayed compile_blocks=False, no masters, bf16 weights, all layers",
+                                        "fp8-te-delayed", {**_EAGER, **_LIKE_LIGHTNING}, "none"),
     "ao-tensorwise": ("fp8-ao-tensorwise (default: blocks compiled)", "fp8-ao-tensorwise", {}, "none"),
     "ao-tensorwise-nocompile": ("fp8-ao-tensorwise compile_blocks=False", "fp8-ao-tensorwise",
                                 {"compile_blocks": False}, "none"),
@@ -134,6 +156,12 @@ def add_arguments(ap) -> None:
     ap.add_argument("--gemm", action="store_true", help="GEMM cross-over micro-benchmark instead")
     ap.add_argument("--hf", action="store_true", help="HF transformers Llama in a plain LightningModule instead")
     ap.add_argument("--hf-variants", nargs="+", default=list(HF_DEFAULT), choices=sorted(HF_VARIANTS))
+    ap.add_argument("--hf-loss-variants", nargs="*", default=[], choices=sorted(HF_VARIANTS),
+                    help="--hf: these variants (and bf16) run --hf-loss-steps steps; their last-50 mean loss is "
+                         "compared with bf16-mixed's")
+    ap.add_argument("--hf-loss-steps", type=int, default=200, help="--hf: steps of the --hf-loss-variants runs")
+    ap.add_argument("--hf-data", default="zipf", choices=["zipf", "uniform"],
+                    help="--hf: token ids drawn from a Zipf(1.1) distribution (the loss falls) or uniformly")
     ap.add_argument("--hf-shape", type=int, nargs=8, default=list(HF_SHAPE), metavar="N",
                     help="hidden layers ffn heads kv_heads vocab batch seq (default: the issue-18 model)")
     ap.add_argument("--gemm-tokens", type=int, nargs="+", default=[8192], help="tokens (M) per GEMM")
@@ -480,10 +508,27 @@ def _hf_config(shape: list[int]) -> Any:
                        max_position_embeddings=seq, attn_implementation="sdpa")
 
 
-def _hf_data(shape: list[int], steps: int) -> torch.utils.data.DataLoader:
+def _hf_loss_keys(args) -> set[str]:
+    """The --hf variants run --hf-loss-steps long (bf16 always among them: the reference curve)."""
+    keys = set(getattr(args, "hf_loss_variants", None) or ())
+    return keys | {"bf16"} if keys else set()
+
+
+def _hf_data(shape: list[int], steps: int, kind: str = "zipf") -> torch.utils.data.DataLoader:
+    """``steps`` batches of token ids, the same for every variant.
+
+    ``uniform``: uniform random ids (the loss stays near ln(vocab): a speed run only). ``zipf``: ids drawn from a
+    Zipf(1.1) distribution over the vocabulary, so the loss falls from ln(vocab) towards the distribution's entropy
+    as the model learns the frequencies: a loss curve to compare recipes on.
+    """
     *_, vocab, batch, seq = shape
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(vocab, (steps * batch, seq), generator=g)
+    if kind == "uniform":
+        tokens = torch.randint(vocab, (steps * batch, seq), generator=g)
+    else:
+        probs = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64) ** 1.1
+        tokens = torch.multinomial(probs / probs.sum(), steps * batch * seq, replacement=True, generator=g)
+        tokens = tokens.view(steps * batch, seq)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=batch, shuffle=False)
 
 
@@ -504,8 +549,10 @@ def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
         with torch.device(ctx.device):
             model = HFCausalLM(_hf_config(shape), compile=how, lr=ctx.args.lr)
         kwargs: dict[str, Any] = {}
-        if name in ("bf16-mixed",):
+        if name == "bf16-mixed":
             kwargs["precision"] = "bf16-mixed" if ctx.cuda else "32-true"
+        elif name == "transformer-engine":
+            kwargs["precision"] = name
         else:
             o = dict(opts or {})
             if not ctx.cuda and name.startswith("fp8-ao"):
@@ -513,16 +560,26 @@ def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
             kwargs["plugins"] = [precision(name, **o)]
         timer, rec = StepTimer(ctx.warmup), _Losses()
         steps = ctx.warmup + ctx.iters
+        if key in _hf_loss_keys(ctx.args):
+            steps = max(steps, ctx.args.hf_loss_steps)  # a longer run: its loss curve is checked against bf16's
+        r.extra["steps"] = steps
         trainer = L.Trainer(accelerator="gpu" if ctx.cuda else "cpu", devices=1, max_steps=steps,
                             limit_val_batches=0, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, rec], **kwargs)
-        trainer.fit(model, _hf_data(shape, steps))
+        t0 = time.perf_counter()
+        trainer.fit(model, _hf_data(shape, steps, ctx.args.hf_data))
+        r.extra["fit_s"] = round(time.perf_counter() - t0, 1)
         r.timing = timer.timing()
         r.peak_mem_bytes = peak_memory(ctx.device)
         r.extra["losses"] = rec.losses
         r.extra["fp8_layers"] = _fp8_layers(trainer)
         r.extra["plugin"] = getattr(trainer.precision_plugin, "name", type(trainer.precision_plugin).__name__)
         r.extra["regional"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+        auto = next((p for p in kwargs.get("plugins", []) if hasattr(p, "choice")), None)
+        if auto is not None and auto.choice is not None:  # fp8-auto: what it chose and the figures it used
+            r.extra["auto_choice"] = auto.choice.name
+            r.extra["auto_reason"] = auto.choice.reason
+            r.extra["auto_trial_ms"] = dict(auto.timings)
     except Exception as e:  # a missing backend, an OOM or a compile failure is a result, not a crash
         r.error = _error(e)
         traceback.print_exc()
@@ -536,41 +593,79 @@ def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
     return r
 
 
+HF_LOSS_TAIL = 50  # the issue's loss goal: mean of the last 50 steps within 1% of bf16-mixed's
+
+
+def _tail_gap(ref: list[float], losses: list[float], n: int) -> float | None:
+    """Relative gap between the means of the last ``n`` losses (``None`` when either run is shorter)."""
+    if len(ref) < n or len(losses) < n or len(ref) != len(losses):
+        return None
+    a, b = statistics.fmean(ref[-n:]), statistics.fmean(losses[-n:])
+    return abs(a - b) / abs(a)
+
+
 def _summary_hf(rows: list[Result]) -> str:
     by_key = {r.extra["key"]: r for r in rows}
     base = by_key.get("bf16")
     blocks = by_key.get("bf16-blocks")
     compiled = by_key.get("bf16-compiled")
+    lte = by_key.get("lightning-te")
     ms = lambda r: r.median_ms if r is not None else None  # noqa: E731
     lines = ["\n### fp8 summary: HF LlamaForCausalLM, full Lightning steps (median ms; ratio > 1 is faster)",
-             "| variant | plugin | fp8 layers | ms | vs bf16 eager | vs bf16 blocks compiled | vs bf16 compiled | "
-             "peak GiB | max rel loss gap | last-10 mean gap |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| variant | plugin | fp8 layers | steps | ms | vs bf16 eager | vs Lightning TE | vs bf16 blocks compiled | "
+             f"vs bf16 compiled | peak GiB | max rel loss gap | last-{HF_LOSS_TAIL} mean gap |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ref = base.extra.get("losses") if base is not None and base.timing else None
     for r in rows:
         if not r.median_ms:
-            lines.append(f"| {r.variant} | - | - | error: {r.error} | | | | | | |")
+            lines.append(f"| {r.variant} | - | - | - | error: {r.error} | | | | | | | |")
             continue
         gap = tail = "-"
         losses = r.extra.get("losses") or []
         if ref and losses and r is not base:
             rel = [abs(a - b) / abs(a) for a, b in zip(ref, losses)]
             gap = f"{max(rel):.2e}"
-            n = min(10, len(ref), len(losses))
-            tail = f"{abs(statistics.fmean(ref[-n:]) - statistics.fmean(losses[-n:])) / statistics.fmean(ref[-n:]):.2e}"
+            t = _tail_gap(ref, losses, HF_LOSS_TAIL)
+            if t is not None:
+                r.extra["loss_tail_rel_gap"] = t
+                tail = f"{t:.2e}"
         peak = f"{r.peak_mem_bytes / 2**30:.1f}" if r.peak_mem_bytes else "-"
-        lines.append(f"| {r.variant} | {r.extra.get('plugin')} | {r.extra.get('fp8_layers')} | {r.median_ms:.2f} | "
-                     f"{_ratio(ms(base), r.median_ms)} | {_ratio(ms(blocks), r.median_ms)} | "
+        lines.append(f"| {r.variant} | {r.extra.get('plugin')} | {r.extra.get('fp8_layers')} | "
+                     f"{r.extra.get('steps', '-')} | {r.median_ms:.2f} | {_ratio(ms(base), r.median_ms)} | "
+                     f"{_ratio(ms(lte), r.median_ms)} | {_ratio(ms(blocks), r.median_ms)} | "
                      f"{_ratio(ms(compiled), r.median_ms)} | {peak} | {gap} | {tail} |")
+    for r in rows:
+        if r.extra.get("auto_choice") is not None or r.extra.get("auto_reason"):
+            lines.append(f"fp8-auto chose {r.extra.get('auto_choice')}: {r.extra.get('auto_reason')}")
+
+    def goal(text: str, x: float | None, target: float) -> None:
+        if x is not None:
+            lines.append(f"goal {text}: {x:.3f}x -> {'MET' if x >= target else 'NOT MET'} (>= {target:.2f}x)")
+
+    for key in ("te-delayed", "auto"):
+        r = by_key.get(key)
+        if r is not None and r.median_ms:
+            if ms(lte):
+                goal(f"{r.variant} >= 1.05x over Lightning transformer-engine", ms(lte) / r.median_ms, 1.05)
+            if ms(base):
+                goal(f"{r.variant} >= 1.53x over bf16-mixed", ms(base) / r.median_ms, 1.53)
     ao = by_key.get("ao-tensorwise")
     if ao is not None and ao.median_ms and ms(base):
-        x = ms(base) / ao.median_ms
-        lines.append(f"goal fp8-ao-tensorwise on the eager model >= 1.40x over bf16-mixed: {x:.3f}x -> "
-                     f"{'MET' if x >= 1.40 else 'NOT MET'}")
+        goal("fp8-ao-tensorwise on the eager model >= 1.40x over bf16-mixed", ms(base) / ao.median_ms, 1.40)
     aoc = by_key.get("ao-tensorwise-compiled")
     if aoc is not None and aoc.median_ms and ms(compiled):
-        x = ms(compiled) / aoc.median_ms
-        lines.append(f"goal fp8-ao-tensorwise on a compiled model >= 1.30x over compiled bf16: {x:.3f}x -> "
-                     f"{'MET' if x >= 1.30 else 'NOT MET'}")
+        goal("fp8-ao-tensorwise on a compiled model >= 1.30x over compiled bf16", ms(compiled) / aoc.median_ms, 1.30)
+    if base is not None and base.peak_mem_bytes:
+        for r in rows:
+            if r is not base and r.peak_mem_bytes and r.extra["key"] in ("te-delayed", "ao-tensorwise", "auto"):
+                ok = r.peak_mem_bytes <= base.peak_mem_bytes
+                lines.append(f"goal {r.variant} peak memory <= bf16-mixed's: {r.peak_mem_bytes / 2**30:.1f} vs "
+                             f"{base.peak_mem_bytes / 2**30:.1f} GiB -> {'MET' if ok else 'NOT MET'}")
+    for r in rows:
+        t = r.extra.get("loss_tail_rel_gap")
+        if t is not None and r.extra.get("steps", 0) >= 200:
+            lines.append(f"goal {r.variant} loss over {r.extra['steps']} steps, last-{HF_LOSS_TAIL} mean within 1% "
+                         f"of bf16-mixed: {t:.2%} -> {'MET' if t <= LOSS_TOLERANCE else 'NOT MET'}")
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ hardware gating, and Lightning's own precisions passed through.
 Modules: ``names`` (the names), ``checks`` (availability, hardware gating, setup-time checks), ``layer_filter``,
 ``options`` (``Float8Options``), ``base`` (``Float8PrecisionBase``), ``te`` / ``ao`` / ``auto`` (the fp8 plugins),
 ``master`` (fp32 master weights for bf16 modules, used by ``te``), ``regional`` (per-block ``torch.compile``, used by
-``ao``), ``trial`` (``fp8-auto``'s setup-time timing of the candidates), ``registry`` (``precision()``: names to
+``ao`` and ``te``), ``trial`` (``fp8-auto``'s setup-time timing of the candidates), ``registry`` (``precision()``: names to
 plugins), ``plugin`` (``Float8Precision`` for config files), ``export``.
 
 Nothing here imports Transformer Engine or torchao until a plugin that needs one is built.

@@ -7,6 +7,8 @@ into the neighbouring ops. Compiling the whole model is the user's choice; compi
 safe to do for them: the block boundary is a plain ``forward`` call, every block of one class reuses the same
 compiled code, the rest of the model (embedding, head, loss, the user's ``training_step``) stays eager, and
 state-dict keys do not change (``nn.Module.compile()`` wraps nothing, unlike ``torch.compile(module)``).
+The Transformer Engine plugins use it too: their TE layers stay eager inside the compiled blocks (a graph break
+around each), and the norms, rotary embeddings and activations between them are fused.
 
 Blocks are found the way the layer filter walks the model: the largest ``nn.ModuleList`` / ``nn.Sequential`` of
 two or more children of one class that holds converted fp8 layers (HF ``model.model.layers``, the demo's

@@ -7,8 +7,10 @@ default; see ``master``): the optimizer updates the fp32 masters, which are cast
 step, and checkpoints hold them. ``master_weights=False`` is the earlier behaviour (the module keeps the model's
 own dtype, fp32 weights under bf16 autocast, unless ``weights_dtype`` says otherwise). It runs each training,
 validation and prediction step under bf16 autocast plus Transformer Engine's fp8 autocast with the chosen
-recipe. It uses the TE 2.x API ``te.autocast(recipe=...)`` and falls back to ``te.fp8_autocast(fp8_recipe=...)``
-on older TE.
+recipe. On a model that is not compiled it compiles each transformer block in place (``compile_blocks=True``,
+regional compilation): the elementwise work between the TE GEMMs (norms, rotary embeddings, activations, residual
+adds) is fused, while the TE layers run eagerly inside the compiled blocks. It uses the TE 2.x API
+``te.autocast(recipe=...)`` and falls back to ``te.fp8_autocast(fp8_recipe=...)`` on older TE.
 
 Recipes (``transformer_engine.common.recipe``):
   ``delayed``  ``DelayedScaling``: per-tensor scales from an amax history (fastest GEMMs; not traceable by
@@ -51,6 +53,7 @@ from lightning_gh.precision.checks import FP8UnavailableError, te_missing_reason
 from lightning_gh.precision.layer_filter import LayerDecision, LayerPlan, clean_name
 from lightning_gh.precision.master import MasterWeightsMixin
 from lightning_gh.precision.options import Float8Options
+from lightning_gh.precision.regional import compile_regions
 
 __all__ = ["TEFloat8Precision", "TE_RECIPES", "make_recipe", "te_autocast", "fp8_meta_state_dict",
            "load_fp8_meta_state_dict"]
@@ -285,6 +288,12 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
             master weights trains bf16 weights directly, like Lightning's plugin (small updates are rounded away).
         compile_te_layers: let ``torch.compile`` trace into the TE layers (needs a TE release that supports it, and
             a recipe other than ``delayed``). By default TE layers run eagerly between compiled regions.
+        compile_blocks: on a model that is not compiled, ``torch.compile`` each transformer block holding converted
+            layers in place at setup (regional compilation, see ``regional``), so the norms, rotary embeddings,
+            activations and residual adds between the TE GEMMs are fused; the TE layers themselves still run
+            eagerly inside (a graph break around each, unless ``compile_te_layers=True``). ``True`` (default),
+            ``False`` (everything eager, Lightning's ``"transformer-engine"`` way) or a dict of ``torch.compile``
+            arguments. A model compiled by the user, or one built from Transformer Engine modules, is left alone.
         recipe_options: extra fields for the TE recipe dataclass, e.g. ``{"amax_history_len": 16}``.
         options: a ready ``Float8Options`` instead of ``recipe``, ``name`` and the filter arguments.
         **shared: what every fp8 plugin takes (see ``Float8PrecisionBase``): ``name``, ``layer_filter``,
@@ -311,6 +320,7 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
         master_weights: bool = True,
         weights_dtype: torch.dtype | None = None,
         compile_te_layers: bool = False,
+        compile_blocks: bool | Mapping[str, Any] = True,
         recipe_options: Mapping[str, Any] | None = None,
         options: Float8Options | None = None,
         **shared: Any,
@@ -328,6 +338,9 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
             raise ValueError("TEFloat8Precision(recipe='delayed', compile_te_layers=True): DelayedScaling cannot be "
                              "traced by torch.compile. Use recipe 'current' (fp8-te-current) to compile the TE layers, "
                              "or leave compile_te_layers=False (TE layers then run eagerly between compiled regions).")
+        if not isinstance(compile_blocks, (bool, Mapping)):
+            raise ValueError(f"TEFloat8Precision(compile_blocks={compile_blocks!r}): expected True, False or a dict "
+                             "of torch.compile arguments.")
         if recipe_options is not None and not isinstance(recipe_options, Mapping):
             raise ValueError(f"TEFloat8Precision(recipe_options={recipe_options!r}): expected a dict.")
         missing = te_missing_reason()
@@ -339,6 +352,8 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
             weights_dtype = torch.bfloat16  # the module computes in bf16; the fp32 masters live in the optimizer
         self.weights_dtype = weights_dtype
         self.compile_te_layers = compile_te_layers
+        self.compile_blocks = compile_blocks
+        self._regional = False  # set at setup: compile the blocks after conversion
         self._converted: dict[str, nn.Module] = {}
         self._pending_fp8_meta: dict[str, Any] | None = None
         self._amax_group: Any = None
@@ -350,6 +365,7 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
         if strategy in ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy"):
             raise ValueError(f"precision {self.name!r} does not support {strategy} yet (it does not shard Transformer "
                              "Engine layers). Use fp8-ao-tensorwise, which supports FSDP2 float8 all-gather, or DDP.")
+        self._regional = self.compile_blocks is not False and not is_compiled(module)
         return True
 
     def _swap_layers(self, module: nn.Module, plan: LayerPlan, device: torch.device) -> dict[str, nn.Module]:
@@ -416,7 +432,22 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
                    + ("DelayedScaling cannot be traced" if self.recipe == "delayed" else
                       "pass compile_te_layers=True to trace them") + ")")
             rank_zero_info(f"{self.name}: the model is compiled; its {len(self._converted)} TE layers {how}.")
-        return " (amax histories reduced over the data-parallel group)" if self._amax_group else ""
+        note = " (amax histories reduced over the data-parallel group)" if self._amax_group else ""
+        return note + self._compile_regions(module)
+
+    def _compile_regions(self, module: nn.Module) -> str:
+        """Regional compilation of the blocks holding converted layers; the note for the plan's log line."""
+        if not self._regional or not self._converted:
+            return ""
+        if self.native_te:
+            # The user's own TE modules are not isolated from dynamo, and DelayedScaling cannot be traced.
+            return "; blocks not compiled: the model has Transformer Engine modules of its own"
+        converted = {id(m) for m in self._converted.values()}
+        kwargs = self.compile_blocks if isinstance(self.compile_blocks, Mapping) else None
+        done = compile_regions(module, lambda m: id(m) in converted, kwargs)
+        if not done:
+            return ""
+        return f"; {done}" + ("" if self.compile_te_layers else ", the TE layers running eagerly inside them")
 
     # ---- steps
 

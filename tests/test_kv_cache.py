@@ -487,13 +487,15 @@ def test_kv_suite_runs_on_cpu(tmp_path, capsys, monkeypatch):
     data = json.loads((tmp_path / "bench_kv.json").read_text())
     rows = {r["variant"]: r for r in data["results"]}
     assert list(rows) == ["GPU-only DynamicCache", "transformers offloaded", "ours R=0", "ours 50% KV budget",
-                          "ours default", "ours all resident", "GPU-only chunked prefill"]
+                          "ours default", "ours all resident", "GPU-only DynamicCache, again",
+                          "GPU-only chunked prefill"]
     assert rows["transformers offloaded"]["error"].startswith("skipped")
     assert rows["GPU-only chunked prefill"]["prefill_chunk_size"] == 6  # a quarter of the tiny prompt
     for v in ("ours R=0", "ours 50% KV budget", "ours default", "ours all resident"):
         assert rows[v]["error"] is None and rows[v]["tokens_equal"] is True, rows[v]
     assert rows["ours R=0"]["offloaded"] == 4 and rows["ours R=0"]["kv_gpu_fraction"] == 0.5  # the 2 slots
     assert rows["ours 50% KV budget"]["kv_gpu_fraction"] <= 0.5 and rows["ours all resident"]["offloaded"] == 0
+    assert rows["GPU-only DynamicCache, again"]["tokens_equal"] is True  # the drift control repeats the reference
     assert "tokens bitwise equal to GPU-only: all" in out
 
 

@@ -39,11 +39,14 @@ Goals: same tokens; >= 2.5x transformers' offloaded cache; >= 0.8x GPU-only hold
     python benchmarks/run.py --suite kv --iters 3 --warmup 1                # anchor shape, on the GPU
     python benchmarks/run.py --suite kv --iters 2 --warmup 1 --resident 0 --lean --cap-gib 5   # the 2026-11-24 run
     python benchmarks/run.py --suite kv --device cpu --iters 1 --warmup 0   # tiny functional run
+    python benchmarks/run.py --suite kv --iters 5 --warmup 1 --attention flash --profile-decode
+                    # all-resident decode, GPU-only vs ours: interleaved rounds, layouts, profiler last
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 import traceback
@@ -78,6 +81,12 @@ def add_arguments(ap) -> None:
                    help="skip `ours R=50%% first` and `ours all resident` (GPU time is scarce)")
     g.add_argument("--no-probe", action="store_true", help="skip the determinism probe (GPU)")
     g.add_argument("--no-hf-offloaded", action="store_true", help="skip transformers' offloaded cache (slow)")
+    g.add_argument("--attention", default=None, choices=MODES,
+                   help="run the variants under this attention setting instead of probing for one")
+    g.add_argument("--profile-decode", action="store_true",
+                   help="decode study, GPU-only against `OffloadedKVCache(model)` (all resident uncapped): whole "
+                        "`generate` calls interleaved over --iters rounds, ours R=0 for the record, attention on each "
+                        "KV layout, and last (CUPTI stays loaded after it) torch.profiler tables of decode steps")
 
 
 def _shape(ctx: BenchContext) -> dict[str, int]:
@@ -225,9 +234,15 @@ def run(ctx: BenchContext) -> list[Result]:
 
     lean = bool(getattr(ctx.args, "lean", False)) if ctx.args is not None else False
     layers = shape["layers"]
-    if ctx.cuda and not getattr(ctx.args, "no_probe", False):
+    forced = getattr(ctx.args, "attention", None) if ctx.args is not None else None
+    if forced:
+        mode_box["mode"] = forced
+    elif ctx.cuda and not getattr(ctx.args, "no_probe", False):
         mode_box["mode"] = _probe(generate, ours, full_kv, layers, mode_box)
     print(f"[kv] attention mode for the variants: {mode_box['mode']}", flush=True)
+    if getattr(ctx.args, "profile_decode", False) if ctx.args is not None else False:
+        return _decode_study(ctx, model, prompts, shape, mode_box["mode"], generate, ours, name, full_kv,
+                             layer_bytes, link)
     variants: list[tuple[str, Callable[..., torch.Tensor], bool]] = [
         ("GPU-only DynamicCache", lambda max_new=new: generate(max_new), False)]
     if not getattr(ctx.args, "no_hf_offloaded", False):
@@ -242,6 +257,9 @@ def run(ctx: BenchContext) -> list[Result]:
         variants.append(("ours R=50% first", ours(resident_layers=layers // 2, placement="first"), False))
     if not lean:
         variants.append(("ours all resident", ours(resident_layers=layers), False))
+    # The decode step is bound by the host at the anchor, and the same DynamicCache decode measured 10.7 ms a token
+    # first in a process and 17.8 ms later in it (2026-11-24): this row shows that drift next to ours.
+    variants.append(("GPU-only DynamicCache, again", lambda max_new=new: generate(max_new), False))
 
     results: list[Result] = []
     reference: torch.Tensor | None = None
@@ -522,3 +540,157 @@ def _verdict(results: list[Result], name: str, shape: dict[str, int]) -> None:
     # GPU-only with a chunked prefill is compared to the one-forward prefill for information only.
     same = [v for v, r in rows.items() if r.extra.get("tokens_equal") is False and not v.startswith("GPU-only")]
     print(f"  tokens bitwise equal to GPU-only: {'all' if not same else 'NOT for ' + ', '.join(same)}")
+
+
+# ------------------------------------------------------------------------------------ --profile-decode
+#
+# Lessons of the 2026-11-24 runs (docs/results/kv-2026-11-24.md): at the anchor a decode step is bound by the host
+# (the GPU is busy for 3-5 ms of a 10-20 ms step), and the same DynamicCache decode measured 10.7 ms a token first
+# in a process and 17.8 ms later in it. A torch.profiler session also leaves CUPTI loaded, which slows every later
+# launch (pytorch/pytorch#144455). So variants compared here run interleaved, round by round, and profiling comes
+# last.
+
+
+def _median_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters: int = 15) -> float:
+    return _time_calls(fn, device, warmup, iters)[0].median_ms
+
+
+def _layout_study(shape: dict[str, int], device: torch.device, dtype: torch.dtype, mode: str) -> list[dict]:
+    """One layer's decode attention (under `mode`) on keys/values in each layout attention may get: a `torch.cat`
+    result (DynamicCache), views of longer buffers with several row lengths (ours), a (B, M, H, D) storage; plus the
+    cost of writing one token into a view and of a contiguous copy of it."""
+    b, hk, hq = shape["batch"], shape["kv_heads"], shape["heads"]
+    d = shape["hidden"] // hq
+    n = shape["prompt"] + shape["new_tokens"] // 2
+    q = torch.randn(b, hq, 1, d, device=device, dtype=dtype)
+    new = torch.randn(b, 1, hk, d, device=device, dtype=dtype).transpose(1, 2)  # a projection's layout
+    exact = shape["prompt"] + shape["new_tokens"]
+    default = int(math.ceil((shape["prompt"] + 256) / 256) * 256)
+    layouts: list[tuple[str, Callable[[], torch.Tensor]]] = [
+        (f"contiguous ({n} tokens, DynamicCache)", lambda: torch.randn(b, hk, n, d, device=device, dtype=dtype))]
+    for rows in dict.fromkeys([exact, exact + 1, default, default + 1]):
+        layouts.append((f"view of {rows}-token rows", lambda r=rows: torch.randn(b, hk, r, d, device=device,
+                                                                                 dtype=dtype)[:, :, :n]))
+    layouts.append((f"view of (B, {default}, H, D) storage",
+                    lambda: torch.randn(b, default, hk, d, device=device, dtype=dtype).transpose(1, 2)[:, :, :n]))
+    out = []
+    for label, make in layouts:
+        k, v = make(), make()
+        with _mode(mode), torch.inference_mode():
+            attn = _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                              device)
+        write = _median_ms(lambda: k[:, :, n - 1:n].copy_(new), device)
+        row = {"layout": label, "k_stride": list(k.stride()), "attention_us": round(attn * 1e3, 1),
+               "write_token_us": round(write * 1e3, 1)}
+        if not k.is_contiguous():
+            row["contiguous_copy_us"] = round(_median_ms(lambda: (k.contiguous(), v.contiguous()), device) * 1e3, 1)
+        print(f"[kv/layout] {label:<42} attention {row['attention_us']:8.1f} us  write 1 token "
+              f"{row['write_token_us']:6.1f} us  k/v contiguous copy {row.get('contiguous_copy_us', '-')} us  "
+              f"stride {tuple(k.stride())}", flush=True)
+        out.append(row)
+        del k, v
+    return out
+
+
+def _step_profile(model, prompts: torch.Tensor, make_cache: Callable[[], Any], device: torch.device, mode: str,
+                  steps: int, profile_steps: int) -> dict[str, Any]:
+    """Prefill, then greedy decode steps through the model's forward (no mask: attention's decode path, as in
+    `generate` without padding): ms per step over `steps` steps, then the kernels of `profile_steps` steps by GPU
+    time and the busiest host-side ops (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = make_cache()
+    with _mode(mode), torch.inference_mode():
+        out = model(prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1:].argmax(-1)
+
+        def step():
+            nonlocal tok
+            tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+        ms = _median_ms(step, device, warmup=3, iters=steps)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(profile_steps):
+                step()
+            sync(device)
+    avgs = prof.key_averages()
+    kernels = [e for e in avgs if "cuda" in str(getattr(e, "device_type", "")).lower()]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total_us = sum(e.self_device_time_total for e in kernels)
+    rows = [f"{'us/step':>10} {'calls/step':>10} {'share':>6}  kernel"]
+    for e in kernels[:15]:
+        rows.append(f"{e.self_device_time_total / profile_steps:10.1f} {e.count / profile_steps:10.1f} "
+                    f"{e.self_device_time_total / max(1e-9, total_us):6.1%}  {e.key[:110]}")
+    cpu_ops = sorted((e for e in avgs if e not in kernels), key=lambda e: -e.self_cpu_time_total)[:8]
+    rows.append(f"{'host us':>10} {'calls/step':>10}         busiest host-side ops")
+    for e in cpu_ops:
+        rows.append(f"{e.self_cpu_time_total / profile_steps:10.1f} {e.count / profile_steps:10.1f}         "
+                    f"{e.key[:110]}")
+    close = getattr(cache, "close", None)
+    if close:
+        close()
+    return {"ms_per_step": round(ms, 3), "table": "\n".join(rows),
+            "gpu_kernel_ms_per_step": round(total_us / 1e3 / profile_steps, 3) if device.type == "cuda" else None}
+
+
+def _decode_study(ctx, model, prompts, shape, mode, generate, ours, name, full_kv, layer_bytes, link) -> list[Result]:
+    import json
+
+    from transformers import DynamicCache
+
+    from lightning_gh.kv import OffloadedKVCache
+
+    dev, new = ctx.device, shape["new_tokens"]
+    report: dict[str, Any] = {"attention": mode, "shape": shape, "rounds": []}
+    pair = [("GPU-only DynamicCache", lambda max_new=new: generate(max_new)), ("ours default", ours(default=True))]
+    outs: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for label, fn in pair:  # first calls: allocation, kernel choice
+            outs[label] = fn()
+        for r in range(ctx.iters):
+            row = {}
+            for label, fn in pair[r % 2:] + pair[:r % 2]:  # alternate which variant goes first
+                total = _median_ms(lambda: fn(), dev, warmup=0, iters=1)
+                prefill = _median_ms(lambda: fn(1), dev, warmup=0, iters=1)
+                row[label] = {"generate_ms": round(total, 2), "prefill_ms": round(prefill, 2),
+                              "decode_ms_per_token": round((total - prefill) / max(1, new - 1), 3)}
+            report["rounds"].append(row)
+            print(f"[kv/interleaved] round {r}: " + ", ".join(f"{k} {v['decode_ms_per_token']} ms/token"
+                                                          for k, v in row.items()), flush=True)
+    for label, _ in pair:
+        dec = [row[label]["decode_ms_per_token"] for row in report["rounds"]]
+        report[label] = {"decode_ms_per_token_median": round(statistics.median(dec), 3), "per_round": dec}
+    ref = outs["GPU-only DynamicCache"]
+    report["tokens_equal"] = bool(torch.equal(outs["ours default"], ref))
+    cache = pair[1][1].box.get("c")
+    report["ours_plan"] = cache.describe() if cache is not None else None
+    if cache is not None:
+        cache.close()
+    g, o = (report[k]["decode_ms_per_token_median"] for k, _ in pair)
+    print(f"[kv/interleaved] decode ms/token, median of {ctx.iters} rounds: GPU-only {g}, ours default {o} "
+          f"({o / g:.3f}x); tokens equal: {report['tokens_equal']}; ours: {report['ours_plan']}", flush=True)
+
+    results = [_one(ctx, name, "ours R=0", ours(resident_layers=0), False, shape, full_kv, layer_bytes, link, ref)]
+    results[-1].extra.pop("_out", None)
+    _progress(ctx, results)
+    gc.collect()
+
+    dtype = next(model.parameters()).dtype
+    report["layouts"] = _layout_study(shape, dev, dtype, mode)
+    gc.collect()
+    report["steps"] = {}
+    backend = {} if ctx.cuda else {"backend": "host-copy"}
+    for label, make in [("GPU-only DynamicCache", lambda: DynamicCache(config=model.config)),
+                        ("ours default", lambda: OffloadedKVCache(model, **backend))]:
+        r = _step_profile(model, prompts, make, dev, mode, steps=16 if ctx.cuda else 2,
+                          profile_steps=4 if ctx.cuda else 1)
+        report["steps"][label] = r
+        print(f"\n[kv/profile] {label}: {r['ms_per_step']} ms per decode step, GPU kernels "
+              f"{r['gpu_kernel_ms_per_step']} ms per step\n{r['table']}", flush=True)
+        gc.collect()
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    (ctx.out_dir / "kv_decode_study.json").write_text(json.dumps(report, indent=1, default=str))
+    return results

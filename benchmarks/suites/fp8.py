@@ -42,8 +42,10 @@ Variants (pick with --variants; bf16, bf16-compiled and, when a TE variant runs,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import math
 import statistics
 import time
 import traceback
@@ -54,7 +56,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from common import BenchContext, Result, lightning_steps, peak_memory, reset_memory, time_fn
+from common import BenchContext, Result, lightning_steps, peak_memory, reset_memory, sync, time_fn
 
 from lightning_gh.precision import LayerFilter, list_precisions, precision
 from lightning_gh.demo import LlamaLM, preset
@@ -123,6 +125,10 @@ HF_VARIANTS = {
                         {"skip_head": False}, "none"),
     "te-delayed-all": ("fp8-te-delayed, head + first projection in fp8", "fp8-te-delayed", _ALL_LAYERS, "none"),
     "te-delayed-eager": ("fp8-te-delayed compile_blocks=False", "fp8-te-delayed", _EAGER, "none"),
+    "te-delayed-fused": ("fp8-te-delayed, fused master update (one pass: bf16 grad -> fp32 master, moments, bf16 "
+                         "weight)", "fp8-te-delayed", {"fused_master_update": True}, "none"),
+    "te-delayed-plain-masters": ("fp8-te-delayed, plain master update (fp32 grad copy, AdamW, copy back)",
+                                 "fp8-te-delayed", {"fused_master_update": False}, "none"),
     "te-delayed-eager-head": ("fp8-te-delayed compile_blocks=False, head in fp8", "fp8-te-delayed",
                               {**_EAGER, "skip_head": False}, "none"),
     "te-delayed-eager-first": ("fp8-te-delayed compile_blocks=False, first projection in fp8", "fp8-te-delayed",
@@ -136,6 +142,7 @@ HF_VARIANTS = {
                                 {"compile_blocks": False}, "none"),
     "bf16-blocks": ("bf16-mixed, blocks compiled", "bf16-mixed", None, "blocks"),
     "auto": ("fp8-auto", "fp8-auto", {}, "none"),
+    "auto-fused": ("fp8-auto, its TE plugins with fused_master_update=True", "fp8-auto", {}, "none"),
     "ao-rowwise": ("fp8-ao-rowwise (default: blocks compiled)", "fp8-ao-rowwise", {}, "none"),
     "bf16-compiled": ("bf16-mixed, model compiled", "bf16-mixed", None, "model"),
     "ao-tensorwise-compiled": ("fp8-ao-tensorwise, model compiled", "fp8-ao-tensorwise", {}, "model"),
@@ -155,6 +162,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (both modes)")
     ap.add_argument("--gemm", action="store_true", help="GEMM cross-over micro-benchmark instead")
     ap.add_argument("--hf", action="store_true", help="HF transformers Llama in a plain LightningModule instead")
+    ap.add_argument("--master-update", action="store_true",
+                    help="the optimizer step alone on the --hf model's parameters: AdamW on bf16 weights, fp32 masters "
+                         "the plain way, fp32 masters with the fused update")
     ap.add_argument("--hf-variants", nargs="+", default=list(HF_DEFAULT), choices=sorted(HF_VARIANTS))
     ap.add_argument("--hf-loss-variants", nargs="*", default=[], choices=sorted(HF_VARIANTS),
                     help="--hf: these variants (and bf16) run --hf-loss-steps steps; their last-50 mean loss is "
@@ -447,9 +457,77 @@ def _run_gemm(ctx: BenchContext) -> list[Result]:
 # ---------------------------------------------------------------- entry point
 
 
+def _hf_param_shapes(shape: list[int]) -> list[tuple[int, ...]]:
+    """The parameter shapes of the --hf Llama (untied embedding and head, RMSNorm weights)."""
+    hidden, layers, ffn, heads, kv, vocab, _, _ = shape
+    kv_dim = hidden * kv // heads
+    block = [(hidden, hidden), (kv_dim, hidden), (kv_dim, hidden), (hidden, hidden), (ffn, hidden), (ffn, hidden),
+             (hidden, ffn), (hidden,), (hidden,)]
+    return [(vocab, hidden), *block * layers, (hidden,), (vocab, hidden)]
+
+
+def _run_master_update(ctx: BenchContext) -> list[Result]:
+    """The optimizer step alone on the --hf model's parameters: how the fp32 masters are updated, side by side.
+
+    ``bf16-adamw``: ``AdamW(fused=True)`` on the bf16 weights (Lightning's ``"transformer-engine"``, no masters);
+    ``plain``: fp32 masters, gradient copy + ``AdamW(fused=True)`` + copy back; ``fused``: ``FusedMasterAdam``.
+    """
+    from lightning_gh.precision.fused_master import FusedMasterAdam
+    from lightning_gh.precision.master import MasterWeights
+
+    shapes = _hf_param_shapes(list(ctx.args.hf_shape))
+    n = sum(math.prod(s) for s in shapes)
+    rows = []
+    for kind in ("bf16-adamw", "plain", "fused"):
+        reset_memory(ctx.device)
+        r = Result(ctx.suite, "hf-llama-params", f"master update: {kind}", None)
+        r.extra.update({"params": n})
+        try:
+            gen = torch.Generator(device=ctx.device).manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, device=ctx.device, generator=gen).to(torch.bfloat16))
+                      for s in shapes]
+            grads = [torch.randn(s, device=ctx.device, generator=gen).to(torch.bfloat16) * 1e-3 for s in shapes]
+            opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, fused=ctx.cuda)
+            masters = None if kind == "bf16-adamw" else MasterWeights(opt)
+            fused = FusedMasterAdam(masters) if kind == "fused" else None
+
+            def step() -> None:
+                for p, g in zip(params, grads):
+                    p.grad = g
+                if fused is not None:
+                    fused.step()
+                    opt.step()
+                    return
+                if masters is not None:
+                    masters.grads_to_master()
+                opt.step()
+                opt.zero_grad()
+                if masters is not None:
+                    masters.master_to_model()
+
+            t0 = time.perf_counter()
+            step()  # the first step (the compile for "fused")
+            sync(ctx.device)
+            r.extra["first_step_s"] = round(time.perf_counter() - t0, 2)
+            r.timing = time_fn(step, ctx.device, ctx.warmup, ctx.iters)
+            r.peak_mem_bytes = peak_memory(ctx.device)
+            del params, grads, opt, masters, fused
+        except Exception as e:
+            r.error = _error(e)
+            traceback.print_exc()
+        rows.append(r)
+        print(f"[fp8 master-update] {kind}: " + (f"{r.median_ms:.2f} ms (p10-p90 {r.timing.p10_ms:.2f}-"
+                                                   f"{r.timing.p90_ms:.2f}), first step {r.extra['first_step_s']} s, "
+                                                   f"peak {(r.peak_mem_bytes or 0) / 2**30:.1f} GiB, {n / 1e9:.2f} G "
+                                                   "params" if r.timing else f"error {r.error}"), flush=True)
+    return rows
+
+
 def run(ctx: BenchContext) -> list[Result]:
     if ctx.args.gemm:
         return _run_gemm(ctx)
+    if getattr(ctx.args, "master_update", False):
+        return _run_master_update(ctx)
     if getattr(ctx.args, "hf", False):
         return run_hf(ctx)
     mode = "loss" if ctx.args.check_loss else "steps"
@@ -544,6 +622,7 @@ def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
     r.extra.update({"key": key, "compiled": how})
     reset_memory(ctx.device)
     model = trainer = None
+    stack = contextlib.ExitStack()
     try:
         L.seed_everything(0, verbose=False)
         with torch.device(ctx.device):
@@ -558,6 +637,8 @@ def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
             if not ctx.cuda and name.startswith("fp8-ao"):
                 o["emulate"] = True  # the CPU smoke run: emulated fp8, functional only
             kwargs["plugins"] = [precision(name, **o)]
+        if key == "auto-fused":  # fp8-auto takes layer-filter options only: its TE plugins' default is set here
+            stack.enter_context(_te_default("fused_master_update", True))
         timer, rec = StepTimer(ctx.warmup), _Losses()
         steps = ctx.warmup + ctx.iters
         if key in _hf_loss_keys(ctx.args):
@@ -584,6 +665,7 @@ def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
         r.error = _error(e)
         traceback.print_exc()
     finally:
+        stack.close()
         del model, trainer
         _reset_backends()
         reset_memory(ctx.device)
@@ -591,6 +673,20 @@ def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
                                    f"plugin {r.extra.get('plugin')}, fp8 layers {r.extra.get('fp8_layers')}"
                                    if r.median_ms else f"error {r.error}"), flush=True)
     return r
+
+
+@contextlib.contextmanager
+def _te_default(option: str, value: Any):
+    """``TEFloat8Precision``'s default for a keyword-only ``option`` set to ``value`` for the ``with`` block."""
+    from lightning_gh.precision.te import TEFloat8Precision
+
+    defaults = TEFloat8Precision.__init__.__kwdefaults__
+    old = defaults[option]
+    defaults[option] = value
+    try:
+        yield
+    finally:
+        defaults[option] = old
 
 
 HF_LOSS_TAIL = 50  # the issue's loss goal: mean of the last 50 steps within 1% of bf16-mixed's

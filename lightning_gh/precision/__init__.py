@@ -3,7 +3,8 @@ hardware gating, and Lightning's own precisions passed through.
 
 Modules: ``names`` (the names), ``checks`` (availability, hardware gating, setup-time checks), ``layer_filter``,
 ``options`` (``Float8Options``), ``base`` (``Float8PrecisionBase``), ``te`` / ``ao`` / ``auto`` (the fp8 plugins),
-``master`` (fp32 master weights for bf16 modules, used by ``te``), ``regional`` (per-block ``torch.compile``, used by
+``master`` (fp32 master weights for bf16 modules, used by ``te``), ``fused_master`` (their one-pass Adam/AdamW
+update), ``regional`` (per-block ``torch.compile``, used by
 ``ao`` and ``te``), ``trial`` (``fp8-auto``'s setup-time timing of the candidates), ``registry`` (``precision()``: names to
 plugins), ``plugin`` (``Float8Precision`` for config files), ``export``.
 
@@ -28,6 +29,7 @@ from lightning_gh.precision.base import Float8PrecisionBase
 from lightning_gh.precision.checks import FP8UnavailableError, list_precisions
 from lightning_gh.precision.export import export_bf16_state_dict
 from lightning_gh.precision.layer_filter import LayerDecision, LayerFilter, LayerPlan
+from lightning_gh.precision.fused_master import FusedMasterAdam, fused_adam_unsupported
 from lightning_gh.precision.master import MasterWeights, MasterWeightsMixin
 from lightning_gh.precision.names import precision_names
 from lightning_gh.precision.options import Float8Options
@@ -41,6 +43,8 @@ __all__ = [
     "Float8Precision",
     "Float8PrecisionBase",
     "Fp8Choice",
+    "FusedMasterAdam",
+    "fused_adam_unsupported",
     "choose_fp8",
     "FP8UnavailableError",
     "LayerDecision",

@@ -14,6 +14,13 @@ One step, as :class:`MasterWeightsMixin` runs it inside Lightning's ``optimizer_
 3. the optimizer steps the masters in fp32;
 4. the masters are cast back into the module's weights.
 
+With ``fused_master_update = True`` and a ``torch.optim.Adam`` / ``AdamW`` optimizer, steps 2-4 become one pass per
+weight (:mod:`lightning_gh.precision.fused_master`): it reads the bf16 gradient, updates the fp32 master and the
+moments in the optimizer's own state, and writes the bf16 weight, so no fp32 gradient is ever made. Only when nothing
+reads gradients between backward and the step: with gradient clipping, an ``on_before_optimizer_step`` hook (of the
+module, or of a callback not marked ``lgh_reads_gradients = False``) or manual optimization, that step takes the
+plain path above.
+
 The optimizer's own state (AdamW moments) is keyed by position, so checkpoints keep their layout; the plugin's
 ``state_dict`` adds the fp32 masters (``"fp32_master"``, plain tensors), so a resume is exact rather than restarting
 from the rounded bf16 weights of the model's ``state_dict``.
@@ -35,7 +42,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from lightning_gh._lightning import unwrap_optimizer
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_gh._lightning import trainer_of, unwrap_optimizer
 
 __all__ = ["MasterWeights", "MasterWeightsMixin"]
 
@@ -116,22 +128,47 @@ class MasterWeights:
 class MasterWeightsMixin:
     """Precision-plugin glue for :class:`MasterWeights` (put it before the ``Precision`` base class).
 
-    The plugin sets ``master_weights`` (``True`` to keep fp32 masters of its low-precision weights). Lightning calls
-    ``connect`` once the optimizers exist; ``_wrap_closure`` / ``optimizer_step`` / ``state_dict`` /
+    The plugin sets ``master_weights`` (``True`` to keep fp32 masters of its low-precision weights) and
+    ``fused_master_update`` (``True``: the one-pass Adam/AdamW update where it applies, see the module docs).
+    Lightning calls ``connect`` once the optimizers exist; ``_wrap_closure`` / ``optimizer_step`` / ``state_dict`` /
     ``load_state_dict`` do the rest (see the module docs).
     """
 
     master_weights: bool = False
+    fused_master_update: bool = False
     _masters: list[MasterWeights] | None = None
     _pending_masters: list[list[Tensor]] | None = None
+    _fused: dict[int, Any] | None = None  # id(MasterWeights) -> FusedMasterAdam
+    _fused_done: set[int] | None = None  # the MasterWeights whose step the fused update has already done
 
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]):
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)  # type: ignore[misc]
         if self.master_weights:
             self._masters = [MasterWeights(_unwrap(opt)) for opt in optimizers]
+            self._fused, self._fused_done = {}, set()
+            if self.fused_master_update:
+                self._fuse(self._masters)
             if self._pending_masters is not None:
                 self._restore_masters()
         return model, optimizers, lr_schedulers
+
+    def _fuse(self, all_masters: list[MasterWeights]) -> None:
+        from lightning_gh.precision.fused_master import FusedMasterAdam, fused_adam_unsupported
+
+        for masters in all_masters:
+            reason = fused_adam_unsupported(masters.optimizer)
+            if reason is None:
+                self._fused[id(masters)] = FusedMasterAdam(masters)  # type: ignore[index]
+            else:
+                rank_zero_info(f"{type(self).__name__}(fused_master_update=True): {reason}; its fp32 masters are "
+                               "updated the plain way (fp32 gradient copy, the optimizer's step, copy back).")
+
+    def _fused_for(self, masters: MasterWeights, model: Any) -> Any:
+        """The fused update for this step, or ``None`` when something reads the fp32 gradients before the step."""
+        fused = (self._fused or {}).get(id(masters))
+        if fused is None or _reads_grads_before_step(model):
+            return None
+        return fused
 
     def _masters_of(self, optimizer: Any) -> MasterWeights | None:
         inner = _unwrap(optimizer)
@@ -142,15 +179,28 @@ class MasterWeightsMixin:
         if masters is None:
             return super()._wrap_closure(model, optimizer, closure)  # type: ignore[misc]
         result = closure()
-        masters.grads_to_master()  # before the hooks and clipping: they see the fp32 gradients
+        fused = self._fused_for(masters, model)
+        if fused is None:
+            masters.grads_to_master()  # before the hooks and clipping: they see the fp32 gradients
+            self._after_closure(model, optimizer)  # type: ignore[attr-defined]
+            return result
         self._after_closure(model, optimizer)  # type: ignore[attr-defined]
+        # Nothing above read gradients (no clipping, no on_before_optimizer_step). The masters get no .grad, so the
+        # optimizer's own step, which runs right after this closure, skips them and steps only its other params.
+        for _, m in masters.pairs:
+            m.grad = None
+        fused.step()
+        self._fused_done.add(id(masters))  # type: ignore[union-attr]
         return result
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]
         masters = self._masters_of(optimizer)
         if masters is not None:
-            masters.master_to_model()
+            if id(masters) in (self._fused_done or ()):
+                self._fused_done.discard(id(masters))  # type: ignore[union-attr]  # the weights are written already
+            else:
+                masters.master_to_model()
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -186,3 +236,28 @@ class MasterWeightsMixin:
 
 def _unwrap(optimizer: Any) -> Any:
     return unwrap_optimizer(optimizer)  # a LightningOptimizer's torch optimizer
+
+
+def _reads_grads_before_step(model: Any) -> bool:
+    """Whether anything between backward and the optimizer step may read or change the gradients.
+
+    Lightning calls ``on_before_optimizer_step`` (callbacks and the module) and gradient clipping
+    (``gradient_clip_val`` or an overridden ``configure_gradient_clipping``) there; they see the fp32 master
+    gradients, so the fused update, which never makes them, steps aside. Manual optimization clips inside
+    ``training_step``, out of the plugin's sight: the plain path there too. A plain ``nn.Module`` (no Trainer) has
+    none of these.
+    """
+    if not isinstance(model, pl.LightningModule):
+        return False
+    if not model.automatic_optimization:
+        return True
+    if is_overridden("on_before_optimizer_step", model) or is_overridden("configure_gradient_clipping", model):
+        return True
+    trainer = trainer_of(model)
+    if trainer is None:
+        return False
+    if trainer.gradient_clip_val:
+        return True
+    # A callback whose hook only marks time (NVTX ranges, profiler phases) says so with ``lgh_reads_gradients = False``.
+    return any(is_overridden("on_before_optimizer_step", cb, Callback) and getattr(cb, "lgh_reads_gradients", True)
+               for cb in trainer.callbacks)

@@ -4,7 +4,8 @@ The plugin swaps the ``nn.Linear`` layers chosen by the shared ``LayerFilter`` f
 weights), casts the module to bf16 as Lightning's ``TransformerEnginePrecision`` does (its speed: bf16 weight reads,
 bf16 gradients), and keeps an fp32 master copy of every weight on the optimizer side (``master_weights=True``, the
 default; see ``master``): the optimizer updates the fp32 masters, which are cast back into the module after each
-step, and checkpoints hold them. ``master_weights=False`` is the earlier behaviour (the module keeps the model's
+step (for Adam / AdamW in one fused pass per weight, ``fused_master_update=True``; see ``fused_master``), and
+checkpoints hold them. ``master_weights=False`` is the earlier behaviour (the module keeps the model's
 own dtype, fp32 weights under bf16 autocast, unless ``weights_dtype`` says otherwise). It runs each training,
 validation and prediction step under bf16 autocast plus Transformer Engine's fp8 autocast with the chosen
 recipe. On a model that is not compiled it compiles each transformer block in place (``compile_blocks=True``,
@@ -283,6 +284,12 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
         master_weights: keep an fp32 master copy of every bf16 weight on the optimizer side (default ``True``):
             the module computes with bf16 weights (Lightning's ``"transformer-engine"`` speed) while updates are
             applied in fp32 and checkpointed. ``False``: no masters (the earlier behaviour).
+        fused_master_update: with master weights and a ``torch.optim.Adam`` / ``AdamW`` optimizer, update each
+            fp32 master, its moments and the module's bf16 weight in one pass that reads the bf16 gradient (see
+            ``fused_master``), instead of copying the gradient to fp32, stepping the optimizer and copying the
+            weight back. Steps where gradient clipping or an ``on_before_optimizer_step`` hook may read the
+            gradients, and other optimizers, keep the plain path. Default ``True``; ``False`` is the plain path
+            on every step.
         weights_dtype: the module's weight dtype. ``None`` (default): ``torch.bfloat16`` with master weights, else
             the model's own dtype (fp32 weights under bf16 autocast, as ``bf16-mixed``). ``torch.bfloat16`` without
             master weights trains bf16 weights directly, like Lightning's plugin (small updates are rounded away).
@@ -318,6 +325,7 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
         recipe: str = "delayed",
         *,
         master_weights: bool = True,
+        fused_master_update: bool = True,
         weights_dtype: torch.dtype | None = None,
         compile_te_layers: bool = False,
         compile_blocks: bool | Mapping[str, Any] = True,
@@ -332,6 +340,8 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
                              "torch.float32 or torch.bfloat16.")
         if not isinstance(master_weights, bool):
             raise ValueError(f"TEFloat8Precision(master_weights={master_weights!r}): expected True or False.")
+        if not isinstance(fused_master_update, bool):
+            raise ValueError(f"TEFloat8Precision(fused_master_update={fused_master_update!r}): expected True or False.")
         if not isinstance(compile_te_layers, bool):
             raise ValueError(f"TEFloat8Precision(compile_te_layers={compile_te_layers!r}): expected True or False.")
         if compile_te_layers and recipe == "delayed":
@@ -348,6 +358,7 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
             raise ModuleNotFoundError(f"precision {self.name!r} needs Transformer Engine. {missing}")
         self.te_recipe = make_recipe(recipe, **dict(recipe_options or {}))
         self.master_weights = master_weights
+        self.fused_master_update = fused_master_update
         if weights_dtype is None and master_weights:
             weights_dtype = torch.bfloat16  # the module computes in bf16; the fp32 masters live in the optimizer
         self.weights_dtype = weights_dtype

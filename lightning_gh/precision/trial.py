@@ -15,9 +15,11 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections import Counter
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -49,25 +51,34 @@ def _time(step: Callable[[], Any], iters: int = 10, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
+def _call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
 def _layer_step(name: str, k: int, n: int, tokens: int, device: torch.device) -> Callable[[], Any]:
     """One layer's forward + backward for candidate ``name`` (or ``"bf16"``), on fresh bf16 inputs."""
     x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
-    lin = nn.Linear(k, n, bias=False, device=device)
+    spec = FP8_NAMES.get(name)
+    if spec is None or spec.backend == "ao":
+        lin = nn.Linear(k, n, bias=False, device=device)
     if name == "bf16":
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 lin(x).sum().backward()
         return step
-    spec = FP8_NAMES[name]
     if spec.backend == "ao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         model = convert_to_float8_training(nn.Sequential(lin), config=Float8LinearConfig.from_recipe_name(spec.recipe))
-        model.compile()
+        # A function of the trial's own, not ``model.compile()``: that compiles ``nn.Module._call_impl``, the code
+        # object regional compilation compiles the model's blocks through later, and would leave the trial's cache
+        # entries there, and (shapes changing from one trial layer to the next) its automatic-dynamic marks, so the
+        # blocks would be compiled for dynamic shapes. ``dynamic=False``: one static graph per shape, as training has.
+        compiled = torch.compile(_call, dynamic=False)
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                model(x).sum().backward()
+                compiled(model, x).sum().backward()
         return step
     import transformer_engine.pytorch as te
 
@@ -99,11 +110,47 @@ def measure_gemm_shapes(model: nn.Module, candidates: list[str], device: torch.d
     """
     shapes = gemm_shapes(model, layer_filter or LayerFilter())
     out: dict[str, float] = {}
-    with torch.cuda.device(device):
+    with torch.cuda.device(device), _te_global_buffers_restored():
         for name in ["bf16", *candidates]:
             try:
                 out[name] = sum(count * _time(_layer_step(name, k, n, tokens, device)) for (k, n), count in
                                 shapes.items())
             except Exception:  # a backend that cannot run here is not a candidate
                 continue
+    gc.collect()  # the trial's layers and inputs go now, not at some later collection during training
+    torch.cuda.empty_cache()
     return out
+
+
+@contextmanager
+def _te_global_buffers_restored() -> Iterator[None]:
+    """Drop what the trial's Transformer Engine layers add to TE's global DelayedScaling buffers.
+
+    Every TE layer run under DelayedScaling appends its amax history and scale to process-wide lists, keyed by the
+    recipe, which TE reduces and updates at every autocast exit from then on. The trial's recipe equals the one
+    training uses, so without this the trial's dead layers would ride along in every training step's amax update
+    (and stay alive with it). Appended entries are cut back off the end; a TE release without these buffers is left
+    alone.
+    """
+    state = None
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        state = FP8GlobalStateManager.quantization_state
+    except Exception:
+        pass
+    names = ("global_amax_buffer", "global_amax_history_buffer", "global_scale_buffer")
+    before = {name: {key: len(v) for key, v in getattr(state, name, {}).items()} for name in names}
+    try:
+        yield
+    finally:
+        for name in names:
+            buffers = getattr(state, name, None)
+            if not isinstance(buffers, dict):
+                continue
+            for key in list(buffers):
+                keep = before[name].get(key, 0)
+                if keep:
+                    del buffers[key][keep:]
+                else:
+                    del buffers[key]

@@ -347,3 +347,30 @@ def test_compiled_fused_update_on_cuda_agrees_with_torch_fused_adamw():
             assert all(s["step"].device.type == "cuda" for s in opt.state.values())
     for a, b in zip(out[False], out[True]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # updates are 1e-3; ulps of |w| ~ 1 are 1.2e-7
+
+
+def test_profiling_callbacks_keep_the_fused_path(tmp_path):
+    """NVTX ranges and profiler phases only mark time before the step: with them on, the fused update still runs."""
+    import lightning as L
+
+    from lightning_gh import NVTXRangeCallback, SelectiveProfiler
+    from lightning_gh.precision.master import _reads_grads_before_step
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+    model = Tiny()
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=False, enable_checkpointing=False,
+                        callbacks=[NVTXRangeCallback(), SelectiveProfiler(steps="5-6", output_dir=str(tmp_path))])
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    assert not _reads_grads_before_step(model)
+
+    class Reads(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            pass
+
+    trainer.callbacks.append(Reads())
+    assert _reads_grads_before_step(model)  # an unmarked hook still turns it off

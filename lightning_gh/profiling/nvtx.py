@@ -239,6 +239,8 @@ class NVTXRangeCallback(Callback):
     """
 
     lgh_part = "NVTXRangeCallback"
+    # Its on_before_optimizer_step only marks a phase boundary: the fp8 plugins' fused master update may run.
+    lgh_reads_gradients = False
 
     def __init__(
         self,

@@ -329,6 +329,8 @@ class SelectiveProfiler(Callback):
     """
 
     lgh_part = "SelectiveProfiler"
+    # Its on_before_optimizer_step only marks a phase boundary: the fp8 plugins' fused master update may run.
+    lgh_reads_gradients = False
 
     def __init__(
         self,

@@ -37,12 +37,13 @@ Example::
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import Tensor
 
-from lightning_gh.precision.master import MasterWeights
+if TYPE_CHECKING:  # master.py imports this module when it builds the fused path
+    from lightning_gh.precision.master import MasterWeights
 
 __all__ = ["FusedMasterAdam", "fused_adam_unsupported"]
 

@@ -35,7 +35,6 @@ __all__ = [
     "log_to_loggers",
     "route_clip_gradients",
     "set_closure_result",
-    "set_root_device",
     "should_update_logs",
     "trainer_of",
     "unwrap_optimizer",
@@ -168,16 +167,6 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def set_root_device(strategy: Any, device: torch.device) -> None:
-    """Point a single-device strategy at ``device`` (``SingleDeviceStrategy._root_device``).
-
-    Lightning's accelerator connector hands a strategy chosen by name its devices through ``parallel_devices``
-    only; a single-device strategy keeps its root device in ``_root_device``.
-    """
-    _require(strategy, "_root_device", type(strategy).__name__)
-    strategy._root_device = torch.device(device)
-
-
 def route_clip_gradients(plugin: Any, handler: Any) -> bool:
     """Send Lightning's post-backward clipping through ``plugin`` to ``handler`` first (this plugin instance only).
 
@@ -200,6 +189,18 @@ def route_clip_gradients(plugin: Any, handler: Any) -> bool:
     plugin.clip_gradients = clip_gradients
     plugin._lgh_clip_routed = True
     return True
+
+
+def keep_user_sampler(trainer: pl.Trainer) -> None:
+    """Leave the user's samplers alone for this run (``trainer._accelerator_connector.use_distributed_sampler``).
+
+    Lightning injects a ``DistributedSampler`` (which shuffles the training set its own way) whenever the strategy
+    is a ``DDPStrategy``, even with one process. SuperOffload's strategy is one so that ``devices=N`` reuses DDP's
+    launchers; with one device it must see the data exactly as a single-device strategy does.
+    """
+    connector = _require(trainer, "_accelerator_connector", "Trainer")
+    _require(connector, "use_distributed_sampler", "_AcceleratorConnector")
+    connector.use_distributed_sampler = False
 
 
 # ------------------------------------------------------------------------------------------------------------------

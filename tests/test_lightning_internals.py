@@ -13,7 +13,7 @@ import torch
 
 from lightning_gh import _lightning
 from lightning_gh._lightning import (LightningInternalsChanged, batches_that_stepped, current_hook, in_hook,
-                                     is_compiled, is_last_training_batch, set_closure_result, set_root_device,
+                                     is_compiled, is_last_training_batch, set_closure_result,
                                      should_update_logs, trainer_of, unwrap_optimizer)
 from lightning_gh.demo import LlamaLM, MarkovDataModule
 
@@ -105,15 +105,11 @@ def test_fit_loop_and_logging_internals():
     assert seen["logs"] == [False, True, False, True]  # log_every_n_steps=2
 
 
-def test_optimizer_wrapper_and_root_device():
+def test_optimizer_wrapper():
     from lightning.pytorch.core.optimizer import LightningOptimizer
-    from lightning.pytorch.strategies import SingleDeviceStrategy
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
     assert unwrap_optimizer(LightningOptimizer(opt)) is opt and unwrap_optimizer(opt) is opt
-    strategy = SingleDeviceStrategy(device="cpu")
-    set_root_device(strategy, torch.device("meta"))
-    assert strategy.root_device == torch.device("meta")
 
 
 def test_clip_gradients_route_superoffload_relies_on():
@@ -166,3 +162,14 @@ def test_log_to_loggers_uses_the_logging_step_on_rank_zero():
     trainer.fit(model, MarkovDataModule.for_model(model, num_train_samples=8, batch_size=2))
     probes = [(m["lgh/probe"], step) for m, step in seen if "lgh/probe" in m]
     assert probes == [(0.0, 0), (1.0, 1)]  # batches_that_stepped, the step Lightning's own self.log uses here
+
+
+def test_keep_user_sampler_superoffload_relies_on():
+    import lightning as L
+
+    from lightning_gh._lightning import keep_user_sampler
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert trainer._accelerator_connector.use_distributed_sampler is True
+    keep_user_sampler(trainer)
+    assert trainer._accelerator_connector.use_distributed_sampler is False

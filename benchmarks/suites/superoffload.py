@@ -92,7 +92,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--so-hf-hidden", type=int, default=2048,
                         help="part hf: hidden size (FFN = 2.75x, 16 heads / 4 KV heads); small only for a CPU smoke run")
     parser.add_argument("--so-hf-variants", nargs="+", default=["gpu", "default", "tail0"],
-                        choices=["gpu", "default", "tail0"], help="part hf: which variants to run")
+                        choices=["gpu", "default", "tail0", "deepspeed"],
+                        help="part hf: which variants to run (deepspeed: strategy='deepspeed_stage_2_offload' with "
+                             "DeepSpeedCPUAdam, the anchor users know; needs the deepspeed package)")
     parser.add_argument("--so-in-process", action="store_true",
                         help="run every variant in this process instead of one fresh process each")
     parser.add_argument("--so-budget-s", type=float, default=0.0,
@@ -388,6 +390,10 @@ class _HFLlamaLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if getattr(self, "deepspeed_cpu_adam", False):  # ZeRO-Offload refuses a torch optimizer by default
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(self.parameters(), lr=self.lr, weight_decay=0.1, adamw_mode=True)
         fused = next(self.parameters()).is_cuda
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=fused)
 
@@ -437,12 +443,13 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         total = torch.cuda.get_device_properties(dev_index).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), dev_index)
     name = {"gpu": "gpu fused adamw (bf16-mixed)", "default": "superoffload default (bf16-true)",
-            "tail0": "superoffload gpu_fraction=0.0 (bf16-true)"}[variant]
+            "tail0": "superoffload gpu_fraction=0.0 (bf16-true)",
+            "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)"}[variant]
     r = Result(ctx.suite, f"hf-llama {n_layers}L cap {cap_gib:g} GiB", name, None, seq_len)
     module = trainer = None
     try:
         torch.manual_seed(0)
-        offload = variant != "gpu"
+        offload = variant not in ("gpu", "deepspeed")  # DeepSpeed casts an fp32 module itself
         prev = torch.get_default_dtype()
         if offload:
             torch.set_default_dtype(torch.bfloat16)  # bf16 weights straight away (bf16-true)
@@ -461,6 +468,9 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
             kw: dict[str, Any] = dict(precision="bf16-mixed" if ctx.cuda else "32-true")
         elif variant == "default":
             kw = dict(strategy="superoffload", precision="bf16-true")
+        elif variant == "deepspeed":
+            module.deepspeed_cpu_adam = True
+            kw = dict(strategy="deepspeed_stage_2_offload", precision="bf16-mixed")
         else:
             kw = dict(strategy=SuperOffloadStrategy(gpu_fraction=0.0), precision="bf16-true")
         warmup = ctx.warmup if variant == "gpu" else max(ctx.warmup, HF_MIN_WARMUP)
@@ -523,6 +533,7 @@ def _hf(ctx: BenchContext) -> list[Result]:
           f"{'-' if link_gbps is None else f'{link_gbps:.1f} GB/s'} (slower direction)", flush=True)
     plan = [(layers[0], "gpu")] if "gpu" in chosen else []
     plan += [(n, v) for n in layers for v in ("default", "tail0") if v in chosen]
+    plan += [(layers[0], "deepspeed")] if "deepspeed" in chosen else []
     out: list[Result] = []
     for n_layers, variant in plan:
         if _over_budget(ctx):

@@ -8,6 +8,7 @@ Modules, one idea each:
 * :mod:`.layout`: parameters -> slots and host buckets with flat page-locked buffers;
 * :mod:`.tail`: the GPU-tail policy (``gpu_fraction="auto"``) and moving state between host and GPU;
 * :mod:`.worker`: the CPU worker thread (fused CPU AdamW, speculation, exact rollback, copies back);
+* :mod:`.zero`: the state sharded over ranks (ZeRO-1/2): partition, gradient reduce, norm sum, weight broadcast;
 * :mod:`.optimizer`: :class:`HeterogeneousAdamW` (hooks, ``step()``, state dict) built from the parts above;
 * :mod:`.strategy`: :class:`SuperOffloadStrategy`, registered as ``"superoffload"`` on import.
 

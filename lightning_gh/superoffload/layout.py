@@ -69,6 +69,11 @@ class Bucket:
     d2h_event: Any = None
     h2d_event: Any = None
     cpu_ms: float = 0.0  # exponential average of the worker's time on this bucket
+    # several ranks (see .zero): the rank holding this bucket's state, the gradients being reduced onto it, and
+    # the last step whose weights every rank received
+    owner: int = 0
+    staging: Any = None
+    bcast_step: int = -1
 
     def __post_init__(self) -> None:
         self.ready.set()
@@ -100,16 +105,12 @@ class LayoutMixin:
     _buckets: list[Bucket]
     _pending_state: dict[int, dict[str, torch.Tensor]]
     _cuda: bool
+    _rg: Any  # .zero.RankGroup, or None on one rank
 
     def _build_layout(self, arrival: list[int]) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            raise RuntimeError(
-                f"HeterogeneousAdamW in a process group of {torch.distributed.get_world_size()} ranks: data-parallel "
-                "training is not supported (its hooks see each rank's local gradients before DDP averages them, so "
-                "the ranks would drift apart). Use Trainer(strategy='superoffload', devices=1), or for several GPUs "
-                "with the optimizer state in host memory strategy='deepspeed_stage_2_offload' (ZeRO-Offload) or "
-                "FSDPStrategy(cpu_offload=True).")
         seen: set[int] = set()
+        if self._rg is not None:  # every rank must lay out the same buckets: the parameter order, not arrival
+            arrival = [s.index for s in reversed(self._slots) if s.param.requires_grad]
         order = [i for i in arrival if not (i in seen or seen.add(i))]
         order += [s.index for s in reversed(self._slots) if s.param.requires_grad and s.index not in seen]
         total = sum(self._slots[i].numel for i in order)
@@ -123,42 +124,57 @@ class LayoutMixin:
             device_idx.add(i)
             acc += self._slots[i].numel
         self._order = order
-        host_order = [i for i in order if i not in device_idx]
-        host_numel = sum(self._slots[i].numel for i in host_order)
+        host_slots = [self._slots[i] for i in order if i not in device_idx]
+        if self._rg is None:
+            chunks = [(c, 0) for c in chunk_by_size(host_slots, self.bucket_size)]
+        else:
+            chunks = self._shard_buckets(host_slots, chunk_by_size)
+        owned_numel = sum(sum(s.numel for s in c) for c, r in chunks if self._rg is None or r == self._rg.rank)
         if self.host_memory_check:
-            self._plan = memory.check_host_memory(host_numel, self._backup_needed())
+            self._plan = memory.check_host_memory(owned_numel, self._backup_needed(),
+                                                  local_ranks=None if self._rg is None else self._rg.local_size)
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
             self._h2d_stream = torch.cuda.Stream(self.device)
-        for chunk in chunk_by_size([self._slots[i] for i in host_order], self.bucket_size):
-            self._new_bucket(chunk)
+        if self._rg is not None:
+            self._alloc_block(owned_numel)
+        for chunk, owner in chunks:
+            self._new_bucket(chunk, owner)
         for i in sorted(device_idx):
             self._make_device_slot(self._slots[i])
         self._pending_state.clear()
         self._layout_built = True
         self._layout_step = self._step_id
 
-    def _new_bucket(self, slots: list[Slot]) -> None:
+    def _new_bucket(self, slots: list[Slot], owner: int = 0) -> None:
         numel = sum(s.numel for s in slots)
-        b = Bucket(index=len(self._buckets), slots=list(slots), numel=numel)
-        b.master_buf = HostBuffer(numel, pin=self._cuda, zero=False)
-        b.grad_buf = HostBuffer(numel, pin=self._cuda, zero=False)
-        b.moments = torch.zeros(2 * numel, dtype=torch.float32)
-        if self._cuda:
+        b = Bucket(index=len(self._buckets), slots=list(slots), numel=numel, owner=owner)
+        owned = self._rg is None or owner == self._rg.rank
+        if self._rg is not None and owned:  # a slice of this rank's one host block
+            b.master_buf, b.grad_buf, b.moments = self._slice_block(numel)
+        elif owned:
+            b.master_buf = HostBuffer(numel, pin=self._cuda, zero=False)
+            b.grad_buf = HostBuffer(numel, pin=self._cuda, zero=False)
+            b.moments = torch.zeros(2 * numel, dtype=torch.float32)
+        if self._cuda and owned:
             b.d2h_event = torch.cuda.Event()
             b.h2d_event = torch.cuda.Event()
         off = 0
         for s in slots:
             s.bucket, s.offset, s.residency = b, off, "host"
-            s.master = b.master_buf.tensor[off:off + s.numel]
-            s.grad = b.grad_buf.tensor[off:off + s.numel]
-            s.exp_avg = b.moments[off:off + s.numel]
-            s.exp_avg_sq = b.moments[numel + off:numel + off + s.numel]
+            s.dev_master = None
+            off += s.numel
+            if not owned:  # another rank holds this parameter's state
+                s.master = s.grad = s.exp_avg = s.exp_avg_sq = s.step = None
+                continue
+            o = s.offset
+            s.master = b.master_buf.tensor[o:o + s.numel]
+            s.grad = b.grad_buf.tensor[o:o + s.numel]
+            s.exp_avg = b.moments[o:o + s.numel]
+            s.exp_avg_sq = b.moments[numel + o:numel + o + s.numel]
             s.master.view(s.param.shape).copy_(s.param.detach())
             s.step = torch.zeros((), dtype=torch.float32)
             self._apply_pending(s)
-            s.dev_master = None
-            off += s.numel
         self._buckets.append(b)
 
     def _make_device_slot(self, s: Slot) -> None:
@@ -197,6 +213,8 @@ class LayoutMixin:
         self._write_state(s, st)
 
     def _write_state(self, s: Slot, st: dict[str, torch.Tensor]) -> None:
+        if s.residency == "host" and s.master is None:
+            return  # another rank owns this parameter's state; it loads it from the same (unsharded) dict
         if s.residency == "host":
             s.bucket.backup_fresh = False
             s.exp_avg.copy_(st["exp_avg"].reshape(-1))

@@ -104,6 +104,7 @@ from lightning_gh.superoffload.options import (
 )
 from lightning_gh.superoffload.tail import TailMixin
 from lightning_gh.superoffload.worker import Decision, StepCtx, WorkerMixin
+from lightning_gh.superoffload.zero import ShardMixin, current_group, rank_cpu_threads
 
 __all__ = ["HeterogeneousAdamW", "validate_options"]
 
@@ -137,7 +138,7 @@ def _adamw_group_defaults() -> dict[str, Any]:
     return dict(probe.defaults)
 
 
-class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimizer):
+class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.optim.Optimizer):
     """AdamW whose fp32 master weights and moments live in pinned host memory and are updated on the CPU
     while the backward pass still runs; the last-arriving parameters can stay on the GPU.
 
@@ -249,10 +250,15 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
             raise ValueError(f"HeterogeneousAdamW needs all parameters on one device, found {sorted(map(str, devices))}.")
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
+        # Several ranks (an initialised process group of 2+): each owns a share of the state (see .zero).
+        self._rg = current_group()
         cpu_threads = opts.cpu_threads
-        if cpu_threads is None:  # leave two CPUs to the training loop and the data loader's main thread
+        if cpu_threads is None and self._rg is not None:  # this rank's share of the host's CPUs
+            cpu_threads = rank_cpu_threads(self._cuda, self._rg.local_size)
+        elif cpu_threads is None:  # leave two CPUs to the training loop and the data loader's main thread
             cpu_threads = max(1, hardware.cpus_available() - 2) if self._cuda else torch.get_num_threads()
         self.cpu_threads = cpu_threads
+        self._block = None
 
         self._buckets: list[Bucket] = []
         self._layout_built = False
@@ -299,10 +305,18 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
         self._tail_guard_done = False
         self._tail_retries_seen = 0
         self._plan = None
+        if self._rg is not None and self.gpu_fraction == "auto":
+            # The auto tail times this rank's own steps; ranks deciding apart would lay out different buckets.
+            self.gpu_fraction = 0.0
+            self.stats["tail_decision"] = (f"SuperOffload across {self._rg.size} ranks: gpu_fraction='auto' means 0.0 "
+                                           "(each rank's share of the state on the host); pass a float to keep a "
+                                           "replicated tail on every GPU.")
         if self.host_memory_check:  # early, before the first step allocates anything
             total = sum(s.numel for s in self._slots if s.param.requires_grad)
             share = 1.0 if self.gpu_fraction == "auto" or not self._cuda else 1.0 - float(self.gpu_fraction)
-            check_host_memory(int(total * share), self._backup_needed())
+            ranks = 1 if self._rg is None else self._rg.size
+            check_host_memory(int(total * share / ranks), self._backup_needed(),
+                              local_ranks=None if self._rg is None else self._rg.local_size)
         if module is not None:
             self.attach(module)
             # Lay the buckets out now, in the order the module registers its parameters, reversed (the usual
@@ -418,6 +432,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
             torch.cuda.current_stream(self.device).wait_stream(self._h2d_stream)
             for b in self._buckets:
                 b.stream_synced = b.step_id
+        if self._rg is not None and not self._closed:
+            self._broadcast_pending()  # a collective: every rank synchronizes at the same points
 
     def close(self) -> None:
         """Stop the worker thread, remove hooks and unpin host buffers. The optimizer is unusable after."""
@@ -449,6 +465,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
             for buf in (b.master_buf, b.grad_buf):
                 if buf is not None:
                     buf.release()
+        if self._block is not None:
+            self._block.release()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -457,8 +475,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
 
     @property
     def host_numel(self) -> int:
-        """Parameters whose state lives in host memory (after the first step)."""
-        return sum(b.numel for b in self._buckets)
+        """Parameters whose state lives in this rank's host memory (after the first step)."""
+        return sum(b.numel for b in self._buckets if self._owned(b))
 
     @property
     def device_numel(self) -> int:
@@ -481,6 +499,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
             self._ctx = StepCtx(self._step_id, self._hp_snapshot(), self._needs_validation())
             if self._norms is None or self._norms.numel() != len(self._slots):
                 self._norms = torch.zeros(len(self._slots), dtype=torch.float32, device=self.device)
+            elif self._rg is not None:  # each rank writes only the norms it owns; the rest must be zero
+                self._norms.zero_()
         return self._ctx
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -500,11 +520,12 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
                 "that do not end in step() must run inside `with optimizer.accumulating():` (or, with "
                 "pipeline_trigger='closure', outside step(closure)).")
         grad = slot.param.grad
-        if self.max_grad_value is not None:
+        sharded = self._rg is not None  # clamp and norm apply to the rank-averaged gradient (see .zero)
+        if self.max_grad_value is not None and not sharded:
             grad.clamp_(-self.max_grad_value, self.max_grad_value)
         slot.step_id = ctx.id
         ctx.arrival.append(slot.index)
-        if ctx.needs_validation:
+        if ctx.needs_validation and not sharded:
             if grad.dtype == torch.float32:  # the kernel clip_grad_norm_ uses, so the norm is bitwise equal
                 n = torch._foreach_norm([grad], 2.0)[0]
             else:  # fp32 accumulation of bf16/fp16 gradients (clip_grad_norm_ would return a bf16 norm)
@@ -517,12 +538,15 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
         b = slot.bucket
         assert b is not None
         if b.step_id != ctx.id:
-            self._wait_ready(b, stall=False)
-            b.ready.clear()
+            if self._owned(b):
+                self._wait_ready(b, stall=False)
+                b.ready.clear()
             b.step_id, b.arrived, b.active, b.pushed = ctx.id, 0, [], False
         b.arrived += 1
         b.active.append(slot)
-        if self._cuda:
+        if self._rg is not None:
+            self._stage_grad(b, slot, grad)
+        elif self._cuda:
             cur = torch.cuda.current_stream(self.device)
             self._copy_stream.wait_stream(cur)
             with torch.cuda.stream(self._copy_stream):
@@ -536,6 +560,10 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
             self._submit(b, ctx)
 
     def _submit(self, b: Bucket, ctx: StepCtx) -> None:
+        if self._rg is not None:
+            self._reduce_bucket(b, ctx)
+            if not self._owned(b):
+                return
         if self._cuda:
             b.d2h_event.record(self._copy_stream)
         self._ensure_worker()
@@ -547,6 +575,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
         buckets = self._buckets if slots is None else {id(s.bucket): s.bucket for s in slots if s.residency == "host"}.values()
         for b in list(buckets):
             self._wait_ready(b, stall=True)
+            if self._rg is not None and b.step_id == self._closed_step:
+                self._broadcast_bucket(b)
 
     def _wait_ready(self, b: Bucket, stall: bool) -> None:
         ctx = self._ctx
@@ -611,18 +641,22 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
             if b.step_id == ctx.id and b.arrived < len(b.slots):
                 b.arrived = len(b.slots)
                 self._submit(b, ctx)
+        if self._rg is not None:
+            self._reduce_tail(ctx)
 
         hp_now = self._hp_snapshot()
         coef_dev, found_inf = self._post_decision(ctx, hp_now)
         self._step_tail(ctx, hp_now, coef_dev, found_inf)
         self._ctx = None
         self._closed_step = ctx.id
-        if any(b.step_id == ctx.id for b in self._buckets):
+        if any(b.step_id == ctx.id and self._owned(b) for b in self._buckets):
             self._ensure_worker()
             self._queue.put(("finish", None, ctx))
         if self._module is None:
             for b in self._buckets:
                 self._wait_ready(b, stall=True)
+            if self._rg is not None:
+                self._broadcast_pending()
         self._after_step()
         return loss
 
@@ -632,6 +666,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
         ctx.skip_nonfinite = self.skip_nonfinite
         coef_dev = found_inf = None
         if ctx.needs_validation:
+            if self._rg is not None:
+                self._sum_norms()
             idx = sorted(ctx.arrival)
             norms = self._norms if len(idx) == len(self._slots) else self._norms[torch.tensor(idx, device=self.device)]
             total = torch.linalg.vector_norm(norms, 2.0)
@@ -718,9 +754,15 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
             pg["params"] = ids
             packed_groups.append(pg)
         state: dict[int, dict[str, torch.Tensor]] = {}
+        gathered = self._gather_host_state() if self._rg is not None and self._layout_built else {}
         for s in self._slots:
             i = id_of[id(s.param)]
-            if self._layout_built and s.step is not None:
+            if s.index in gathered:
+                st = {k: v.view(s.param.shape) if k != "step" else v for k, v in gathered[s.index].items()}
+                if s.param.dtype == torch.float32:
+                    del st["master"]
+                state[i] = st
+            elif self._layout_built and s.step is not None:
                 shape = s.param.shape
                 st = {"step": s.step.detach().to("cpu", copy=True), "exp_avg": s.exp_avg.view(shape),
                       "exp_avg_sq": s.exp_avg_sq.view(shape)}
@@ -731,8 +773,23 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, torch.optim.Optimi
                 state[i] = dict(self._pending_state[s.index])
         return {"state": state, "param_groups": packed_groups}
 
+    def _gather_host_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every host-resident parameter's state, from whichever rank owns it (a collective; CPU tensors)."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for b in self._buckets:
+            packed = self._bucket_state(b)
+            n = b.numel
+            for j, s in enumerate(b.slots):
+                o = s.offset
+                out[s.index] = {"step": packed[3 * n + j].clone(), "master": packed[o:o + s.numel],
+                                "exp_avg": packed[n + o:n + o + s.numel],
+                                "exp_avg_sq": packed[2 * n + o:2 * n + o + s.numel]}
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by this class or by ``torch.optim.AdamW`` (any device or dtype)."""
+        """Load a state saved by this class or by ``torch.optim.AdamW`` (any device or dtype). Across ranks every
+        rank loads the same unsharded state and keeps its own share, so a state saved at any number of ranks loads
+        at any other."""
         if self._ctx is not None:
             raise RuntimeError("HeterogeneousAdamW.load_state_dict() between backward and step(): call step() first.")
         self.synchronize()

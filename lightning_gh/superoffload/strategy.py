@@ -1,6 +1,7 @@
 """``Trainer(strategy="superoffload")``: run the LightningModule's own AdamW as a :class:`HeterogeneousAdamW`.
 
-The strategy is Lightning's single-device strategy plus four things:
+The strategy is Lightning's ``DDPStrategy`` without the ``DistributedDataParallel`` wrapper (the optimizer's own
+gradient hooks reduce each gradient onto the rank that owns its state, see :mod:`.zero`), plus four things:
 
 * ``setup_optimizers`` calls ``configure_optimizers`` as usual, then rebuilds every ``torch.optim.AdamW`` it
   returns as a ``HeterogeneousAdamW`` with the same param groups and hyper-parameters, and re-points the
@@ -13,6 +14,11 @@ The strategy is Lightning's single-device strategy plus four things:
   of ``accumulate_grad_batches``) starts the offload pipeline; earlier micro-batches accumulate on the GPU;
 * checkpoints wait for in-flight CPU updates, and the optimizer state stays in host memory when a
   checkpoint is restored (Lightning would otherwise move it to the GPU).
+
+Devices: ``devices=1`` runs one process with no process group, as a single-device strategy does.
+``devices=N`` runs under DDP's launchers (a subprocess per device, NCCL on GPUs; ``start_method="spawn"`` for the
+CPU or notebooks, gloo on CPUs), and each rank keeps ``1/N`` of the offloaded state (ZeRO-1/2 with the state in
+host memory). The module is not wrapped: rank 0's weights and buffers are broadcast once at setup instead.
 
 Registered in Lightning's strategy registry as ``"superoffload"`` when this module is imported (``import
 lightning_gh`` does that).
@@ -46,7 +52,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
@@ -57,8 +63,9 @@ from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_optio
 __all__ = ["SuperOffloadStrategy"]
 
 
-class SuperOffloadStrategy(SingleDeviceStrategy):
-    """Single-device Lightning strategy that trains with :class:`HeterogeneousAdamW`.
+class SuperOffloadStrategy(DDPStrategy):
+    """Lightning strategy that trains with :class:`HeterogeneousAdamW`, on one device or data-parallel on several
+    (each rank then owns a share of the optimizer state; the module is not wrapped in DDP).
 
     Args:
         gpu_fraction: share of parameters kept on the GPU (see :class:`HeterogeneousAdamW`); ``"auto"`` sizes
@@ -74,13 +81,18 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
             by free GPU memory); ``None``: memory only.
         options: the options above as one :class:`SuperOffloadOptions` (shared with
             :class:`HeterogeneousAdamW`) instead of keyword arguments; giving both is an error.
-        device: the device; normally left to ``Trainer(accelerator=..., devices=1)``.
-        accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy``.
+        device: the device of a one-device run; normally left to ``Trainer(accelerator=..., devices=...)``.
+        start_method: how ``devices=N`` starts its processes, as for ``DDPStrategy``: ``"popen"`` (re-runs the
+            script, the usual choice on GPUs) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``.
+        process_group_backend: ``None`` (NCCL on GPUs, gloo on CPUs) or a backend name.
+        accelerator, checkpoint_io, precision_plugin, cluster_environment, timeout: as for Lightning's
+            ``DDPStrategy``.
 
     Example::
 
         trainer = L.Trainer(strategy=SuperOffloadStrategy(gpu_fraction=0.0), precision="bf16-true",
                             gradient_clip_val=1.0)
+        trainer = L.Trainer(strategy="superoffload", devices=8, precision="bf16-true")  # ZeRO-2 + offload
     """
 
     strategy_name = "superoffload"
@@ -100,36 +112,51 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         options: SuperOffloadOptions | None = None,
+        start_method: str = "popen",
+        process_group_backend: str | None = None,
+        cluster_environment: Any = None,
+        timeout: Any = None,
     ) -> None:
         self.options = resolve_options(
             options, "SuperOffloadStrategy", gpu_fraction=gpu_fraction, speculative=speculative,
             skip_nonfinite=skip_nonfinite, cpu_threads=cpu_threads, bucket_size=bucket_size,
             host_memory_check=host_memory_check, max_gpu_fraction=max_gpu_fraction)
-        super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
-        self._explicit_device = device is not None
-        self._parallel_devices: list[torch.device] | None = None
+        extra = {} if timeout is None else {"timeout": timeout}
+        super().__init__(accelerator=accelerator, parallel_devices=None if device is None else [torch.device(device)],
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         start_method=start_method, **extra)
         self._clip_installed = False
         self._scaler_warned = False
         self._ckpt_warned = False
 
-    # Lightning's accelerator connector fills `parallel_devices` on strategies that have the attribute; a
-    # single-device strategy picked by name would otherwise stay on its default device (the CPU).
+    # ------------------------------------------------------------------ processes
     @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
+    def _several(self) -> bool:
+        return self.num_nodes * self.num_processes > 1
 
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        if devices is not None and len(devices) > 1:
-            raise ValueError(
-                f"SuperOffloadStrategy trains on one device, but Trainer asked for devices={len(devices)} "
-                f"({', '.join(map(str, devices))}). Data-parallel training with SuperOffload is not supported yet: "
-                "use devices=1, or for several GPUs with the optimizer state in host memory "
-                "strategy='deepspeed_stage_2_offload' (DeepSpeed ZeRO-Offload) or FSDPStrategy(cpu_offload=True).")
-        self._parallel_devices = devices
-        if devices and not self._explicit_device:
-            _lightning.set_root_device(self, devices[0])
+    def _configure_launcher(self) -> None:
+        # One device: no launcher and no process group, as a single-device strategy (DDP's would start neither
+        # children nor anything useful, but it would still set up a process group of one).
+        if self._several:
+            super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        if self._several:
+            super().setup_distributed()
+        else:
+            self.set_world_ranks()
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # never DistributedDataParallel: the optimizer reduces the gradients itself
+
+    def configure_ddp(self) -> None:
+        """No ``DistributedDataParallel``: the optimizer's hooks reduce the gradients. What the wrapper would have
+        done at construction, making every rank start from rank 0's weights and buffers, is done here."""
+        if self._several and torch.distributed.is_initialized():
+            with torch.no_grad():
+                for tensor in self.model.state_dict().values():
+                    torch.distributed.broadcast(tensor, src=0)
 
     # ------------------------------------------------------------------ optimizers
     def setup_optimizers(self, trainer: Any) -> None:
@@ -188,7 +215,11 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
 
     def setup(self, trainer: Any) -> None:
         compat.check(trainer, self.lgh_part)
-        super().setup(trainer)
+        if self._several:
+            super().setup(trainer)
+        else:  # one device: the plain strategy's setup (DDP's would sync the module over a process group)
+            _lightning.keep_user_sampler(trainer)  # and the data a single-device run sees
+            Strategy.setup(self, trainer)
         self._install_clipping()
         self._check_precision_plugin()
         if self.root_device.type != "cuda":

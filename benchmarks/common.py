@@ -240,3 +240,56 @@ def write_report(ctx: BenchContext, results: list[Result], command: str) -> Path
 def out_dir(default: str | None) -> Path:
     return Path(default or os.environ.get("OUT") or "bench_out")
 
+
+# ---------------------------------------------------------------- variants in a fresh process
+
+_CHILD_MARK = "@@lgh-bench-result@@"
+
+
+def run_isolated(ctx: BenchContext, suite_module: str, payload: dict[str, Any],
+                 echo: str) -> tuple[Result | None, Any]:
+    """Run ``<suite_module>._child(args)`` in a fresh Python process and return its Result (or ``None``) and the
+    finished process.
+
+    Used where a variant must not share a process with the others (the CUDA allocator's state, a per-process memory
+    cap, a managed-memory pool). ``args`` is the context (see :func:`child_context`) plus ``payload``; the child
+    reports with :func:`emit_child_result`. Lines of the child's output that start with ``echo`` are printed here.
+    """
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    args = {"suite": ctx.suite, "presets": ctx.presets, "device": str(ctx.device), "warmup": ctx.warmup,
+            "iters": ctx.iters, "out_dir": str(ctx.out_dir), "argv": vars(ctx.args) if ctx.args is not None else {},
+            **payload}
+    code = ("import json, sys; sys.path[:0] = [%r, %r]; import importlib; "
+            "importlib.import_module(%r)._child(json.loads(sys.argv[1]))" % (str(here), str(here.parent), suite_module))
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(_CHILD_MARK):
+            d = json.loads(line[len(_CHILD_MARK):])
+            timing = Timing(**d["timing"]) if d["timing"] else None
+            return Result(d["suite"], d["preset"], d["variant"], timing, d["tokens_per_step"], d["flops_per_step"],
+                          d["peak_mem_bytes"], d["extra"], d["error"]), proc
+        if line.startswith(echo):
+            print(line, flush=True)
+    return None, proc
+
+
+def child_context(args: dict[str, Any]) -> BenchContext:
+    """The parent's context, rebuilt in a :func:`run_isolated` child (TF32 on CUDA, as ``run.py`` sets it)."""
+    import argparse
+
+    ctx = BenchContext(args["suite"], args["presets"], torch.device(args["device"]), args["warmup"], args["iters"],
+                       Path(args["out_dir"]), argparse.Namespace(**args["argv"]))
+    if ctx.cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return ctx
+
+
+def emit_child_result(r: Result) -> None:
+    """Hand ``r`` to the parent of a :func:`run_isolated` child."""
+    from dataclasses import asdict
+
+    print(_CHILD_MARK + json.dumps(asdict(r), default=str), flush=True)

@@ -54,6 +54,7 @@ from __future__ import annotations
 import gc
 import math
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -62,7 +63,8 @@ from typing import Any, Callable
 import lightning as L
 import torch
 
-from common import BenchContext, Result, Timing, lightning_steps, peak_memory, reset_memory
+from common import (BenchContext, Result, Timing, child_context, emit_child_result, lightning_steps, peak_memory,
+                    reset_memory, run_isolated)
 
 from lightning_gh import hardware
 from lightning_gh.demo import LlamaLM, preset
@@ -593,47 +595,17 @@ def _variants(ctx: BenchContext, cfg: Any) -> dict[str, tuple[Callable[[], Llama
     }
 
 
-_MARK = "@@superoffload-result@@"
-
-
 def _isolated(ctx: BenchContext, call: str, **kwargs: Any) -> Result | None:
     """Run `call(ctx, **kwargs)` of this module in a fresh Python process; returns its Result."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    args = {"suite": ctx.suite, "presets": ctx.presets, "device": str(ctx.device), "warmup": ctx.warmup,
-            "iters": ctx.iters, "out_dir": str(ctx.out_dir), "argv": vars(ctx.args) if ctx.args is not None else {},
-            "call": call, "kwargs": kwargs}
-    code = ("import json, sys; sys.path[:0] = [%r, %r]; import suites.superoffload as so; "
-            "so._child(json.loads(sys.argv[1]))" % (os.path.dirname(here), os.path.dirname(os.path.dirname(here))))
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
-    sys.stderr.write(proc.stderr[-4000:] if proc.returncode else "")
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARK):
-            d = json.loads(line[len(_MARK):])
-            timing = Timing(**d["timing"]) if d["timing"] else None
-            return Result(d["suite"], d["preset"], d["variant"], timing, d["tokens_per_step"], d["flops_per_step"],
-                          d["peak_mem_bytes"], d["extra"], d["error"])
-        if line.startswith("[superoffload]"):
-            print(line, flush=True)
-    return None
+    r, proc = run_isolated(ctx, "suites.superoffload", {"call": call, "kwargs": kwargs}, echo="[superoffload]")
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-4000:])
+    return r
 
 
 def _child(args: dict[str, Any]) -> None:
     """Entry point of an isolated variant: rebuild the context, run one call, print its Result as JSON."""
-    import argparse
-    import json
-    from dataclasses import asdict
-    from pathlib import Path
-
-    ctx = BenchContext(args["suite"], args["presets"], torch.device(args["device"]), args["warmup"], args["iters"],
-                       Path(args["out_dir"]), argparse.Namespace(**args["argv"]))
-    if ctx.cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    ctx = child_context(args)
     kw = args["kwargs"]
     if args["call"] == "hf":
         r = _hf_run(ctx, **kw)
@@ -650,8 +622,7 @@ def _child(args: dict[str, Any]) -> None:
         r = Result(ctx.suite, f"cap {kw['cap_gib']:g} GiB", kw["name"], Timing.from_samples([ms]) if ms else None,
                    cfg.tokens_per_batch, cfg.train_flops_per_batch(), peak, error=None if ok else err)
         r.extra.update(n_layers=cfg.n_layers, params_M=round(cfg.num_params() / 1e6))
-    d = asdict(r)
-    print(_MARK + json.dumps(d, default=str), flush=True)
+    emit_child_result(r)
 
 
 def run(ctx: BenchContext) -> list[Result]:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -49,7 +48,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from common import BenchContext, Result, Timing, lightning_steps, peak_memory, reset_memory  # noqa: E402
+from common import (BenchContext, Result, Timing, child_context, emit_child_result, lightning_steps,  # noqa: E402
+                    peak_memory, reset_memory, run_isolated)
 
 from lightning_gh import hardware  # noqa: E402
 from lightning_gh.demo import LlamaLM, preset  # noqa: E402
@@ -59,7 +59,6 @@ from lightning_gh.unified.forecast import state_traffic_ms  # noqa: E402
 
 DEFAULT_PRESETS = ["medium"]
 VARIANTS = ("plain", "plain again", "managed cpu", "managed gpu", "managed cpu prefetch=step", "superoffload")
-_MARK = "@@unified-result@@"
 _GIB = 2**30
 
 
@@ -231,37 +230,15 @@ def _run_variant(ctx: BenchContext, preset_name: str, name: str) -> Result:
 
 
 def _isolated(ctx: BenchContext, preset_name: str, name: str) -> Result:
-    here = os.path.dirname(os.path.abspath(__file__))
-    args = {"suite": ctx.suite, "presets": ctx.presets, "device": str(ctx.device), "warmup": ctx.warmup,
-            "iters": ctx.iters, "out_dir": str(ctx.out_dir), "argv": vars(ctx.args) if ctx.args is not None else {},
-            "preset": preset_name, "name": name}
-    code = ("import json, sys; sys.path[:0] = [%r, %r]; import suites.unified as u; u._child(json.loads(sys.argv[1]))"
-            % (os.path.dirname(here), os.path.dirname(os.path.dirname(here))))
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARK):
-            d = json.loads(line[len(_MARK):])
-            timing = Timing(**d["timing"]) if d["timing"] else None
-            return Result(d["suite"], d["preset"], d["variant"], timing, d["tokens_per_step"], d["flops_per_step"],
-                          d["peak_mem_bytes"], d["extra"], d["error"])
-        if line.startswith("[unified]"):
-            print(line, flush=True)
+    r, proc = run_isolated(ctx, "suites.unified", {"preset": preset_name, "name": name}, echo="[unified]")
+    if r is not None:
+        return r
     sys.stderr.write(proc.stderr[-4000:])
     return Result(ctx.suite, preset_name, name, None, error=f"isolated run exited with {proc.returncode}")
 
 
 def _child(args: dict[str, Any]) -> None:
-    import argparse
-    from dataclasses import asdict
-    from pathlib import Path
-
-    ctx = BenchContext(args["suite"], args["presets"], torch.device(args["device"]), args["warmup"], args["iters"],
-                       Path(args["out_dir"]), argparse.Namespace(**args["argv"]))
-    if ctx.cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    r = _run_variant(ctx, args["preset"], args["name"])
-    print(_MARK + json.dumps(asdict(r), default=str), flush=True)
+    emit_child_result(_run_variant(child_context(args), args["preset"], args["name"]))
 
 
 def _compare(block: list[Result]) -> None:

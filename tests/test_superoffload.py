@@ -517,3 +517,25 @@ def test_host_memory_error_is_the_shared_one(monkeypatch):
     monkeypatch.setattr(hardware, "available_host_bytes", lambda: 10_000)
     with pytest.raises(HostMemoryError, match="host_memory_check=False"):
         HeterogeneousAdamW(make_model().parameters())
+
+
+def test_worker_runs_final_updates_in_forward_order():
+    """Once a step's decision is known, queued bucket updates run earliest layer first (what the next forward needs
+    first); before it, and across steps or a "finish" task, the queue keeps its order."""
+    from types import SimpleNamespace
+
+    from lightning_gh.superoffload.worker import _next_task
+
+    def bucket(*indexes):
+        return SimpleNamespace(slots=[SimpleNamespace(index=i) for i in indexes])
+
+    known, unknown = object(), object()
+    opt = SimpleNamespace(_poll_decision=lambda ctx, block: "decision" if ctx is known else None)
+    late, mid, early = bucket(9, 10), bucket(5, 6), bucket(1, 2)  # arrival order: last layer first
+    pending = [("bucket", late, known), ("bucket", mid, known), ("bucket", early, known), ("finish", None, known)]
+    assert _next_task(opt, pending) == 2
+    assert _next_task(opt, [("bucket", late, unknown), ("bucket", early, unknown)]) == 0  # speculative: FIFO
+    assert _next_task(opt, [("bucket", late, known), ("finish", None, known), ("bucket", early, known)]) == 0
+    assert _next_task(opt, [("bucket", late, known), ("bucket", early, unknown)]) == 0
+    assert _next_task(opt, [("finish", None, known), ("bucket", early, known)]) == 0
+    assert _next_task(opt, [None]) == 0

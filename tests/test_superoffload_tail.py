@@ -158,3 +158,71 @@ def test_trial_moves_keep_the_math_bitwise():
         offload_step(model, opt, sched, step)
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
+
+
+def _roomy_gpu(monkeypatch) -> None:
+    from lightning_gh.superoffload import memory
+
+    monkeypatch.setattr(memory, "device_memory_room", lambda dev: (64 * 2**30, 80 * 2**30))
+
+
+def test_when_everything_fits_one_trial_moves_it_all_and_keeps_it_if_faster(monkeypatch, info_log):
+    _roomy_gpu(monkeypatch)
+    opt = _auto_opt(make_model())
+    total = opt.host_numel
+    _measure(opt, period=100.0, stall=0.0, k=4)  # no stall: the old policy would stop here with no tail
+    opt._auto_tail()
+    assert opt.host_numel == 0 and opt.device_numel == total and opt._tail_trial is not None
+    _measure(opt, period=80.0, stall=0.0, k=6)
+    opt._auto_tail()
+    assert opt._tail_final and opt.host_numel == 0
+    line = _decision_lines(info_log)[0]
+    assert f"{total:,} of {total:,}" in line and "fits on the GPU and the step was faster" in line
+    opt.close()
+
+
+def test_moving_everything_that_is_not_faster_is_undone_once(monkeypatch, info_log):
+    _roomy_gpu(monkeypatch)
+    opt = _auto_opt(make_model())
+    total = opt.host_numel
+    _measure(opt, period=100.0, stall=0.0, k=4)
+    opt._auto_tail()
+    assert opt.device_numel == total
+    _measure(opt, period=99.0, stall=0.0, k=6)  # 1% faster: below the 2% a growth must buy
+    opt._auto_tail()
+    assert opt._tail_final and opt.device_numel == 0 and opt.host_numel == total
+    assert "was undone: the step took 99 ms instead of 100 ms" in _decision_lines(info_log)[0]
+    opt.close()
+
+
+def test_moving_everything_respects_max_gpu_fraction(monkeypatch, info_log):
+    _roomy_gpu(monkeypatch)
+    model = make_model()
+    opt = HeterogeneousAdamW(groups(model), lr=1e-2, max_grad_norm=CLIP, module=model, bucket_size=600,
+                             gpu_fraction="auto", max_gpu_fraction=0.5)
+    _measure(opt, period=100.0, stall=0.0, k=4)
+    opt._auto_tail()
+    assert opt.device_numel == 0 and opt._tail_final  # no all-in trial; no stall, so no tail
+    opt.close()
+
+
+def test_the_all_in_trial_keeps_the_math_bitwise(monkeypatch):
+    """Everything moved to the GPU tail (here: the CPU) mid-run and kept: parameters and moments still equal
+    clip_grad_norm_ + AdamW(fused)."""
+    _roomy_gpu(monkeypatch)
+    ref_model, ref_opt, _ = train_reference(steps=12)
+    model = make_model()
+    opt = _auto_opt(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
+    for step in range(12):
+        if step == 3:
+            _measure(opt, period=100.0, stall=0.0, k=4)
+            opt._auto_tail()
+            assert opt.host_numel == 0
+        if step == 5:
+            _measure(opt, period=70.0, stall=0.0, k=6)
+            opt._auto_tail()
+            assert opt._tail_final and opt.host_numel == 0
+        offload_step(model, opt, sched, step)
+    assert_same(ref_model, ref_opt, model, opt)
+    opt.close()

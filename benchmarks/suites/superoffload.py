@@ -29,6 +29,7 @@ tokens), the GPU capped with `torch.cuda.set_per_process_memory_fraction` (`--so
   gpu fused adamw (bf16-mixed)            GPU-only, at the first of `--so-hf-layers` (16: the largest that fits)
   superoffload default (bf16-true)        Trainer(strategy="superoffload"), default options, each size
   superoffload gpu_fraction=0.0 (bf16-true)  the same with every parameter's state on the host
+  superoffload k=v,... (bf16-true)        `--so-hf-variants 'so:k=v,...'`: SuperOffloadStrategy(k=v, ...)
 
 Per run it prints the measured forward+backward time (the same module, the same batch, no optimizer: each
 gradient is dropped as it lands, as the offload does), the CPU AdamW time of the offloaded parameters at the CPU
@@ -51,8 +52,14 @@ CPUOffloadOptimizer 270 ms (254 ms with offload_gradients=True). Goals: <= 1.3x 
 
 from __future__ import annotations
 
+import argparse
+import ast
 import gc
+import glob
+import json
 import math
+import os
+import re
 import statistics
 import sys
 import threading
@@ -68,7 +75,9 @@ from common import (BenchContext, Result, Timing, child_context, emit_child_resu
 
 from lightning_gh import hardware
 from lightning_gh.demo import LlamaLM, preset
-from lightning_gh.superoffload import HeterogeneousAdamW, SuperOffloadStrategy
+from lightning_gh.profiling import SelectiveProfiler
+from lightning_gh.profiling.profiler import window_metrics
+from lightning_gh.superoffload import HeterogeneousAdamW, SuperOffloadOptions, SuperOffloadStrategy
 
 DEFAULT_PRESETS = ["medium"]
 ANCHOR_GPU_MS = 107.0
@@ -93,10 +102,14 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--so-hf-seq", type=int, default=2048, help="part hf: tokens per step (batch 1)")
     parser.add_argument("--so-hf-hidden", type=int, default=2048,
                         help="part hf: hidden size (FFN = 2.75x, 16 heads / 4 KV heads); small only for a CPU smoke run")
-    parser.add_argument("--so-hf-variants", nargs="+", default=["gpu", "default", "tail0"],
-                        choices=["gpu", "default", "tail0", "deepspeed"],
-                        help="part hf: which variants to run (deepspeed: strategy='deepspeed_stage_2_offload' with "
-                             "DeepSpeedCPUAdam, the anchor users know; needs the deepspeed package)")
+    parser.add_argument("--so-hf-variants", nargs="+", default=["gpu", "default", "tail0"], type=_hf_variant,
+                        help="part hf: which variants to run: gpu, default, tail0, deepspeed "
+                             "(strategy='deepspeed_stage_2_offload' with DeepSpeedCPUAdam, the anchor users know; "
+                             "needs the deepspeed package), or 'so:k=v,...' for SuperOffloadStrategy(k=v, ...) "
+                             "(e.g. 'so:gpu_fraction=1.0', 'so:cpu_threads=8,speculative=False')")
+    parser.add_argument("--so-hf-profile", action="store_true",
+                        help="part hf: also profile two timed steps of each variant with SelectiveProfiler and "
+                             "record the GPU's busy/idle share of the step from its trace summary")
     parser.add_argument("--so-in-process", action="store_true",
                         help="run every variant in this process instead of one fresh process each")
     parser.add_argument("--so-budget-s", type=float, default=0.0,
@@ -400,6 +413,35 @@ class _HFLlamaLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=fused)
 
 
+_HF_FIXED = ("gpu", "default", "tail0", "deepspeed")
+
+
+def _hf_variant(text: str) -> str:
+    """argparse type of ``--so-hf-variants``: a fixed name, or ``so:k=v,...`` with known option names."""
+    if text in _HF_FIXED:
+        return text
+    try:
+        _so_kwargs(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _so_kwargs(text: str) -> dict[str, Any]:
+    """``'so:gpu_fraction=0.5,speculative=False'`` -> ``{"gpu_fraction": 0.5, "speculative": False}``, checked
+    against :class:`SuperOffloadOptions` so a typo fails before any GPU time is spent."""
+    if not text.startswith("so:"):
+        raise ValueError(f"variant {text!r}: expected one of {_HF_FIXED} or 'so:k=v,...'")
+    kw: dict[str, Any] = {}
+    for item in filter(None, text[3:].split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"variant {text!r}: {item!r} is not k=v")
+        kw[key.strip()] = ast.literal_eval(raw.strip()) if raw.strip() not in ("auto",) else raw.strip()
+    SuperOffloadOptions(**kw)  # raises on an unknown name or a bad value
+    return kw
+
+
 def _token_loader(seq_len: int, cuda: bool, n: int = 64) -> Any:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 32000, (n, seq_len), generator=g)
@@ -446,7 +488,7 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), dev_index)
     name = {"gpu": "gpu fused adamw (bf16-mixed)", "default": "superoffload default (bf16-true)",
             "tail0": "superoffload gpu_fraction=0.0 (bf16-true)",
-            "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)"}[variant]
+            "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)"}.get(variant, f"superoffload {variant[3:]} (bf16-true)")
     r = Result(ctx.suite, f"hf-llama {n_layers}L cap {cap_gib:g} GiB", name, None, seq_len)
     module = trainer = None
     try:
@@ -473,14 +515,26 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         elif variant == "deepspeed":
             module.deepspeed_cpu_adam = True
             kw = dict(strategy="deepspeed_stage_2_offload", precision="bf16-mixed")
-        else:
+        elif variant == "tail0":
             kw = dict(strategy=SuperOffloadStrategy(gpu_fraction=0.0), precision="bf16-true")
+        else:
+            kw = dict(strategy=SuperOffloadStrategy(**_so_kwargs(variant)), precision="bf16-true")
         warmup = ctx.warmup if variant == "gpu" else max(ctx.warmup, HF_MIN_WARMUP)
         sub = BenchContext(ctx.suite, ctx.presets, ctx.device, warmup=warmup, iters=ctx.iters, out_dir=ctx.out_dir,
                            args=ctx.args)
-        r.timing, trainer = lightning_steps(module, sub, datamodule=_token_loader(seq_len, ctx.cuda), **kw)
+        snap = _PhaseSnapshot(warmup)
+        callbacks: list[Any] = [snap]
+        prof_dir = None
+        if getattr(ctx.args, "so_hf_profile", False):
+            prof_dir = os.path.join(ctx.out_dir or ".", f"so-prof-{n_layers}L-{re.sub(r'[^A-Za-z0-9]+', '_', variant)}")
+            callbacks.append(SelectiveProfiler(steps=f"{warmup + 2}-{warmup + 3}", output_dir=prof_dir))
+        r.timing, trainer = lightning_steps(module, sub, datamodule=_token_loader(seq_len, ctx.cuda),
+                                            callbacks=callbacks, **kw)
         r.peak_mem_bytes = peak_memory(ctx.device)
         r.extra.update(_so_stats(trainer))
+        r.extra.update(snap.per_step(trainer))
+        if prof_dir is not None:
+            r.extra.update(_profile_figures(prof_dir))
         for opt in trainer.optimizers:
             if isinstance(opt, HeterogeneousAdamW):
                 r.extra["host_params"] = opt.host_numel
@@ -498,6 +552,43 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         gc.collect()
         reset_memory(ctx.device)
     return r
+
+
+class _PhaseSnapshot(L.Callback):
+    """The CPU worker's cumulative time per phase (``stats["cpu_phases_ms"]``) when the timed steps start, so
+    the per-step figures exclude the warm-up and the auto tail's trials."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.start: tuple[int, dict[str, float]] | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.warmup:
+            opt = next((o for o in trainer.optimizers if isinstance(o, HeterogeneousAdamW)), None)
+            if opt is not None:
+                self.start = (opt.stats["steps"], dict(opt.stats["cpu_phases_ms"]))
+
+    def per_step(self, trainer: L.Trainer) -> dict[str, Any]:
+        opt = next((o for o in trainer.optimizers if isinstance(o, HeterogeneousAdamW)), None)
+        if opt is None or self.start is None:
+            return {}
+        steps = opt.stats["steps"] - self.start[0]
+        if steps <= 0:
+            return {}
+        now, before = opt.stats["cpu_phases_ms"], self.start[1]
+        return {"cpu_phase_ms_per_step": {k: round((v - before.get(k, 0.0)) / steps, 1) for k, v in sorted(now.items())}}
+
+
+def _profile_figures(prof_dir: str) -> dict[str, Any]:
+    """GPU busy share and step time from the trace summary SelectiveProfiler wrote under ``prof_dir``."""
+    found = sorted(glob.glob(os.path.join(prof_dir, "**", "*.summary.json"), recursive=True))
+    if not found:
+        return {"profile": "no summary written"}
+    with open(found[0]) as f:
+        summary = json.load(f)
+    top = [(k["name"][:60], k["total_ms"], k["count"]) for k in summary.get("top_kernels", [])[:10]]
+    return {"profile_metrics": {k: round(v, 3) for k, v in window_metrics(summary).items()},
+            "profile_gpu": summary.get("gpu"), "profile_top_kernels": top}
 
 
 def _cpu_adamw_rate(threads: int, n: int) -> float:
@@ -534,7 +625,7 @@ def _hf(ctx: BenchContext) -> list[Result]:
     print(f"[superoffload] hf: CPU fused AdamW {rate / 1e9:.2f} G params/s on {threads} threads; pinned link "
           f"{'-' if link_gbps is None else f'{link_gbps:.1f} GB/s'} (slower direction)", flush=True)
     plan = [(layers[0], "gpu")] if "gpu" in chosen else []
-    plan += [(n, v) for n in layers for v in ("default", "tail0") if v in chosen]
+    plan += [(n, v) for n in layers for v in chosen if v not in ("gpu", "deepspeed")]
     plan += [(layers[0], "deepspeed")] if "deepspeed" in chosen else []
     out: list[Result] = []
     for n_layers, variant in plan:

@@ -59,6 +59,7 @@ class Bucket:
     backup: torch.Tensor | None = None
     backup_steps: dict[int, float] = field(default_factory=dict)
     backup_fresh: bool = False  # the backup equals the current state (taken since the last update)
+    speculated: bool = False  # the worker's last update of this bucket ran before the step's decision was known
     ready_t: float = 0.0  # when the worker last committed this bucket (perf_counter)
     ready: threading.Event = field(default_factory=threading.Event)
     step_id: int = -1

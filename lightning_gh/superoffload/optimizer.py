@@ -294,13 +294,14 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
                                       "speculative_buckets": 0, "prefetched_backups": 0, "last_stall_ms": 0.0,
                                       "last_slack_ms": None, "cpu_ms_per_step": 0.0, "tail_moves": 0,
                                       "tail_moves_back": 0, "tail_limited": 0, "tail_move_failures": 0,
-                                      "tail_decision": None}
+                                      "tail_decision": None, "cpu_phases_ms": {}}
         self._tail_warned = False
         self._tail_blocked = False
         # auto tail decision state (see .tail): an open trial growth, whether the decision is final, what limited it
         self._tail_trial: dict[str, Any] | None = None
         self._tail_final = False
         self._tail_gained = False  # the last trial growth was kept
+        self._all_in_tried = False  # the one trial of moving everything left on the host to the GPU was made
         self._tail_limit: str | None = None
         self._tail_guard_done = False
         self._tail_retries_seen = 0
@@ -712,9 +713,9 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
                                 eps=h["eps"], amsgrad=False, maximize=False, found_inf=found_inf)
             if found_inf is not None:
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
-            for s in slots:
-                if s.dev_master is not None:
-                    s.param.copy_(s.dev_master)
+            mastered = [s for s in slots if s.dev_master is not None]
+            if mastered:  # one multi-tensor cast back into the module's (bf16) weights
+                torch._foreach_copy_([s.param for s in mastered], [s.dev_master for s in mastered])
 
     def _after_step(self) -> None:
         self.stats["steps"] += 1

@@ -4,6 +4,8 @@ With ``gpu_fraction="auto"`` (CUDA only) everything starts on the host. The poli
 pipelined steps, the step period, how long the next forward waited for the CPU (the stall) and the CPU update
 time of the host buckets:
 
+* everything still on the host fits in the GPU memory the tail may take (below): move all of it, once, as a trial
+  (stall or not: a CPU update that hides under forward+backward still shares the host with the training loop);
 * no stall (the CPU update hides under forward+backward): no tail; the decision is final;
 * a stall: move the last-processed host buckets (the earliest layers) to the GPU, worth a little less than the
   stall in measured CPU time, as a *trial*. The trial is kept only when the next measured steps are faster by at
@@ -28,6 +30,7 @@ why, and keeps the same text in ``optimizer.stats["tail_decision"]``.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable
 
@@ -120,21 +123,27 @@ class TailMixin:
             return
         slacks = [x for x in self._slack[-2:] if x is not None]
         device_slots = [i for i in self._order if self._slots[i].residency == "device"]
+        if not self._buckets and self._tail_gained:
+            self._finish_tail("all of the state fits on the GPU and the step was faster with it there", cpu_ms,
+                              compute_ms)
+            return
+        if not self._all_in_tried and self._buckets and not self._tail_blocked and self._all_fits():
+            # Everything left on the host fits beside a step's peak: try the GPU-only end point once, stall or
+            # not. Even a CPU update that hides under forward+backward shares the host's cores and memory
+            # bandwidth with the training loop's own threads (measured: docs/superoffload.md); the trial is
+            # kept only if the step gets faster, like any other growth.
+            self._all_in_tried = True
+            self._start_trial(math.inf, period)
+            return
         stalled = stall > _AUTO_STALL_SHARE * period
         # After a growth that paid, the step may still wait for the copies back (a GPU-side wait the host-side
         # stall does not see): probe a further quarter of the host's CPU work, kept only if it pays again.
         probe = not stalled and self._tail_gained and bool(device_slots)
         if (stalled or probe) and self._buckets and not self._tail_blocked:
             # The CPU update does not hide under forward+backward: try a larger tail.
-            self.synchronize()
-            before = {s.index for s in self._slots if s.residency == "device"}
-            need = _GROW_SHARE * stall if stalled else _PROBE_SHARE * cpu_ms
-            if self._grow_tail(need) == 0:
+            if not self._start_trial(_GROW_SHARE * stall if stalled else _PROBE_SHARE * cpu_ms, period):
                 self._finish_tail(self._tail_limit or "the tail cannot grow", cpu_ms, compute_ms)
-                return
-            # in arrival order, so an undo lays the buckets out as before
-            moved = [i for i in self._order if self._slots[i].residency == "device" and i not in before]
-            self._tail_trial = {"period": period, "retries": allocator_retries(self.device), "slots": moved}
+            return
         elif len(slacks) == 2 and min(slacks) > _SLACK_SHARE * period and device_slots:
             # The CPU finished well before the forward needed its work: give some parameters back to the host.
             host_numel = sum(b.numel for b in self._buckets)
@@ -155,12 +164,39 @@ class TailMixin:
                    else "the forward no longer waits for the CPU")
             self._finish_tail(why, cpu_ms, compute_ms)
             return
+        self._measure_afresh()
+
+    def _measure_afresh(self) -> None:
+        """Forget the measurements taken before a move of state."""
         self._auto_adjustments += 1
         self._periods.clear()
         self._stalls.clear()
         self._slack.clear()
         # The step after a move pays its one-time costs (new allocations): measure from the step after it.
         self._last_step_t = None
+
+    def _start_trial(self, need_ms: float, period: float) -> bool:
+        """Move host buckets worth ``need_ms`` of CPU time (``math.inf``: all that fit) to the GPU as a trial that
+        the next measured steps keep or undo. Returns ``False`` when nothing could move."""
+        self.synchronize()
+        before = {s.index for s in self._slots if s.residency == "device"}
+        if self._grow_tail(need_ms) == 0:
+            return False
+        # in arrival order, so an undo lays the buckets out as before
+        moved = [i for i in self._order if self._slots[i].residency == "device" and i not in before]
+        self._tail_trial = {"period": period, "retries": allocator_retries(self.device), "slots": moved}
+        self._measure_afresh()
+        return True
+
+    def _all_fits(self) -> bool:
+        """Whether the state still on the host fits in the GPU memory the tail may take (known room only) and
+        under ``max_gpu_fraction``."""
+        measured = self._tail_budget()
+        if measured is None:
+            return False
+        if sum(self._tail_bytes(b.slots) for b in self._buckets) > measured[0]:
+            return False
+        return self.max_gpu_fraction is None or self.max_gpu_fraction >= 1.0
 
     def _guard_tail(self) -> None:
         """After the decision: an allocator retry while a tail exists means the tail now takes memory the

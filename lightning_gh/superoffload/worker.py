@@ -118,19 +118,24 @@ class WorkerMixin:
         return ctx.decision
 
     def _work_bucket(self, b: Bucket, ctx: StepCtx) -> None:
+        t0 = time.perf_counter()
         if self._cuda:
             b.d2h_event.synchronize()
+        self._phase("wait_d2h", t0)
         # Speculate while it pays: after a step whose speculation had to be redone (clipped, skipped,
         # hyper-parameters changed) the next step waits for its decision instead; the numbers are the same.
         speculate = self.speculative and not self._last_redo
+        t0 = time.perf_counter()
         dec = self._poll_decision(ctx, block=not speculate)
+        self._phase("wait_decision", t0)
         t0 = time.perf_counter()  # CPU time only: waiting for gradients or the decision is not work
+        b.speculated = dec is None
         if dec is not None:
             self._resolve_speculation(ctx, dec)
             self._final_update(b, dec)
         else:  # speculate: assume no clip/skip; keep an exact copy to undo
             if not b.backup_fresh:
-                self._backup(b)
+                self._backup(b, "backup")
             self._update(b, ctx.hp, None)
             self._push(b)
             ctx.spec.append(b)
@@ -139,15 +144,19 @@ class WorkerMixin:
 
     def _idle_work(self) -> bool:
         """With nothing queued, copy aside the state of the next bucket a speculative update will need, so
-        the copy is off the critical path. Returns whether there was anything to do."""
+        the copy is off the critical path. Returns whether there was anything to do.
+
+        Only buckets updated speculatively last step are copied: the others are likely to get the decision
+        first again, and a copy nobody reads costs 24 B/parameter of host memory traffic, which slows the
+        training loop's own thread (measured on the H200 machine: docs/superoffload.md)."""
         if not (self._backup_needed() and not self._last_redo) or self._worker_error is not None:
             return False
         if not self._state_lock.acquire(blocking=False):
             return False
         try:
             for b in list(self._buckets):
-                if not b.backup_fresh and b.ready.is_set() and b.master_buf is not None:
-                    self._backup(b)
+                if b.speculated and not b.backup_fresh and b.ready.is_set() and b.master_buf is not None:
+                    self._backup(b, "backup_idle")
                     self.stats["prefetched_backups"] += 1
                     return True
             return False
@@ -194,9 +203,17 @@ class WorkerMixin:
         ms = (time.perf_counter() - t0) * 1e3
         b.cpu_ms = ms if b.cpu_ms == 0.0 else 0.7 * b.cpu_ms + 0.3 * ms
 
+    def _phase(self, name: str, t0: float) -> None:
+        """Add the time since ``t0`` to the worker's cumulative time in ``name`` (``stats["cpu_phases_ms"]``)."""
+        phases = self.stats["cpu_phases_ms"]
+        phases[name] = phases.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
     def _update(self, b: Bucket, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
+        t0 = time.perf_counter()
         if self._cuda:
             b.h2d_event.synchronize()  # the previous copy back must have read the master weights
+        self._phase("wait_h2d", t0)
+        t0 = time.perf_counter()
         b.backup_fresh = False
         by_group: dict[int, list[Slot]] = {}
         for s in b.active:
@@ -212,8 +229,10 @@ class WorkerMixin:
                                 [s.exp_avg_sq for s in slots], [], steps, lr=h["lr"], beta1=h["beta1"],
                                 beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False,
                                 maximize=False)
+        self._phase("update", t0)
 
-    def _backup(self, b: Bucket) -> None:
+    def _backup(self, b: Bucket, phase: str) -> None:
+        t0 = time.perf_counter()
         n = b.numel
         if b.backup is None:
             b.backup = torch.empty(3 * n, dtype=torch.float32)
@@ -221,8 +240,10 @@ class WorkerMixin:
         b.backup[n:].copy_(b.moments)
         b.backup_steps = {s.index: float(s.step) for s in b.slots}
         b.backup_fresh = True
+        self._phase(phase, t0)
 
     def _restore(self, b: Bucket) -> None:
+        t0 = time.perf_counter()
         if self._cuda:
             b.h2d_event.synchronize()  # the speculative copy back may still read the master weights
         n = b.numel
@@ -231,50 +252,88 @@ class WorkerMixin:
         for s in b.slots:
             s.step.fill_(b.backup_steps[s.index])
         b.backup_fresh = True
+        self._phase("restore", t0)
 
     def _push(self, b: Bucket) -> None:
         """Copy the bucket's committed master weights into the model's parameters."""
+        t0 = time.perf_counter()
         if self._cuda:
             with torch.cuda.stream(self._h2d_stream):
-                for s in b.active:
-                    p = s.param
-                    if p.dtype == torch.float32:
-                        p.data.copy_(s.master.view(p.shape), non_blocking=True)
-                    else:
-                        tmp = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-                        tmp.copy_(s.master.view(p.shape), non_blocking=True)
-                        p.data.copy_(tmp)
+                # One host->GPU copy of the bucket's span of the flat master buffer and one multi-tensor copy
+                # (with the cast) into the parameters: a few calls per bucket instead of three per parameter,
+                # so the worker spends less time in Python, where it competes with the training loop's threads.
+                # Allocated on the copy stream, so the caching allocator reuses it only after the copies ran.
+                lo = min(s.offset for s in b.active)
+                hi = max(s.offset + s.numel for s in b.active)
+                stage = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
+                stage.copy_(b.master_buf.tensor[lo:hi], non_blocking=True)
+                torch._foreach_copy_([s.param.data for s in b.active],
+                                     [stage[s.offset - lo:s.offset - lo + s.numel].view(s.param.shape)
+                                      for s in b.active])
                 b.h2d_event.record(self._h2d_stream)
         else:
             for s in b.active:
                 s.param.data.copy_(s.master.view(s.param.shape))
         b.pushed = True
+        self._phase("push", t0)
+
+
+def _drain(q: queue.Queue, pending: list[Any]) -> None:
+    """Move every task waiting in ``q`` to ``pending`` (each is marked done only once it has run)."""
+    while True:
+        try:
+            pending.append(q.get_nowait())
+        except queue.Empty:
+            return
+
+
+def _next_task(opt: Any, pending: list[Any]) -> int:
+    """Index in ``pending`` of the task to run next: the oldest, except that once a step's decision is known its
+    queued bucket updates run in the order the next forward needs them (the earliest layer first; gradients
+    arrive last layer first). Speculative updates keep the arrival order: the backward is still producing them.
+    The order of final updates does not change any number, only how soon the forward may go on."""
+    head = pending[0]
+    if head is None or head[0] != "bucket" or opt._poll_decision(head[2], block=False) is None:
+        return 0
+    ctx = head[2]
+    run = 0
+    while run < len(pending) and pending[run] is not None and pending[run][0] == "bucket" and pending[run][2] is ctx:
+        run += 1
+    # parameter registration order follows the forward (embedding, layer 0, ..., head) in the models users bring
+    return min(range(run), key=lambda j: min(s.index for s in pending[j][1].slots))
 
 
 def worker_loop(wself: Callable[[], Any], q: queue.Queue) -> None:
-    """The CPU update thread: runs queued bucket tasks in order until it gets ``None`` or its optimizer is gone."""
+    """The CPU update thread: runs queued tasks (see :func:`_next_task` for the order) until it gets ``None`` or its
+    optimizer is gone."""
     opt = wself()
     if opt is None:
         return
     opt._worker_setup()
     del opt
-    while True:
-        try:
-            task = q.get_nowait()
-        except queue.Empty:
-            opt = wself()
-            busy = opt is not None and opt._idle_work()
-            del opt
-            if busy:
-                continue
-            task = q.get()
-        try:
-            if task is None:
-                return
+    pending: list[Any] = []
+    try:
+        while True:
+            _drain(q, pending)
+            if not pending:
+                opt = wself()
+                busy = opt is not None and opt._idle_work()
+                del opt
+                if busy:
+                    continue
+                pending.append(q.get())
+                _drain(q, pending)
             opt = wself()
             if opt is None:
                 return
-            opt._worker_task(task)
-            del opt
-        finally:
+            task = pending.pop(_next_task(opt, pending))
+            try:
+                if task is None:
+                    return
+                opt._worker_task(task)
+            finally:
+                del opt
+                q.task_done()
+    finally:
+        for _ in pending:  # never run (the thread is stopping): release anyone joining the queue
             q.task_done()

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 # public name -> the module that defines it (a module itself where the name is the module)
 _WHERE: dict[str, str] = {
     "ActivationOffload": "lightning_gh.activation_offload",
+    "LeanLoss": "lightning_gh.activation_offload",
+    "lean_causal_lm_loss": "lightning_gh.activation_offload",
     "ActivationOffloadOptions": "lightning_gh.activation_offload",
     "offload_activations": "lightning_gh.activation_offload",
     "CUDAGraphCapture": "lightning_gh.graphs",

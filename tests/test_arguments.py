@@ -56,6 +56,7 @@ KNOWN: dict[str, dict[str, st.SearchStrategy]] = {
         "backend": st.sampled_from(["gpu", "", 3]),
         "bandwidth_gbps": st.sampled_from([0, -5.0, float("nan"), "fast"]),
         "recompute": st.sampled_from(["some", 1, ""]),
+        "lean_loss": st.sampled_from(["yes", 1, 0.0]),
     },
     "HeterogeneousAdamW": {
         "gpu_fraction": st.sampled_from([-0.1, 1.5, "most", float("nan")]),
@@ -140,7 +141,8 @@ def test_bad_argument_is_refused_naming_it(name: str, param: str, values: st.Sea
 
 def test_every_public_constructor_is_covered():
     """A new public class must be added to the table above (or be a result/exception type)."""
-    results = {"GraphReport", "HardwareInfo", "OffloadedKVCache"}  # results, or built from a model (own tests)
+    # results, or built from a model (own tests)
+    results = {"GraphReport", "HardwareInfo", "OffloadedKVCache", "LeanLoss"}
     for n in lgh.__all__:
         obj = getattr(lgh, n)
         if inspect.isclass(obj) and not issubclass(obj, BaseException) and n not in results:

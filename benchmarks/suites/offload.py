@@ -64,6 +64,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--offload-hf-compiled", action="store_true",
                         help="with --offload-hf-budget: also torch.compile'd: no budget, the compiler's "
                              "activation_memory_budget 0.5 / 0.3 set by hand, and budget=0.5 / 0.3")
+    parser.add_argument("--offload-hf-lean", action="store_true",
+                        help="with --offload-hf-budget: instead of its table, the lean loss's: none, HF checkpointing, "
+                             "policy=0 with and without lean_loss=True, a budget at checkpointing's memory without "
+                             "and with the lean loss weighed, budget=0.3/0.5/0.7, budget=0.3 without the lean loss")
+    parser.add_argument("--offload-compiled-offload", action="store_true",
+                        help="with --offload-hf-lean: also a probe of torch's own activation offloading in a compiled "
+                             "graph (torch._functorch.config.enable_activation_offloading, the matmul outputs of the "
+                             "first K decoder layers marked for it) on top of the compiler's activation_memory_budget")
     parser.add_argument("--offload-medium-budget", action="store_true",
                         help="with --offload-hf-budget: also the demo's medium preset, none and budget=0.5")
     parser.add_argument("--offload-variants", default=None,
@@ -449,6 +457,8 @@ COMPILER_KNOBS = (0.5, 0.3)
 FORECAST_GBPS = 450.0  # a GH200-class host link
 # Seconds into the run after which the later groups are skipped (the GPU call's limit is 420 s).
 COMPILED_BEFORE_S, ROW_BEFORE_S = 150.0, 330.0
+LEAN_ROW_BEFORE_S = 330.0  # --offload-hf-lean: a budget row takes about 30 s
+COMPILED_OFFLOAD_BEFORE_S = 330.0  # a compiled row takes about 30 s
 
 
 def _hf_shape(ctx: BenchContext) -> tuple[dict, int, int]:
@@ -587,6 +597,9 @@ def _engine_extras(r: Result, cb: Any) -> None:
         r.extra["predicted_ratio"] = round(e.forecast.ratio, 3)
         r.extra["achieved_engine_gib"] = round((e.achieved_bytes or 0) / GIB, 3)
         r.extra["rounds"] = e._b_round
+        r.extra["lean_loss"] = bool(e.plan is not None and e.plan.lean_loss)
+        if e.lean_loss_measured is not None:
+            r.extra["lean_loss_measured"] = e.lean_loss_measured
         r.extra["choices"] = e.forecast.describe_choices()
         _forecast_450(r, e)
     if e.record_timeline and e.timeline:
@@ -649,6 +662,8 @@ def run_hf_budget(ctx: BenchContext) -> list[Result]:
         _dump(ctx, rows)
         return r
 
+    if getattr(ctx.args, "offload_hf_lean", False):
+        return _hf_lean(ctx, t_start, ours, add, rows)
     add(_hf_variant(ctx, "none", lambda: []))
     ckpt = add(_hf_variant(ctx, "HF gradient_checkpointing", lambda: [], hf_ckpt=True))
     add(_hf_variant(ctx, "SAC (recompute=selective)", ours(policy=0, recompute="selective")))
@@ -679,6 +694,100 @@ def run_hf_budget(ctx: BenchContext) -> list[Result]:
             add(_hf_variant(ctx, name, cbs, compiled=True, knob=knob))
     _hf_summary(rows)
     return rows
+
+
+def _hf_lean(ctx: BenchContext, t_start: float, ours: Callable, add: Callable, rows: list[Result]) -> list[Result]:
+    """The lean causal-LM loss on issue 16's model: what it takes off the step's memory and adds to its time alone
+    (``policy=0``: the engine's free savings, with and without it), and what the budget planner makes of it at
+    checkpointing's memory and at 30/50/70% (each budget without it too where the time allows). 12 untimed steps:
+    budget mode measures in 8 (warm-up, raw, two plain, the lean loss, three recompute modes) and corrects in up
+    to 3."""
+    w = 12
+    add(_hf_variant(ctx, "none", lambda: [], warmup=w))
+    ckpt = add(_hf_variant(ctx, "HF gradient_checkpointing", lambda: [], hf_ckpt=True, warmup=w))
+    add(_hf_variant(ctx, "policy=0", ours(policy=0), warmup=w))
+    add(_hf_variant(ctx, "policy=0 + lean_loss", ours(policy=0, lean_loss=True), warmup=w))
+    # With the compiled probe the rows without the lean loss (measured in the first run) make room for it.
+    probe_compiled = getattr(ctx.args, "offload_compiled_offload", False)
+    todo = []
+    if ckpt.extra.get("act_bytes", 0) > 0:
+        at = int(ckpt.extra["act_bytes"])
+        if not probe_compiled:
+            todo += [("budget = ckpt act, lean_loss=False", ours(budget=at, lean_loss=False))]
+        todo += [("budget = ckpt act", ours(budget=at))]
+    todo += [(f"budget {f:.0%}", ours(budget=f)) for f in (0.3, 0.5, 0.7)]
+    if not probe_compiled:
+        todo += [("budget 30%, lean_loss=False", ours(budget=0.3, lean_loss=False))]
+    for name, cbs in todo:
+        if time.time() - t_start > LEAN_ROW_BEFORE_S:
+            print(f"[budget] {name}: skipped, {time.time() - t_start:.0f} s into the run", flush=True)
+            continue
+        add(_hf_variant(ctx, name, cbs, warmup=w))
+    if probe_compiled:
+        _print_offload_flags()
+        probe = [("compiled", None, 0)] + [(f"compiled + knob {k}", k, 0) for k in COMPILER_KNOBS]
+        probe += [(f"compiled + knob 0.5 + torch offload, layers 0-{k - 1} mm", 0.5, k) for k in (2, 4)]
+        for name, knob, k in probe:
+            if time.time() - t_start > COMPILED_OFFLOAD_BEFORE_S:
+                print(f"[budget] {name}: skipped, {time.time() - t_start:.0f} s into the run", flush=True)
+                continue
+            with _torch_offload(k):
+                add(_hf_variant(ctx, name, lambda: [], compiled=True, knob=knob, warmup=w))
+    _hf_summary(rows)
+    return rows
+
+
+def _print_offload_flags() -> None:
+    import torch._functorch.config as fconfig
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    names = ("enable_activation_offloading", "activation_offload_separate_stream", "activation_offload_sink_wait",
+             "activation_reload_prefetch", "activation_offload_cpu_gpu_bw")
+    print("[budget] torch", torch.__version__, {n: getattr(fconfig, n, "absent") for n in names},
+          "MUST_CPU_OFFLOAD:", hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD"), flush=True)
+
+
+@contextlib.contextmanager
+def _torch_offload(layers: int):
+    """torch's own activation offloading in the compiled graph, for the matmul outputs of decoder layers
+    ``0..layers-1`` that the partitioner saves (a probe: the flags are marked "testing purpose" in torch; nothing in
+    torch 2.13 marks nodes for it, so a joint-graph pass here does, from each node's module path)."""
+    if layers <= 0:
+        yield
+        return
+    import re
+
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+
+    mm = {torch.ops.aten.mm.default}
+
+    def mark(graph: torch.fx.Graph) -> None:
+        for n in graph.nodes:
+            if n.op != "call_function" or n.target not in mm:
+                continue
+            stack = n.meta.get("nn_module_stack") or {}
+            paths = " ".join(str(v[0]) for v in stack.values())
+            m = re.search(r"layers[\[\.](?:_modules\[')?(\d+)", paths)
+            if m and int(m.group(1)) < layers:
+                n.meta["should_offload"] = True
+
+    flags = {"enable_activation_offloading": True, "activation_offload_separate_stream": True,
+             "activation_offload_sink_wait": True, "activation_reload_prefetch": True,
+             "activation_offload_cpu_gpu_bw": 55.0}
+    before = {k: getattr(fconfig, k) for k in flags if hasattr(fconfig, k)}
+    pre = iconfig.joint_custom_pre_pass
+    for k in before:
+        setattr(fconfig, k, flags[k])
+    iconfig.joint_custom_pre_pass = mark
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(fconfig, k, v)
+        iconfig.joint_custom_pre_pass = pre
+        torch._dynamo.reset()
 
 
 def _medium_budget(ctx: BenchContext) -> list[Result]:
@@ -739,7 +848,7 @@ def _hf_summary(rows: list[Result]) -> None:
         print(f"| {r.variant} | {r.median_ms:.1f} | {ratio:.2f}x | {r.extra['peak_gib']:.2f} | "
               f"{r.extra['act_gib']:.2f} | {less} | {b if b else '-'} | {ach} | "
               f"{r.extra.get('predicted_ratio', '-')} | "
-              f"{fc} | {diff:.3g} | {r.extra.get('choices', '-')} |")
+              f"{fc} | {diff:.3g} | {r.extra.get('choices', '-')}{'; lean loss' if r.extra.get('lean_loss') else ''} |")
     for r in rows:
         if r.extra.get("plan"):
             print(f"[budget] {r.variant} plan: " + str(r.extra["plan"]).replace("\n", "\n    "))

@@ -4,7 +4,9 @@
 take one :class:`ActivationOffloadOptions`. Modules, one idea each: ``options`` (every option, validated once),
 ``pool`` (reusable pinned host buffers under a host-memory guard), ``transport`` (side-stream copies and
 clocks), ``hooks`` (the saved-tensor pack/unpack hooks), ``blocks`` (finding the transformer blocks), ``policy``
-(the planner), ``budget`` (activation memory by budget: ``budget="6GiB"``), ``recompute`` (recomputing what is not offloaded), ``stats``, ``engine`` and ``callback``.
+(the planner), ``budget`` (activation memory by budget: ``budget="6GiB"``), ``recompute`` (recomputing what is not
+offloaded), ``lean_loss`` (a Hugging Face causal-LM loss without fp32 copies of the logits), ``stats``, ``engine`` and
+``callback``.
 
 Example::
 
@@ -29,6 +31,7 @@ from lightning_gh.activation_offload.budget import (
 )
 from lightning_gh.activation_offload.callback import ActivationOffload
 from lightning_gh.activation_offload.engine import ActivationOffloader, offload_activations
+from lightning_gh.activation_offload.lean_loss import LeanLoss, find_causal_lm, lean_causal_lm_loss
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import (
     BlockProfile,
@@ -55,6 +58,7 @@ __all__ = [
     "ModeCost",
     "HostBufferPool",
     "HostMemoryError",
+    "LeanLoss",
     "OffloadPlan",
     "OffloadStats",
     "Prediction",
@@ -62,6 +66,8 @@ __all__ = [
     "TimelinePoint",
     "compiler_budget",
     "find_blocks",
+    "find_causal_lm",
+    "lean_causal_lm_loss",
     "offload_activations",
     "parse_budget",
     "plan_all",

@@ -64,8 +64,9 @@ class ActivationOffload(L.Callback):
     Args:
         policy, min_tensor_bytes, blocks, skip_last_blocks, prefetch_blocks, max_inflight_blocks, margin,
         profile_steps, host_memory_fraction, backend, bandwidth_gbps, record_timeline, dedupe_casts,
-        recompute_param_casts, recompute, budget: the options, documented once in :class:`ActivationOffloadOptions`
-            (``profile_steps`` counts training batches here); they build ``options``.
+        recompute_param_casts, recompute, budget, lean_loss: the options, documented once in
+            :class:`ActivationOffloadOptions` (``profile_steps`` counts training batches here); they build
+            ``options``.
         options: all of them as one :class:`ActivationOffloadOptions` instead (then pass no other option).
 
     Attributes:
@@ -101,6 +102,7 @@ class ActivationOffload(L.Callback):
         recompute_param_casts: bool = True,
         recompute: str | None = None,
         budget: str | int | float | None = None,
+        lean_loss: bool | None = None,
         options: ActivationOffloadOptions | None = None,
     ) -> None:
         super().__init__()
@@ -110,7 +112,8 @@ class ActivationOffload(L.Callback):
             max_inflight_blocks=max_inflight_blocks, margin=margin, profile_steps=profile_steps,
             host_memory_fraction=host_memory_fraction, backend=backend, bandwidth_gbps=bandwidth_gbps,
             record_timeline=record_timeline, dedupe_casts=dedupe_casts,
-            recompute_param_casts=recompute_param_casts, recompute=recompute, budget=budget)
+            recompute_param_casts=recompute_param_casts, recompute=recompute, budget=budget,
+            lean_loss=lean_loss)
         self.engine: ActivationOffloader | None = None
         self.plan: OffloadPlan | None = None
         self._restored: dict[str, Any] | None = None
@@ -227,4 +230,4 @@ def _plan_from_dict(d: dict[str, Any]) -> OffloadPlan:
         prefetch_at=tuple(d["prefetch_at"]), prediction=Prediction(**pred) if pred else None,
         notes=tuple(d.get("notes", ())) + ("(restored from the checkpoint)",),
         recompute=tuple(d.get("recompute", ())), recompute_mode=d.get("recompute_mode"),
-        modes=tuple(d.get("modes", ())))
+        modes=tuple(d.get("modes", ())), lean_loss=bool(d.get("lean_loss", False)))

@@ -60,6 +60,7 @@ from lightning_gh import hardware
 from lightning_gh.activation_offload import budget as _budget
 from lightning_gh.activation_offload.blocks import compiled_owner, find_blocks
 from lightning_gh.activation_offload.hooks import Forward, SavedTensorHooks
+from lightning_gh.activation_offload.lean_loss import LeanLoss, find_causal_lm
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import (
     BlockProfile,
@@ -137,6 +138,8 @@ class ActivationOffloader(SavedTensorHooks):
         if self.budget is not None:
             self.policy = "budget"
         self._rcs: dict[str, BlockRecompute] = {}
+        self._lean: LeanLoss | None = None  # the model's HF causal-LM loss, swappable for the lean one
+        self._b_lean = False  # the adopted budget plan uses the lean loss
         # budget mode (see :mod:`.budget`): "measure" -> "correct" -> "done"; "compiled" on a compiled model
         self._b_state = "measure"
         self._b_phases: list[str | None] = []
@@ -152,6 +155,7 @@ class ActivationOffloader(SavedTensorHooks):
         self._b_other: int | None = None
         self.forecast: _budget.BudgetForecast | None = None
         self.achieved_bytes: int | None = None
+        self.lean_loss_measured: dict[str, float] | None = None  # the lean loss's measuring step, when weighed
         self._b_cbase = 0
         self.budget_log: list[dict[str, Any]] = []  # one entry per plan or correction round (the callback logs them)
         self._rc_forecast_done = False
@@ -279,6 +283,8 @@ class ActivationOffloader(SavedTensorHooks):
             except BaseException:
                 self.end_forward()
                 raise
+        if self._lean is not None and (plan.lean_loss or (self.options.lean_loss is True and tag != ("raw", None))):
+            self._lean.__enter__()
 
     def end_forward(self) -> None:
         """Stop packing; wait (on the device) for every copy still in flight and release its memory."""
@@ -286,6 +292,8 @@ class ActivationOffloader(SavedTensorHooks):
         self._hooks_ctx, self._fwd = None, None
         if ctx is not None:
             ctx.__exit__(None, None, None)
+        if self._lean is not None:
+            self._lean.__exit__()  # the loss's backward needs nothing installed
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
@@ -400,6 +408,7 @@ class ActivationOffloader(SavedTensorHooks):
         n = len(self.blocks)
         if self._enabled:
             self._check_hf_checkpointing()
+            self._find_lean_loss()
         if self._enabled and self.recompute is not None:
             rc = BlockRecompute(self.blocks, self.recompute)
             rc.check()  # already checkpointed, compiled or TE blocks: a clear error now, not mid-step
@@ -433,6 +442,17 @@ class ActivationOffloader(SavedTensorHooks):
         if rc is None:
             rc = self._rcs[mode] = BlockRecompute(self.blocks, mode)
         return rc
+
+    def _find_lean_loss(self) -> None:
+        if self.options.lean_loss is False:
+            return
+        lm = find_causal_lm(self.model)
+        if lm is not None:
+            self._lean = LeanLoss(lm)
+        elif self.options.lean_loss is True:
+            raise ValueError(f"lean_loss=True: {type(self.model).__name__} holds no Hugging Face causal LM whose loss "
+                             "it can replace (a transformers *ForCausalLM module with loss type 'ForCausalLM' and no "
+                             "loss_function of its own). Use lean_loss=None or False.")
 
     def _check_hf_checkpointing(self) -> None:
         """Hugging Face's own gradient checkpointing (``gradient_checkpointing_enable()``) already recomputes every
@@ -494,7 +514,10 @@ class ActivationOffloader(SavedTensorHooks):
                 continue  # no norm or gate modules in the blocks: nothing for this mode to recompute
             self._rcs[mode] = rc
             modes.append(mode)
-        self._b_phases = [_RAW] + [None] * self.profile_steps + list(modes)
+        # The lean loss is measured once (plain blocks): its memory and time are the head's, the blocks' own
+        # measurements serve both heads.
+        lean = [_LEAN] if self._lean is not None and self.options.lean_loss is None else []
+        self._b_phases = [_RAW] + [None] * self.profile_steps + lean + list(modes)
 
     def _set_knob(self, value: float, owner: str, why: str) -> None:
         import torch._functorch.config as fconfig
@@ -551,12 +574,20 @@ class ActivationOffloader(SavedTensorHooks):
         n = len(self.blocks)
         if self._b_state == "measure":
             if self._forwards == 0:
-                return plan_none(n, "budget-warmup"), True, ("warmup", None)
+                plan = plan_none(n, "budget-warmup")
+                if _LEAN in self._b_phases:
+                    # The warm-up runs the lean loss too: what it saves outside the blocks is then the lean head's,
+                    # the lower bound of the floor, and the lean loss's measuring step is not its first use.
+                    plan = OffloadPlan(plan.policy, plan.budgets, plan.release_at, plan.prefetch_at, lean_loss=True)
+                return plan, True, ("warmup", None)
             mode = self._b_phases[self._b_issued] if self._b_issued < len(self._b_phases) else None
             self._b_issued += 1
             if mode == _RAW:
                 return plan_none(n, "budget-raw"), True, ("raw", None)
             plan = plan_none(n, "budget-measure")
+            if mode == _LEAN:
+                plan = OffloadPlan(plan.policy, plan.budgets, plan.release_at, plan.prefetch_at, lean_loss=True)
+                return plan, True, ("measure", mode)
             if mode is not None:
                 plan = OffloadPlan(plan.policy, plan.budgets, plan.release_at, plan.prefetch_at, modes=(mode,) * n)
             return plan, True, ("measure", mode)
@@ -607,8 +638,10 @@ class ActivationOffloader(SavedTensorHooks):
 
     def _make_budget_plan(self) -> None:
         plain = self._b_meas.get(None, [])
-        modes = [m for m in self._b_phases if m not in (None, _RAW)]
-        if self._b_raw is None or len(plain) < self.profile_steps or any(m not in self._b_meas for m in modes):
+        modes = [m for m in self._b_phases if m not in (None, _RAW, _LEAN)]
+        want_lean = _LEAN in self._b_phases
+        if self._b_raw is None or len(plain) < self.profile_steps or any(m not in self._b_meas for m in modes) \
+                or (want_lean and _LEAN not in self._b_meas):
             return
         n = len(self.blocks)
         step = _median_profile([p for p, _ in plain])
@@ -629,6 +662,9 @@ class ActivationOffloader(SavedTensorHooks):
         act = int(statistics.median(peaks)) if peaks else model_plain
         self.budget_profile = bp = bp.with_overhead(act - model_plain)
         self.engine_plain_bytes = act
+        variants = [(bp, False)]
+        if want_lean:
+            variants.append((self._lean_profile(bp, d2h, h2d), True))
         # The reference of a fraction: the raw step, measured on CUDA, or on a CPU its tracked saved bytes under the
         # same timeline model as the planner's (so both sides of the comparison count alike).
         raw = self._b_raw.act_peak if self._b_raw.act_peak is not None else self._tracked_activation(self._b_raw)
@@ -647,15 +683,41 @@ class ActivationOffloader(SavedTensorHooks):
                                     "activation_budget/engine_plain_gib": act / 2**30})
             self.on_plan(self.plan)
             return
-        try:
-            plan, fc = _budget.plan_budget(bp, budget, d2h, h2d, self.margin, self.skip_last_blocks)
-        except ValueError as e:
+        best, err = None, None
+        for vbp, lean in variants:
+            try:
+                plan, fc = _budget.plan_budget(vbp, budget, d2h, h2d, self.margin, self.skip_last_blocks)
+            except ValueError as e:
+                err = e  # the last variant's floor is the lowest (the lean loss's, when weighed)
+                continue
+            if best is None or fc.step_ms < best[1].step_ms - 1e-6:
+                best = (plan, fc, vbp, lean)
+        if best is None:
             self._b_state = "failed"
             raise ValueError(f"ActivationOffload budget={self.options.budget!r} ({self.budget.describe()}; the "
-                             f"plain step measured {sz(raw)}): {e} Checked after the {self._forwards} measuring "
+                             f"plain step measured {sz(raw)}): {err} Checked after the {self._forwards} measuring "
                              "steps, before any planned step.") from None
+        plan, fc, self.budget_profile, self._b_lean = best
         self._b_state, self._b_round = "correct", 0
         self._adopt_budget_plan(plan, fc)
+
+    def _lean_profile(self, bp: _budget.BudgetProfile, d2h: float, h2d: float) -> _budget.BudgetProfile:
+        """``bp`` with the lean loss's head: what its measuring step saved outside the blocks, its head time, and
+        the overhead its measured peak shows above the timeline model."""
+        from dataclasses import replace
+
+        prof, fwd = self._b_meas[_LEAN][0]
+        step = bp.step
+        # Only the head differs from the plain step; its extra time (the backward's second log-softmax) is charged
+        # to the tail, the rest of the single measurement's noise is not.
+        extra = max(0.0, prof.tail_forward_ms + prof.tail_backward_ms - step.tail_forward_ms - step.tail_backward_ms)
+        lstep = replace(step, tail_backward_ms=step.tail_backward_ms + extra, other_bytes=fwd.other)
+        lbp = _budget.BudgetProfile(lstep, bp.costs, 0)
+        model = _budget.plan_budget(lbp, 2**62, d2h, h2d, self.margin, self.skip_last_blocks)[1].activation_bytes
+        act = fwd.act_peak if fwd.act_peak is not None else model
+        self.lean_loss_measured = {"activation_gib": act / 2**30, "head_extra_ms": extra,
+                                   "other_gib": fwd.other / 2**30}
+        return lbp.with_overhead(act - model)
 
     def _check_lower_bound(self) -> None:
         """Refuse a budget that no plan can reach as soon as that is certain, before the measuring steps end.
@@ -705,14 +767,19 @@ class ActivationOffloader(SavedTensorHooks):
                 f"link stall +{fc.stall_ms:.1f} ms at {d2h:.0f}/{h2d:.0f} GB/s, margin {self.margin:.0%})")
         from dataclasses import replace
 
-        self.plan = replace(plan, notes=(note,))
+        if self._b_lean:
+            note += "; lean loss on (its measured step: " + \
+                f"{sz(self.lean_loss_measured['activation_gib'] * 2**30)}, head +" + \
+                f"{self.lean_loss_measured['head_extra_ms']:.1f} ms)"
+        self.plan = replace(plan, notes=(note,), lean_loss=self._b_lean)
         self.forecast = fc
         self.budget_log.append({"activation_budget/target_gib": budget / 2**30,
                                 "activation_budget/plain_gib": act / 2**30,
                                 "activation_budget/engine_plain_gib": self.engine_plain_bytes / 2**30,
                                 "activation_budget/predicted_gib": fc.activation_bytes / 2**30,
                                 "activation_budget/predicted_ms": fc.step_ms,
-                                "activation_budget/round": float(self._b_round)})
+                                "activation_budget/round": float(self._b_round),
+                                "activation_budget/lean_loss": float(self._b_lean)})
         self.on_plan(self.plan)
 
     def _tracked_activation(self, fwd: Forward) -> int:
@@ -809,6 +876,7 @@ class ActivationOffloader(SavedTensorHooks):
 
 
 _RAW = "raw"  # budget mode's measuring phase with no engine effect: the reference of a fraction budget
+_LEAN = "lean-loss"  # budget mode's measuring phase with the lean causal-LM loss and plain blocks
 
 
 def _median_profile(profiles: list[StepProfile]) -> StepProfile:

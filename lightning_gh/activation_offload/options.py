@@ -102,6 +102,13 @@ class ActivationOffloadOptions:
             measuring steps, before any planned step. Needs ``policy="auto"`` (the default) and ``recompute=None``:
             the planner chooses both. On a ``torch.compile``'d model it sets the compiler's own
             ``activation_memory_budget`` instead (a fraction is then handed to it as is).
+        lean_loss: the loss of a Hugging Face causal LM (its ``loss_function``) computed without fp32 copies of the
+            logits between forward and backward (:mod:`lightning_gh.activation_offload.lean_loss`: the logits kept
+            as they come, the fp32 cross-entropy run and recomputed in row chunks; gradients bitwise, the loss
+            within the order of an fp32 sum). ``None``: the budget planner weighs it as one more way to save memory
+            (measured in one step) and turns it on only where its plan needs it; off without a budget. ``True``:
+            on in every training forward (an error when the model holds no Hugging Face causal LM). ``False``:
+            never.
 
     Example::
 
@@ -125,6 +132,7 @@ class ActivationOffloadOptions:
     recompute_param_casts: bool = True
     recompute: str | None = None
     budget: str | int | float | None = None
+    lean_loss: bool | None = None
 
     def __post_init__(self) -> None:
         policy = self.policy
@@ -168,6 +176,8 @@ class ActivationOffloadOptions:
                 raise ValueError(f"bandwidth_gbps={bw!r} must be a positive number or a (d2h, h2d) pair of them.")
             if isinstance(bw, list):
                 object.__setattr__(self, "bandwidth_gbps", tuple(bw))
+        if self.lean_loss is not None and not isinstance(self.lean_loss, bool):
+            raise TypeError(f"lean_loss={self.lean_loss!r} must be None (the budget planner decides), True or False.")
         for name in ("record_timeline", "dedupe_casts", "recompute_param_casts"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool.")

@@ -181,6 +181,8 @@ class OffloadPlan:
             (``"mixed"`` when ``modes`` names more than one).
         modes: per block, its recompute mode or ``None`` (budget plans, which may mix modes and combine a mode with
             offloading what the block still saves); empty: ``recompute``/``recompute_mode`` say it.
+        lean_loss: the engine installs the lean causal-LM loss for the forwards of this plan
+            (:mod:`lightning_gh.activation_offload.lean_loss`).
     """
 
     policy: str
@@ -192,6 +194,7 @@ class OffloadPlan:
     recompute: tuple[int, ...] = ()
     recompute_mode: str | None = None
     modes: tuple[str | None, ...] = ()
+    lean_loss: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.budgets)
@@ -258,6 +261,8 @@ class OffloadPlan:
         if self.recompute:
             head += "; " + "; ".join(f"{m} recompute in blocks {_ranges(b)}"
                                      for m, b in sorted(self.recompute_groups().items()))
+        if self.lean_loss:
+            head += "; lean loss (logits kept as they come, fp32 cross-entropy in row chunks)"
         lines = [head]
         p = self.prediction
         if p is not None:

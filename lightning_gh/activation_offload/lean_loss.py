@@ -1,0 +1,190 @@
+"""A memory-lean causal-LM loss for Hugging Face models: keep the low-precision logits, nothing in fp32.
+
+Hugging Face's ``ForCausalLMLoss`` upcasts the whole ``batch x sequence x vocab`` logits to fp32 and calls
+``cross_entropy``, which saves an fp32 log-softmax of the same size for the backward; at the start of the backward
+that saved tensor, the gradient of the log-softmax and the gradient of the logits (both fp32) are alive together
+with every activation the blocks saved. Under ``bf16-mixed`` that is six bytes per logit held, and up to twelve in
+flight, where the logits themselves take two.
+
+:func:`lean_causal_lm_loss` computes the same loss in row chunks: the forward upcasts one chunk at a time and keeps
+only the logits as they came (bf16 under autocast); the backward recomputes each chunk's log-softmax and writes that
+chunk's gradient into one buffer of the logits' dtype. The backward calls the ops autograd would call for
+``cross_entropy`` on the fp32 chunk, directly rather than through a nested autograd pass, so each gradient element
+is computed exactly as Hugging Face computes it (softmax rows are independent); the loss differs only in the order
+its fp32 row losses are summed (bitwise with one chunk). The price is one more log-softmax over the logits in the
+backward.
+
+It is installed through transformers' own hook (``model.loss_function``); the budget planner
+(:mod:`lightning_gh.activation_offload.budget`) turns it on for a step only where its plan needs the memory, and
+``ActivationOffload(lean_loss=True)`` turns it on always.
+
+Example::
+
+    model = transformers.LlamaForCausalLM(config)
+    with LeanLoss(find_causal_lm(model)):
+        loss = model(input_ids=x, labels=x).loss     # the lean loss
+    loss.backward()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["CHUNK_BYTES", "LeanLoss", "find_causal_lm", "lean_causal_lm_loss"]
+
+# fp32 bytes of one chunk of logits: the backward holds three such temporaries at once (the chunk's log-softmax, its
+# gradient and the chunk's gradient; the upcast chunk goes once its log-softmax exists); 32 MiB keeps them near a
+# tenth of a GiB while each kernel still streams enough to run at memory bandwidth.
+CHUNK_BYTES = 32 * 2**20
+_SUM, _MEAN = torch.nn._reduction.get_enum("sum"), torch.nn._reduction.get_enum("mean")
+
+
+class _LeanCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over rows of ``logits`` that saves ``logits`` as they are and recomputes the rest."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                divisor: torch.Tensor | None, chunk_rows: int) -> torch.Tensor:  # type: ignore[override]
+        rows = logits.shape[0]
+        mean = divisor is None
+        with torch.autocast(logits.device.type, enabled=False):
+            if rows <= chunk_rows:
+                # One chunk: exactly Hugging Face's reduction, so the loss is bitwise its own.
+                loss = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index,
+                                       reduction="mean" if mean else "sum")
+            else:
+                loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+                for s in range(0, rows, chunk_rows):
+                    loss += F.cross_entropy(logits[s:s + chunk_rows].float(), targets[s:s + chunk_rows],
+                                            ignore_index=ignore_index, reduction="sum")
+                if mean:
+                    loss = loss / (targets != ignore_index).sum().float()
+            if not mean:
+                loss = loss / divisor
+        ctx.save_for_backward(logits, targets, divisor if divisor is not None else torch.empty(0))
+        ctx.ignore_index, ctx.chunk_rows, ctx.mean = ignore_index, chunk_rows, mean
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        logits, targets, divisor = ctx.saved_tensors
+        rows, step, ignore = logits.shape[0], ctx.chunk_rows, ctx.ignore_index
+        count = (targets != ignore).sum().float()  # nll_loss's total weight: the targets that count
+        # The gradient each chunk's cross-entropy receives, as autograd would hand it to nll_loss: for a mean over
+        # several chunks (each summed), nll_loss's own mean divides the incoming gradient by the count; the same
+        # single division here keeps every element bitwise equal.
+        if not ctx.mean:
+            grad, reduction = grad / divisor, _SUM
+        elif rows <= step:
+            reduction = _MEAN
+        else:
+            grad, reduction = grad / count, _SUM
+        out = torch.empty_like(logits)
+        # The ops autograd runs for cross_entropy's backward, called directly: a nested autograd.grad per chunk cost
+        # the host about three times as much (3.4 against 1.0 ms for 32 chunks on the development CPU), time an idle
+        # GPU waits for at the start of the backward.
+        for s in range(0, rows, step):
+            logp = torch._log_softmax(logits[s:s + step].float(), 1, False)
+            g = torch.ops.aten.nll_loss_backward(grad, logp, targets[s:s + step], None, reduction, ignore, count)
+            out[s:s + step].copy_(torch._log_softmax_backward_data(g, logp, 1, torch.float32))  # the .float()'s cast
+            del logp, g
+        return out, None, None, None, None
+
+
+def lean_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    chunk_bytes: int | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (``ForCausalLMLoss``: shift, flatten, fp32 cross-entropy, mean or sum divided
+    by ``num_items_in_batch``) without fp32 copies of the logits between forward and backward.
+
+    Args:
+        logits: ``(..., vocab_size)`` as the head returns them (bf16 under ``bf16-mixed``); kept as they are.
+        labels: token ids, shifted here unless ``shift_labels`` is given (as Hugging Face does).
+        vocab_size: the logits' last dimension.
+        num_items_in_batch: divide the summed loss by this (gradient accumulation); ``None``: the mean.
+        ignore_index: targets with this id count for nothing.
+        shift_labels: already shifted targets.
+        chunk_bytes: fp32 bytes per chunk of rows (default :data:`CHUNK_BYTES`).
+        kwargs: what Hugging Face passes on to its losses; unused, as there.
+
+    Example::
+
+        model.loss_function = lean_causal_lm_loss     # what LeanLoss does for one forward
+    """
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    flat = logits.reshape(-1, vocab_size)
+    targets = shift_labels.reshape(-1).to(flat.device)
+    chunk = chunk_bytes if chunk_bytes is not None else CHUNK_BYTES
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes!r} must be an int > 0 (fp32 bytes of logits per chunk).")
+    rows = max(1, chunk // (4 * vocab_size))
+    divisor = None
+    if num_items_in_batch is not None:
+        divisor = torch.as_tensor(num_items_in_batch, device=flat.device)
+    return _LeanCrossEntropy.apply(flat, targets, ignore_index, divisor, rows)
+
+
+def find_causal_lm(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face causal LM inside ``model`` whose loss :func:`lean_causal_lm_loss` can stand in for.
+
+    It is the first module with transformers' ``loss_function`` hook whose loss type is ``"ForCausalLM"`` and that
+    has no loss function of the user's own (``model.loss_function = ...``), or ``None``.
+    """
+    for m in model.modules():
+        cls = type(m)
+        if not isinstance(getattr(cls, "loss_function", None), property) or not hasattr(m, "config"):
+            continue
+        if "_loss_function" in vars(m) or getattr(m, "loss_type", None) != "ForCausalLM":
+            continue
+        return m
+    return None
+
+
+class LeanLoss:
+    """Install :func:`lean_causal_lm_loss` as ``causal_lm.loss_function`` for the forwards inside the ``with``.
+
+    The backward needs nothing installed: the loss keeps what it needs in the autograd graph.
+
+    Args:
+        causal_lm: a module :func:`find_causal_lm` returned.
+
+    Example::
+
+        lean = LeanLoss(find_causal_lm(model))
+        with lean:
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+    """
+
+    def __init__(self, causal_lm: nn.Module) -> None:
+        if not isinstance(getattr(type(causal_lm), "loss_function", None), property):
+            raise TypeError(f"causal_lm={type(causal_lm).__name__} has no transformers loss_function hook; pass what "
+                            "find_causal_lm() returned (a transformers *ForCausalLM model).")
+        self.causal_lm = causal_lm
+        self._on = False
+
+    def __enter__(self) -> LeanLoss:
+        if not self._on:
+            self.causal_lm.loss_function = lean_causal_lm_loss
+            self._on = True
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._on:
+            # Back to transformers' lookup by loss type: the model had no loss function of its own.
+            vars(self.causal_lm).pop("_loss_function", None)
+            self._on = False
+        return False

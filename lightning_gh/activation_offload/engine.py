@@ -60,7 +60,7 @@ from lightning_gh import hardware
 from lightning_gh.activation_offload import budget as _budget
 from lightning_gh.activation_offload.blocks import compiled_owner, find_blocks
 from lightning_gh.activation_offload.hooks import Forward, SavedTensorHooks
-from lightning_gh.activation_offload.lean_loss import LeanLoss, find_causal_lm
+from lightning_gh.activation_offload.lean_loss import LeanLoss, find_causal_lm, lean_loss_overhead_ms
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import (
     BlockProfile,
@@ -710,13 +710,18 @@ class ActivationOffloader(SavedTensorHooks):
         step = bp.step
         # Only the head differs from the plain step; its extra time (the backward's second log-softmax) is charged
         # to the tail, the rest of the single measurement's noise is not.
-        extra = max(0.0, prof.tail_forward_ms + prof.tail_backward_ms - step.tail_forward_ms - step.tail_backward_ms)
+        step_extra = max(0.0, prof.tail_forward_ms + prof.tail_backward_ms - step.tail_forward_ms
+                         - step.tail_backward_ms)
+        # On CUDA the head's extra time is timed alone on the logits' shape: one whole step is too noisy for it
+        shape = self._lean.last_logits if self._lean is not None else None
+        alone = lean_loss_overhead_ms(*shape) if shape is not None else None
+        extra = step_extra if alone is None else alone
         lstep = replace(step, tail_backward_ms=step.tail_backward_ms + extra, other_bytes=fwd.other)
         lbp = _budget.BudgetProfile(lstep, bp.costs, 0)
         model = _budget.plan_budget(lbp, 2**62, d2h, h2d, self.margin, self.skip_last_blocks)[1].activation_bytes
         act = fwd.act_peak if fwd.act_peak is not None else model
         self.lean_loss_measured = {"activation_gib": act / 2**30, "head_extra_ms": extra,
-                                   "other_gib": fwd.other / 2**30}
+                                   "head_extra_in_step_ms": step_extra, "other_gib": fwd.other / 2**30}
         return lbp.with_overhead(act - model)
 
     def _check_lower_bound(self) -> None:

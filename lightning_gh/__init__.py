@@ -18,12 +18,13 @@ __version__ = "0.1.0.dev0"
 if TYPE_CHECKING:
     from lightning_gh import compat, hardware, unified
     from lightning_gh._host import HostMemoryError
-    from lightning_gh.activation_offload import ActivationOffload, ActivationOffloadOptions, offload_activations
+    from lightning_gh.activation_offload import (ActivationOffload, ActivationOffloadOptions, LeanLoss,
+                                                 lean_causal_lm_loss, offload_activations)
     from lightning_gh.graphs import CUDAGraphCapture, GraphCaptureError, GraphReport
     from lightning_gh.hardware import HardwareInfo
     from lightning_gh.kv import GenerationCallback, KVOffloadOptions, OffloadedKVCache
     from lightning_gh.precision import (Float8Options, Float8Precision, FP8UnavailableError, LayerFilter,
-                                        export_bf16_state_dict, list_precisions, precision)
+                                        export_bf16_state_dict, keep_causal_sdpa, list_precisions, precision)
     from lightning_gh.profiling.nvtx import NVTXRangeCallback
     from lightning_gh.profiling.profiler import SelectiveProfiler
     from lightning_gh.profiling.stall import DataStallDetector
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 _WHERE: dict[str, str] = {
     "ActivationOffload": "lightning_gh.activation_offload",
     "LeanLoss": "lightning_gh.activation_offload",
+    "keep_causal_sdpa": "lightning_gh.precision",
     "lean_causal_lm_loss": "lightning_gh.activation_offload",
     "ActivationOffloadOptions": "lightning_gh.activation_offload",
     "offload_activations": "lightning_gh.activation_offload",

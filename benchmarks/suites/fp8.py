@@ -14,6 +14,11 @@ Three modes, each measured side by side in one process:
                  rows, fp8-auto with its choice and trial figures); ratios against bf16-mixed eager and Lightning's
                  TE, losses step by step against bf16; --hf-loss-variants run --hf-loss-steps (200) steps and are
                  checked on the last-50 mean (the issue-18 loss goal). JSON is also written after every variant.
+  --hf-profile N with --hf: N more steps per variant under torch.profiler after the timed ones: the top-25 kernels
+                 by GPU time, time by kernel kind (GEMM, attention, Inductor's fused kernels, optimizer, ...), and
+                 torch._dynamo's graph / graph-break / recompile counters (issue 18: where a whole-model-compiled
+                 step spends its time against one with compiled blocks; --hf-variants bf16-compiled bf16-blocks
+                 bf16-compiled-sdpa ao-tensorwise-compiled ao-tensorwise-compiled-nosdpa ao-tensorwise ...)
   --gemm         the GEMM cross-over behind the layer filter's min_dim rule: one Linear, forward + backward, bf16
                  against torchao float8 (compiled) and Transformer Engine fp8, for square and Llama shapes.
 
@@ -56,7 +61,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from common import BenchContext, Result, lightning_steps, peak_memory, reset_memory, sync, time_fn
+from common import BenchContext, Result, StepTimer, lightning_steps, peak_memory, reset_memory, sync, time_fn
 
 from lightning_gh.precision import LayerFilter, list_precisions, precision
 from lightning_gh.demo import LlamaLM, preset
@@ -146,6 +151,19 @@ HF_VARIANTS = {
     "ao-rowwise": ("fp8-ao-rowwise (default: blocks compiled)", "fp8-ao-rowwise", {}, "none"),
     "bf16-compiled": ("bf16-mixed, model compiled", "bf16-mixed", None, "model"),
     "ao-tensorwise-compiled": ("fp8-ao-tensorwise, model compiled", "fp8-ao-tensorwise", {}, "model"),
+    # issue 18, the compiled-model goal: transformers materialises the causal mask under torch.compile (no flash)
+    "bf16-compiled-sdpa": ("bf16-mixed, model compiled, keep_causal_sdpa (SDPA's causal flash path)", "bf16-mixed",
+                           None, "model-sdpa"),
+    "ao-tensorwise-compiled-nosdpa": ("fp8-ao-tensorwise, model compiled, causal_sdpa=False (the mask transformers "
+                                      "builds under compile)", "fp8-ao-tensorwise", {"causal_sdpa": False}, "model"),
+    "ao-tensorwise-compiled-head": ("fp8-ao-tensorwise, model compiled, head in fp8 (skip_head=False)",
+                                    "fp8-ao-tensorwise", {"skip_head": False}, "model"),
+    "ao-tensorwise-compiled-all": ("fp8-ao-tensorwise, model compiled, head + first projection in fp8",
+                                   "fp8-ao-tensorwise", _ALL_LAYERS, "model"),
+    "ao-tensorwise-compiled-fastaccum": ("fp8-ao-tensorwise, model compiled, fast accumulation in the backward GEMMs "
+                                         "too", "fp8-ao-tensorwise", {"config": "fast-accum"}, "model"),
+    "ao-tensorwise-sdpa": ("fp8-ao-tensorwise (default: blocks compiled), keep_causal_sdpa", "fp8-ao-tensorwise", {},
+                           "none-sdpa"),
 }
 HF_DEFAULT = ("bf16", "ao-tensorwise", "ao-tensorwise-nocompile", "bf16-blocks", "auto", "bf16-compiled",
               "ao-tensorwise-compiled")
@@ -172,6 +190,10 @@ def add_arguments(ap) -> None:
     ap.add_argument("--hf-loss-steps", type=int, default=200, help="--hf: steps of the --hf-loss-variants runs")
     ap.add_argument("--hf-data", default="zipf", choices=["zipf", "uniform"],
                     help="--hf: token ids drawn from a Zipf(1.1) distribution (the loss falls) or uniformly")
+    ap.add_argument("--hf-profile", type=int, default=0, metavar="STEPS",
+                    help="--hf: after the timed steps, run STEPS more under torch.profiler (not timed) and record the "
+                         "top-25 kernels by GPU time, time by kernel kind, and torch._dynamo's graph, graph-break and "
+                         "recompile counters for each variant")
     ap.add_argument("--hf-shape", type=int, nargs=8, default=list(HF_SHAPE), metavar="N",
                     help="hidden layers ffn heads kv_heads vocab batch seq (default: the issue-18 model)")
     ap.add_argument("--gemm-tokens", type=int, nargs="+", default=[8192], help="tokens (M) per GEMM")
@@ -552,7 +574,8 @@ class HFCausalLM(L.LightningModule):
     """What a new user writes: transformers' ``LlamaForCausalLM`` in a plain LightningModule, fused AdamW.
 
     ``compile``: ``"none"``, ``"blocks"`` (each decoder layer ``.compile()``d in place in ``configure_model``: the fair
-    bf16 anchor for regional compilation) or ``"model"`` (``torch.compile`` of the whole HF model).
+    bf16 anchor for regional compilation) or ``"model"`` (``torch.compile`` of the whole HF model); ``"model-sdpa"``
+    and ``"none-sdpa"``: the same with ``keep_causal_sdpa`` applied (what the fp8-ao plugins do on a compiled model).
     """
 
     def __init__(self, config: Any, compile: str = "none", lr: float = 3e-4) -> None:
@@ -564,10 +587,14 @@ class HFCausalLM(L.LightningModule):
         self.lr = lr
 
     def configure_model(self) -> None:
+        if self.compile_how.endswith("-sdpa"):
+            from lightning_gh.precision.hf_sdpa import keep_causal_sdpa
+
+            keep_causal_sdpa(self.model)
         if self.compile_how == "blocks":
             for layer in self.model.model.layers:
                 layer.compile()
-        elif self.compile_how == "model" and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
+        elif self.compile_how in ("model", "model-sdpa") and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
             self.model = torch.compile(self.model)
 
     def training_step(self, batch, batch_idx):
@@ -634,25 +661,39 @@ def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
             kwargs["precision"] = name
         else:
             o = dict(opts or {})
+            if o.get("config") == "fast-accum":
+                o["config"] = _ao_fast_accum_config()
             if not ctx.cuda and name.startswith("fp8-ao"):
                 o["emulate"] = True  # the CPU smoke run: emulated fp8, functional only
             kwargs["plugins"] = [precision(name, **o)]
         if key == "auto-fused":  # fp8-auto takes layer-filter options only: its TE plugins' default is set here
             stack.enter_context(_te_default("fused_master_update", True))
-        timer, rec = StepTimer(ctx.warmup), _Losses()
+        rec = _Losses()
         steps = ctx.warmup + ctx.iters
         if key in _hf_loss_keys(ctx.args):
             steps = max(steps, ctx.args.hf_loss_steps)  # a longer run: its loss curve is checked against bf16's
         r.extra["steps"] = steps
-        trainer = L.Trainer(accelerator="gpu" if ctx.cuda else "cpu", devices=1, max_steps=steps,
+        profile_steps = max(0, getattr(ctx.args, "hf_profile", 0))
+        timer = _TimedSteps(ctx.warmup, steps)  # the profiled steps after `steps` are not timed
+        callbacks: list[Callback] = [timer, rec]
+        prof = None
+        if profile_steps:
+            prof = _KernelProfile(steps, profile_steps)
+            callbacks.append(prof)
+            torch._dynamo.utils.counters.clear()
+        trainer = L.Trainer(accelerator="gpu" if ctx.cuda else "cpu", devices=1, max_steps=steps + profile_steps,
                             limit_val_batches=0, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, rec], **kwargs)
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kwargs)
         t0 = time.perf_counter()
-        trainer.fit(model, _hf_data(shape, steps, ctx.args.hf_data))
+        trainer.fit(model, _hf_data(shape, steps + profile_steps, ctx.args.hf_data))
+        if prof is not None:
+            r.extra["profile"] = prof.report()
+            r.extra["dynamo"] = _dynamo_counters()
+            print(_profile_text(label, r.extra["profile"], r.extra["dynamo"]), flush=True)
         r.extra["fit_s"] = round(time.perf_counter() - t0, 1)
         r.timing = timer.timing()
         r.peak_mem_bytes = peak_memory(ctx.device)
-        r.extra["losses"] = rec.losses
+        r.extra["losses"] = rec.losses[:steps]
         r.extra["fp8_layers"] = _fp8_layers(trainer)
         r.extra["plugin"] = getattr(trainer.precision_plugin, "name", type(trainer.precision_plugin).__name__)
         r.extra["regional"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
@@ -673,6 +714,122 @@ def _hf_variant(ctx: BenchContext, key: str, shape: list[int]) -> Result:
                                    f"plugin {r.extra.get('plugin')}, fp8 layers {r.extra.get('fp8_layers')}"
                                    if r.median_ms else f"error {r.error}"), flush=True)
     return r
+
+
+def _ao_fast_accum_config() -> Any:
+    """torchao's tensorwise recipe with fast (non-split) accumulation in the two backward GEMMs as well."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import Float8GemmConfig
+
+    fast = Float8GemmConfig(use_fast_accum=True)
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), gemm_config_grad_input=fast,
+                               gemm_config_grad_weight=fast)
+
+
+class _TimedSteps(StepTimer):
+    """``StepTimer`` over the first ``last`` steps only (the steps after them are profiled, not timed)."""
+
+    def __init__(self, warmup: int, last: int) -> None:
+        super().__init__(warmup)
+        self.last = last
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx < self.last:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx < self.last:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+# Kernel kinds for the profile's split (lower-case substrings of kernel names; first match wins). Inductor's
+# kernels come first: a fused float8 cast is named after the op it feeds ("triton_poi_fused__scaled_mm_...").
+_KERNEL_KINDS = (
+    ("triton (fused by Inductor)", ("triton",)),
+    ("attention", ("flash", "fmha", "attention", "efficient_attention", "cutlassf", "cudnn_sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "scaled_mm", "cublas", "matmul")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("embedding / index", ("embedding", "index", "scatter", "gather")),
+    ("loss", ("nll", "softmax", "cross_entropy")),
+)
+
+
+def _kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in _KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+class _KernelProfile(Callback):
+    """``torch.profiler`` over ``steps`` steps from batch ``start``: GPU time by kernel name and by kind, per step.
+
+    On a machine without CUDA it records CPU operators instead (a functional check of the plumbing).
+    """
+
+    def __init__(self, start: int, steps: int, top: int = 25) -> None:
+        self.start, self.steps, self.top = start, steps, top
+        self._prof: Any = None
+        self._cuda = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.start:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._cuda = pl_module.device.type == "cuda"
+            sync(pl_module.device)
+            acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if self._cuda else [ProfilerActivity.CPU]
+            self._prof = profile(activities=acts)
+            self._prof.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._prof is not None and batch_idx == self.start + self.steps - 1:
+            sync(pl_module.device)
+            self._prof.__exit__(None, None, None)
+
+    def report(self) -> dict[str, Any]:
+        if self._prof is None:
+            return {}
+        by_name: dict[str, list[float]] = {}
+        for e in self._prof.events():
+            on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
+            # GPU-side user annotations (e.g. "Optimizer.step#AdamW.step") span kernels counted on their own
+            if self._cuda != on_gpu or getattr(e, "is_user_annotation", False) or e.name.startswith("Optimizer."):
+                continue
+            us = e.time_range.elapsed_us() if on_gpu else e.self_cpu_time_total
+            entry = by_name.setdefault(e.name, [0.0, 0])
+            entry[0] += us
+            entry[1] += 1
+        total = sum(v[0] for v in by_name.values()) or 1.0
+        kinds: dict[str, float] = {}
+        for name, (us, _) in by_name.items():
+            kinds[_kernel_kind(name)] = kinds.get(_kernel_kind(name), 0.0) + us
+        rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: self.top]
+        per = lambda us: round(us / self.steps / 1e3, 3)  # noqa: E731  (ms per step)
+        return {"steps": self.steps, "device": "cuda" if self._cuda else "cpu",
+                "busy_ms_per_step": per(total),
+                "kinds_ms_per_step": {k: per(v) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                "top": [{"name": n[:160], "ms_per_step": per(us), "calls_per_step": c / self.steps,
+                         "share": round(us / total, 4), "kind": _kernel_kind(n)} for n, (us, c) in rows]}
+
+
+def _dynamo_counters() -> dict[str, Any]:
+    """torch._dynamo's counters after a fit: graphs captured, graph breaks (by reason), recompiles."""
+    from torch._dynamo.utils import counters
+
+    keep = ("stats", "graph_break", "recompiles", "frames", "unimplemented")
+    return {k: {str(kk): vv for kk, vv in counters[k].items()} for k in keep if k in counters and counters[k]}
+
+
+def _profile_text(label: str, prof: dict[str, Any], dyn: dict[str, Any]) -> str:
+    if not prof:
+        return f"[fp8 hf profile] {label}: no profile"
+    lines = [f"\n#### profile: {label} ({prof['steps']} steps, {prof['device']}; ms per step)",
+             f"busy {prof['busy_ms_per_step']} ms/step; by kind: " +
+             ", ".join(f"{k} {v}" for k, v in prof["kinds_ms_per_step"].items()),
+             "| kernel | kind | ms/step | calls/step | share |", "|---|---|---:|---:|---:|"]
+    lines += [f"| `{t['name'][:110]}` | {t['kind']} | {t['ms_per_step']} | {t['calls_per_step']:g} | "
+              f"{t['share']:.1%} |" for t in prof["top"]]
+    lines.append(f"dynamo: {dyn}")
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -751,6 +908,14 @@ def _summary_hf(rows: list[Result]) -> str:
     aoc = by_key.get("ao-tensorwise-compiled")
     if aoc is not None and aoc.median_ms and ms(compiled):
         goal("fp8-ao-tensorwise on a compiled model >= 1.30x over compiled bf16", ms(compiled) / aoc.median_ms, 1.30)
+    # The same goal against the faster compiled bf16: the user's compile with SDPA's causal path kept for bf16 too.
+    fast = [r.median_ms for r in (compiled, by_key.get("bf16-compiled-sdpa")) if r is not None and r.median_ms]
+    for key in ("ao-tensorwise-compiled", "ao-tensorwise-compiled-head", "ao-tensorwise-compiled-all",
+                "ao-tensorwise-compiled-fastaccum", "ao-tensorwise-compiled-nosdpa"):
+        r = by_key.get(key)
+        if r is not None and r.median_ms and len(fast) == 2:
+            goal(f"{r.variant} >= 1.30x over the faster compiled bf16 ({min(fast):.2f} ms)",
+                 min(fast) / r.median_ms, 1.30)
     if base is not None and base.peak_mem_bytes:
         for r in rows:
             if r is not base and r.peak_mem_bytes and r.extra["key"] in ("te-delayed", "ao-tensorwise", "auto"):

@@ -41,6 +41,7 @@ from torch import nn
 from lightning_gh._lightning import is_compiled, trainer_of
 from lightning_gh.precision.base import Float8PrecisionBase
 from lightning_gh.precision.checks import ao_missing_reason
+from lightning_gh.precision.hf_sdpa import keep_causal_sdpa
 from lightning_gh.precision.layer_filter import LayerPlan
 from lightning_gh.precision.options import Float8Options
 from lightning_gh.precision.regional import EAGER_COST_NOTE, compile_regions
@@ -81,6 +82,11 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
             is compiled already.
         convert_only_if_compiled: with ``compile_blocks=False``, leave an uncompiled model in bf16-mixed (with a
             warning) instead of training it in slow eager fp8.
+        causal_sdpa: on a model you compiled, let the Hugging Face decoders in it (Llama, Mistral, Qwen2/3 with
+            SDPA attention) keep SDPA's causal flash path, as they do eagerly, instead of the explicit causal mask
+            transformers builds under ``torch.compile`` (``hf_sdpa.keep_causal_sdpa``; applies to calls without
+            ``attention_mask``, ``position_ids`` or cache, where the two are the same attention). ``True`` (default)
+            or ``False``.
         emulate: emulate the fp8 matmuls in higher precision (torchao's ``emulate``) and skip the hardware check.
             For functional tests on a CPU; never faster.
         config: a full ``torchao.float8.Float8LinearConfig`` instead of ``recipe`` (advanced).
@@ -110,6 +116,7 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
         fsdp_float8_all_gather: bool | None = None,
         compile_blocks: bool | Mapping[str, Any] = True,
         convert_only_if_compiled: bool = False,
+        causal_sdpa: bool = True,
         emulate: bool = False,
         config: Any = None,
         options: Float8Options | None = None,
@@ -120,7 +127,8 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
         if fsdp_float8_all_gather and self.recipe != "tensorwise":
             raise ValueError(f"TorchAOFloat8Precision(fsdp_float8_all_gather=True) needs recipe='tensorwise', "
                              f"got recipe={self.recipe!r}.")
-        for arg, value in (("convert_only_if_compiled", convert_only_if_compiled), ("emulate", emulate)):
+        for arg, value in (("convert_only_if_compiled", convert_only_if_compiled), ("causal_sdpa", causal_sdpa),
+                           ("emulate", emulate)):
             if not isinstance(value, bool):
                 raise ValueError(f"TorchAOFloat8Precision({arg}={value!r}): expected True or False.")
         if not isinstance(compile_blocks, (bool, Mapping)):
@@ -133,6 +141,8 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
         self.compile_blocks = compile_blocks
         self.convert_only_if_compiled = convert_only_if_compiled
+        self.causal_sdpa = causal_sdpa
+        self._causal_sdpa_note = ""
         self._regional = False  # set at setup: the blocks get compiled after conversion
         self.emulate = emulate
         self.config = config
@@ -163,7 +173,13 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
 
     def _before_conversion(self, module: nn.Module, device: torch.device) -> bool:
         self._regional = False
+        self._causal_sdpa_note = ""
         if is_compiled(module):
+            if self.causal_sdpa:
+                names = keep_causal_sdpa(module)
+                if names:
+                    self._causal_sdpa_note = (f"; SDPA keeps its causal flash path under torch.compile in "
+                                              f"{', '.join(repr(n) for n in names)}")
             return True
         if self.compile_blocks is not False:
             if _has_dtensor_params(module):
@@ -218,7 +234,7 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
         if self.emulate:
             rank_zero_info(f"{self.name}: emulate=True, fp8 matmuls are emulated (a functional check, not a speed-up).")
         if not self._regional:
-            return ""
+            return self._causal_sdpa_note
         from torchao.float8.float8_linear import Float8Linear
 
         kwargs = self.compile_blocks if isinstance(self.compile_blocks, Mapping) else None

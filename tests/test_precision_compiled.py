@@ -1,0 +1,203 @@
+"""fp8 on a model the user compiled as a whole: SDPA keeps its causal path in HF decoders (issue 18).
+
+Under ``torch.compile`` transformers builds an explicit causal mask for SDPA (eagerly it passes none and
+``is_causal=True``), which keeps SDPA off its flash kernel. ``keep_causal_sdpa`` (applied by the fp8-ao plugins on a
+compiled model) skips the mask only for calls without ``attention_mask``, ``position_ids`` or cache. These tests
+check the compiled graph, and that the results equal eager ones for plain, packed and padded calls.
+
+CPU only: graphs are inspected with a recording Dynamo backend, runs use ``aot_eager`` (Inductor takes minutes here),
+fp8 matmuls are emulated.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_gh.precision import TorchAOFloat8Precision, precision
+from lightning_gh.precision import hf_sdpa
+from lightning_gh.precision.hf_sdpa import hf_sdpa_decoders, keep_causal_sdpa
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torchao.float8")
+
+VOCAB, SEQ = 256, 32
+
+
+def tiny(family: str = "LlamaForCausalLM", attn: str = "sdpa", **extra):
+    cfg_cls = getattr(transformers, family.replace("ForCausalLM", "Config"))
+    cfg = cfg_cls(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation=attn,
+                  **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, family)(cfg)
+
+
+class _Recorder:
+    """A Dynamo backend that records each SDPA call's (has a mask, is_causal) and runs the graph as traced."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, bool]] = []
+
+    def __call__(self, gm, example_inputs):
+        for node in gm.graph.nodes:
+            if "scaled_dot_product_attention" in str(node.target):
+                has_mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None) is not None
+                self.calls.append((has_mask, bool(node.kwargs.get("is_causal", False))))
+        return gm.forward
+
+
+def _tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"])
+def test_compiled_decoder_keeps_sdpa_causal_path_and_matches_eager(family):
+    model = tiny(family)
+    assert keep_causal_sdpa(model) == [""]
+    x = _tokens()
+    ref = model(input_ids=x, labels=x)
+    ref.loss.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    rec = _Recorder()
+    out = torch.compile(model, backend=rec)(input_ids=x, labels=x)
+    out.loss.backward()
+    assert rec.calls == [(False, True)] * 2  # both layers: no mask, is_causal=True (as eagerly)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    for g, r in zip((p.grad for p in model.parameters()), ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_and_padded_calls_keep_their_mask_under_compile():
+    model = tiny()
+    keep_causal_sdpa(model)
+    x = _tokens()
+    rec = _Recorder()
+    compiled = torch.compile(model, backend=rec)
+    compiled(input_ids=x)  # plain first, so the calls below must not reuse its causal graph
+    assert rec.calls == [(False, True)] * 2
+
+    # packed sequences (positions restart at 16): a block-diagonal causal mask, exactly as eagerly
+    pos = torch.cat([torch.arange(16), torch.arange(16)]).unsqueeze(0).expand(2, -1)
+    rec.calls.clear()
+    got = compiled(input_ids=x, position_ids=pos).logits
+    assert rec.calls and all(has_mask for has_mask, _ in rec.calls)
+    torch.testing.assert_close(got, model(input_ids=x, position_ids=pos).logits, rtol=1e-5, atol=1e-5)
+    plain = model(input_ids=x).logits
+    assert not torch.allclose(got[:, 16:], plain[:, 16:], atol=1e-4)  # the packing changed the second half
+
+    # left padding: transformers' own mask
+    am = torch.ones(2, SEQ, dtype=torch.long)
+    am[1, :5] = 0
+    rec.calls.clear()
+    got = compiled(input_ids=x, attention_mask=am).logits
+    assert rec.calls and all(has_mask for has_mask, _ in rec.calls)
+    torch.testing.assert_close(got, model(input_ids=x, attention_mask=am).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_only_accepted_decoders_are_changed():
+    assert keep_causal_sdpa(tiny(attn="eager")) == []  # not SDPA
+    assert keep_causal_sdpa(torch.nn.Linear(2, 2)) == []
+    other = tiny()
+    other.config.model_type = "gemma3"  # a family whose mask calls may carry its own or/and masks
+    assert hf_sdpa_decoders(other) == {}
+
+    # a decoder that was not passed to keep_causal_sdpa keeps transformers' behaviour (mask) under compile
+    keep_causal_sdpa(tiny())  # the wrapper is installed process-wide ...
+    untouched = tiny()
+    rec = _Recorder()
+    torch.compile(untouched, backend=rec)(input_ids=_tokens())
+    assert rec.calls == [(True, False)] * 2  # ... but acts only for the decoders it was given
+
+
+def test_wrapper_declines_outside_compile_and_while_exporting(monkeypatch):
+    model = tiny()
+    keep_causal_sdpa(model)
+    call = dict(config=model.config, q_length=SEQ, kv_length=SEQ, q_offset=0, kv_offset=0, attention_mask=None,
+                local_size=None, use_vmap=False)
+    monkeypatch.setattr(hf_sdpa._STATE, "plain", True)
+    assert not hf_sdpa._skip(call)  # eager: transformers decides (it returns None itself)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert hf_sdpa._skip(call)
+    assert not hf_sdpa._skip({**call, "local_size": 8})  # a sliding window shorter than the sequence
+    assert hf_sdpa._skip({**call, "local_size": SEQ + 1})  # ... longer: plain causal, skipped as eagerly
+    assert not hf_sdpa._skip({**call, "use_vmap": True})  # the model's own or/and mask functions
+    assert not hf_sdpa._skip({**call, "kv_length": SEQ + 4, "kv_offset": 4})  # a cache with an offset
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True, raising=False)  # what torch.export sets
+    assert not hf_sdpa._skip(call)  # export: is_causal would be hard-coded for every later length
+
+
+class CompiledHFLM(L.LightningModule):
+    """A user who compiles the whole transformers model in ``configure_model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny()
+
+    def configure_model(self) -> None:
+        self.model = torch.compile(self.model, backend="aot_eager")
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class _Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit(plugin, cpu_trainer_kwargs, steps: int = 3) -> tuple[list[float], CompiledHFLM]:
+    L.seed_everything(0)
+    model = CompiledHFLM()
+    rec = _Losses()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randint(VOCAB, (steps * 2, SEQ), generator=torch.Generator().manual_seed(1))), batch_size=2)
+    L.Trainer(max_steps=steps, callbacks=[rec], plugins=[plugin], **cpu_trainer_kwargs).fit(model, data)
+    return rec.losses, model
+
+
+def test_ao_plugin_on_a_compiled_hf_model_keeps_causal_sdpa_with_equal_losses(cpu_trainer_kwargs, caplog):
+    # min_dim=0 and no skips, so the tiny model's layers do train in (emulated) fp8
+    opts = dict(emulate=True, min_dim=0, skip_head=False, skip_first=False)
+    torch._dynamo.reset()
+    with caplog.at_level("INFO"):
+        on, model = _fit(precision("fp8-ao-tensorwise", **opts), cpu_trainer_kwargs)
+    assert getattr(model.model._orig_mod, "_lgh_causal_sdpa", False)
+    assert "keeps its causal flash path" in caplog.text
+    torch._dynamo.reset()
+    off, model = _fit(precision("fp8-ao-tensorwise", causal_sdpa=False, **opts), cpu_trainer_kwargs)
+    assert not getattr(model.model._orig_mod, "_lgh_causal_sdpa", False)
+    # the same attention through two kernels: equal up to float rounding at the first step; after AdamW updates
+    # the emulated fp8 casts (a rounding step) can amplify those differences a little
+    assert on[0] == pytest.approx(off[0], rel=1e-5)
+    assert on == pytest.approx(off, rel=2e-3)
+
+
+def test_ao_plugin_leaves_an_eager_model_without_the_hook(cpu_trainer_kwargs):
+    class EagerHFLM(CompiledHFLM):
+        def configure_model(self) -> None:
+            pass
+
+    plugin = precision("fp8-ao-tensorwise", emulate=True, min_dim=0, compile_blocks={"backend": "aot_eager"})
+    L.seed_everything(0)
+    model = EagerHFLM()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))), batch_size=2)
+    L.Trainer(max_steps=1, plugins=[plugin], **cpu_trainer_kwargs).fit(model, data)
+    # regional compilation builds the mask eagerly (None): nothing to change there
+    assert not getattr(model.model, "_lgh_causal_sdpa", False)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_causal_sdpa_must_be_a_bool(value):
+    with pytest.raises(ValueError, match=rf"causal_sdpa={value!r}\): expected True or False"):
+        TorchAOFloat8Precision(causal_sdpa=value, emulate=True)

@@ -297,3 +297,32 @@ def test_compiled_model_sets_the_compilers_budget():
     assert fconfig.activation_memory_budget == before
     with pytest.raises(ValueError, match="pass a fraction"):
         offload_activations(holder, budget="1GiB", backend="host-copy").enabled
+
+
+@pytest.mark.parametrize("causal_sdpa", [True, False])
+def test_compiled_budget_keeps_sdpas_causal_path_unless_told_not_to(causal_sdpa):
+    """Budget mode on a compiled HF model keeps SDPA's causal path in its decoder (what transformers' explicit mask
+    under torch.compile costs: docs/activation_offload.md); the compiled loss and gradients equal the eager run's."""
+    import copy
+
+    from lightning_gh.precision import hf_sdpa
+
+    model = _hf()
+    if model.config._attn_implementation != "sdpa":
+        pytest.skip("this transformers build picked another attention implementation")
+    ref = copy.deepcopy(model)
+    holder = torch.nn.Module()
+    holder.inner = torch.compile(model)
+    off = offload_activations(holder, budget=0.5, backend="host-copy", causal_sdpa=causal_sdpa)
+    assert off.enabled
+    assert (id(model.model.config) in hf_sdpa._ACCEPTED) == causal_sdpa
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with off:
+        loss = holder.inner(input_ids=x, labels=x).loss
+    loss.backward()
+    ref_loss = ref(input_ids=x, labels=x).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    off.close()

@@ -64,7 +64,7 @@ class ActivationOffload(L.Callback):
     Args:
         policy, min_tensor_bytes, blocks, skip_last_blocks, prefetch_blocks, max_inflight_blocks, margin,
         profile_steps, host_memory_fraction, backend, bandwidth_gbps, record_timeline, dedupe_casts,
-        recompute_param_casts, recompute, budget, lean_loss: the options, documented once in
+        recompute_param_casts, recompute, budget, lean_loss, causal_sdpa: the options, documented once in
             :class:`ActivationOffloadOptions` (``profile_steps`` counts training batches here); they build
             ``options``.
         options: all of them as one :class:`ActivationOffloadOptions` instead (then pass no other option).
@@ -103,6 +103,7 @@ class ActivationOffload(L.Callback):
         recompute: str | None = None,
         budget: str | int | float | None = None,
         lean_loss: bool | None = None,
+        causal_sdpa: bool = True,
         options: ActivationOffloadOptions | None = None,
     ) -> None:
         super().__init__()
@@ -113,7 +114,7 @@ class ActivationOffload(L.Callback):
             host_memory_fraction=host_memory_fraction, backend=backend, bandwidth_gbps=bandwidth_gbps,
             record_timeline=record_timeline, dedupe_casts=dedupe_casts,
             recompute_param_casts=recompute_param_casts, recompute=recompute, budget=budget,
-            lean_loss=lean_loss)
+            lean_loss=lean_loss, causal_sdpa=causal_sdpa)
         self.engine: ActivationOffloader | None = None
         self.plan: OffloadPlan | None = None
         self._restored: dict[str, Any] | None = None

@@ -492,6 +492,13 @@ class ActivationOffloader(SavedTensorHooks):
         owner = compiled_owner(self.model, self.blocks)
         if owner is not None:
             self._b_state = "compiled"
+            if self.options.causal_sdpa:
+                from lightning_gh.precision.hf_sdpa import keep_causal_sdpa  # only compiled HF decoders need it
+
+                names = keep_causal_sdpa(self.model)
+                if names:
+                    log.info("ActivationOffload budget: SDPA's causal path kept in %s under torch.compile "
+                             "(causal_sdpa=True)", ", ".join(names))
             if self.budget.fraction is not None:
                 self._set_knob(_budget.compiler_budget(self.budget.fraction), owner,
                                f"a fraction budget of {self.budget.fraction:.0%}")

@@ -109,6 +109,11 @@ class ActivationOffloadOptions:
             (measured in one step) and turns it on only where its plan needs it; off without a budget. ``True``:
             on in every training forward (an error when the model holds no Hugging Face causal LM). ``False``:
             never.
+        causal_sdpa: in budget mode on a ``torch.compile``'d model, keep SDPA's causal path in the Hugging Face
+            decoders it holds (:func:`lightning_gh.precision.keep_causal_sdpa`): under ``torch.compile``
+            transformers builds an explicit causal mask and repeats the KV heads, which costs attention time and
+            saved memory; calls with a mask, positions or a cache keep transformers' own path. ``False`` leaves the
+            model as it is.
 
     Example::
 
@@ -133,6 +138,7 @@ class ActivationOffloadOptions:
     recompute: str | None = None
     budget: str | int | float | None = None
     lean_loss: bool | None = None
+    causal_sdpa: bool = True
 
     def __post_init__(self) -> None:
         policy = self.policy
@@ -176,6 +182,8 @@ class ActivationOffloadOptions:
                 raise ValueError(f"bandwidth_gbps={bw!r} must be a positive number or a (d2h, h2d) pair of them.")
             if isinstance(bw, list):
                 object.__setattr__(self, "bandwidth_gbps", tuple(bw))
+        if not isinstance(self.causal_sdpa, bool):
+            raise TypeError(f"causal_sdpa={self.causal_sdpa!r} must be True or False.")
         if self.lean_loss is not None and not isinstance(self.lean_loss, bool):
             raise TypeError(f"lean_loss={self.lean_loss!r} must be None (the budget planner decides), True or False.")
         for name in ("record_timeline", "dedupe_casts", "recompute_param_casts"):

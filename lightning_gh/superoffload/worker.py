@@ -257,7 +257,7 @@ class WorkerMixin:
     def _push(self, b: Bucket) -> None:
         """Copy the bucket's committed master weights into the model's parameters."""
         t0 = time.perf_counter()
-        if self._cuda:
+        if self._cuda and b.active:
             with torch.cuda.stream(self._h2d_stream):
                 # One host->GPU copy of the bucket's span of the flat master buffer and one multi-tensor copy
                 # (with the cast) into the parameters: a few calls per bucket instead of three per parameter,
@@ -271,6 +271,8 @@ class WorkerMixin:
                                      [stage[s.offset - lo:s.offset - lo + s.numel].view(s.param.shape)
                                       for s in b.active])
                 b.h2d_event.record(self._h2d_stream)
+        elif self._cuda:  # nothing to copy back; the event still orders the next forward's wait
+            b.h2d_event.record(self._h2d_stream)
         else:
             for s in b.active:
                 s.param.data.copy_(s.master.view(s.param.shape))

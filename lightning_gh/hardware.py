@@ -23,14 +23,16 @@ import functools
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 
 __all__ = [
     "HardwareInfo", "LinkBandwidth", "ManagedBandwidth", "available_host_bytes", "coherent_host_memory",
     "managed_bandwidth", "managed_memory_attributes", "classify", "cpu_view", "cpus_available", "detect",
-    "gpu_memory_room", "link_bandwidth",
+    "gpu_memory_room", "link_bandwidth", "median_cuda_ms",
 ]
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores.
@@ -226,6 +228,36 @@ def cpu_view(hw: HardwareInfo) -> HardwareInfo:
                    link=None, coherent_host_memory=None)
 
 
+def median_cuda_ms(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
+                   stream: torch.cuda.Stream | None = None) -> float:
+    """Median device time in ms of ``fn()`` between two CUDA events on ``stream`` (the current one by default),
+    after ``warmup`` untimed calls (allocations, kernel selection); each timed call is waited for.
+
+    Args:
+        fn: the work to time; it launches on the stream that is current while it runs.
+        repeats: timed calls.
+        warmup: untimed calls first.
+        stream: where the events are recorded and ``fn`` runs.
+
+    Example::
+
+        ms = median_cuda_ms(lambda: a @ b, repeats=10)
+    """
+    stream = stream if stream is not None else torch.cuda.current_stream()
+    samples = []
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
 @functools.lru_cache(maxsize=None)
 def link_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> LinkBandwidth | None:
     """Measure pinned host<->device copy bandwidth once (cached); ``None`` without CUDA.
@@ -243,17 +275,7 @@ def link_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> LinkBandwidth
     stream = torch.cuda.Stream()
 
     def timed(copy) -> float:
-        samples = []
-        with torch.cuda.stream(stream):
-            copy()  # warm-up
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                copy()
-                end.record(stream)
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-        return nbytes / statistics.median(samples) / 1e9
+        return nbytes / (median_cuda_ms(copy, repeats, stream=stream) / 1e3) / 1e9
 
     h2d = timed(lambda: dev.copy_(host, non_blocking=True))
     d2h = timed(lambda: host.copy_(dev, non_blocking=True))
@@ -407,16 +429,7 @@ def managed_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> ManagedBan
         buf.fill_(1.0)
 
         def gbps(fn, moved: int) -> float:
-            fn()  # warm-up
-            samples = []
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                fn()
-                end.record(stream)
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            return moved / statistics.median(samples) / 1e9
+            return moved / (median_cuda_ms(fn, repeats, stream=stream) / 1e3) / 1e9
 
         result = ManagedBandwidth(
             read_gbps=gbps(lambda: buf.sum(), nbytes), write_gbps=gbps(lambda: buf.fill_(1.0), nbytes),

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_gh import hardware
+
 __all__ = ["CHUNK_BYTES", "LeanLoss", "find_causal_lm", "lean_causal_lm_loss", "lean_loss_overhead_ms"]
 
 # fp32 bytes of one chunk of logits: the backward holds three such temporaries at once (the chunk's log-softmax, its
@@ -168,20 +170,8 @@ def lean_loss_overhead_ms(rows: int, vocab: int, dtype: torch.dtype, device: tor
     def lean() -> None:
         torch.autograd.grad(_LeanCrossEntropy.apply(logits, targets, -100, None, chunk_rows), logits)
 
-    def timed(fn: Any) -> float:
-        fn()  # untimed: allocations and kernel selection
-        samples = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        return sorted(samples)[len(samples) // 2]
-
     with torch.autocast(device.type, enabled=False):
-        extra = timed(lean) - timed(plain)
+        extra = hardware.median_cuda_ms(lean, reps) - hardware.median_cuda_ms(plain, reps)
     return max(0.0, extra)
 
 

@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import gc
-import statistics
 from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -24,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from lightning_gh import hardware
 from lightning_gh.precision.layer_filter import LayerFilter
 from lightning_gh.precision.names import FP8_NAMES
 
@@ -36,19 +36,6 @@ def gemm_shapes(model: nn.Module, layer_filter: LayerFilter) -> Counter:
     return Counter((d.in_features, d.out_features) for d in plan.decisions.values() if d.convert)
 
 
-def _time(step: Callable[[], Any], iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
 
 
 def _call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -113,8 +100,9 @@ def measure_gemm_shapes(model: nn.Module, candidates: list[str], device: torch.d
     with torch.cuda.device(device), _te_global_buffers_restored():
         for name in ["bf16", *candidates]:
             try:
-                out[name] = sum(count * _time(_layer_step(name, k, n, tokens, device)) for (k, n), count in
-                                shapes.items())
+                out[name] = sum(count * hardware.median_cuda_ms(_layer_step(name, k, n, tokens, device),
+                                                                repeats=10, warmup=3)
+                                for (k, n), count in shapes.items())
             except Exception:  # a backend that cannot run here is not a candidate
                 continue
     gc.collect()  # the trial's layers and inputs go now, not at some later collection during training

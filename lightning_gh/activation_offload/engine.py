@@ -51,6 +51,7 @@ import statistics
 import threading
 import time
 import warnings
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -354,8 +355,6 @@ class ActivationOffloader(SavedTensorHooks):
         kept = self.stats.last_recompute_kept_by_block
         if set(kept) != set(plan.recompute):
             return
-        from dataclasses import replace
-
         blocks = tuple(replace(b, recompute_kept_bytes=kept[i]) if i in kept else b
                        for i, b in enumerate(self.profile.blocks))
         self.profile = replace(self.profile, blocks=blocks)
@@ -585,7 +584,7 @@ class ActivationOffloader(SavedTensorHooks):
                 if _LEAN in self._b_phases:
                     # The warm-up runs the lean loss too: what it saves outside the blocks is then the lean head's,
                     # the lower bound of the floor, and the lean loss's measuring step is not its first use.
-                    plan = OffloadPlan(plan.policy, plan.budgets, plan.release_at, plan.prefetch_at, lean_loss=True)
+                    plan = replace(plan, lean_loss=True)
                 return plan, True, ("warmup", None)
             mode = self._b_phases[self._b_issued] if self._b_issued < len(self._b_phases) else None
             self._b_issued += 1
@@ -593,10 +592,10 @@ class ActivationOffloader(SavedTensorHooks):
                 return plan_none(n, "budget-raw"), True, ("raw", None)
             plan = plan_none(n, "budget-measure")
             if mode == _LEAN:
-                plan = OffloadPlan(plan.policy, plan.budgets, plan.release_at, plan.prefetch_at, lean_loss=True)
+                plan = replace(plan, lean_loss=True)
                 return plan, True, ("measure", mode)
             if mode is not None:
-                plan = OffloadPlan(plan.policy, plan.budgets, plan.release_at, plan.prefetch_at, modes=(mode,) * n)
+                plan = replace(plan, modes=(mode,) * n)
             return plan, True, ("measure", mode)
         assert self.plan is not None
         if self._b_state == "correct":
@@ -711,8 +710,6 @@ class ActivationOffloader(SavedTensorHooks):
     def _lean_profile(self, bp: _budget.BudgetProfile, d2h: float, h2d: float) -> _budget.BudgetProfile:
         """``bp`` with the lean loss's head: what its measuring step saved outside the blocks, its head time, and
         the overhead its measured peak shows above the timeline model."""
-        from dataclasses import replace
-
         prof, fwd = self._b_meas[_LEAN][0]
         step = bp.step
         # Only the head differs from the plain step; its extra time (the backward's second log-softmax) is charged
@@ -777,8 +774,6 @@ class ActivationOffloader(SavedTensorHooks):
                 f"{fc.describe_choices()}; predicted {sz(fc.activation_bytes)} at {fc.step_ms:.1f} ms "
                 f"fwd+bwd ({fc.ratio:.2f}x the plain {fc.plain_step_ms:.1f} ms: recompute +{fc.recompute_ms:.1f} ms, "
                 f"link stall +{fc.stall_ms:.1f} ms at {d2h:.0f}/{h2d:.0f} GB/s, margin {self.margin:.0%})")
-        from dataclasses import replace
-
         if self._b_lean:
             note += "; lean loss on (its measured step: " + \
                 f"{sz(self.lean_loss_measured['activation_gib'] * 2**30)}, head +" + \
@@ -803,8 +798,6 @@ class ActivationOffloader(SavedTensorHooks):
             blocks.append(BlockProfile(b.forward_ms, b.backward_ms, fwd.used[i], kept))
             budgets.append(None if fwd.used[i] else 0)
             transient.append(max(b.saved_bytes - kept - fwd.used[i], 0) if fwd.plan.mode_of(i) else 0)
-        from dataclasses import replace
-
         prof = replace(bp.step, blocks=tuple(blocks), other_bytes=fwd.other or bp.step.other_bytes)
         d2h, h2d = self._link_gbps()
         pred = simulate(prof, tuple(budgets), fwd.plan.release_at, fwd.plan.prefetch_at, d2h, h2d, self.margin,

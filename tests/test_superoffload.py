@@ -8,6 +8,7 @@ as Lightning does, and skips a step whose gradient norm is not finite, as a Grad
 
 from __future__ import annotations
 
+import shutil
 import warnings
 
 import pytest
@@ -134,11 +135,19 @@ def assert_same(model_a: nn.Module, opt_a, model_b: nn.Module, opt_b) -> None:
         assert float(sa[k]["step"]) == float(sb[k]["step"])
 
 
-@pytest.mark.parametrize("speculative", [True, False])
+HAVE_CC = shutil.which("gcc") is not None or shutil.which("cc") is not None
+
+
+@pytest.mark.parametrize("speculative,rollback", [(True, "auto"), (True, "copy"), (False, "auto")])
 @pytest.mark.parametrize("gpu_fraction", [0.0, 0.4])
-def test_matches_torch_adamw_bitwise(speculative, gpu_fraction):
+def test_matches_torch_adamw_bitwise(speculative, rollback, gpu_fraction):
     ref_model, ref_opt, clipped = train_reference()
-    model, opt = train_ours(speculative=speculative, gpu_fraction=gpu_fraction, force_speculation=True)
+    model, opt = train_ours(speculative=speculative, gpu_fraction=gpu_fraction, force_speculation=True,
+                            rollback=rollback)
+    # two-copy rollback runs only when speculative updates must be undoable, and needs a C compiler
+    two_copies = speculative and rollback == "auto" and HAVE_CC
+    assert (opt._kernel is not None) == two_copies
+    assert all((b.alt_master is not None) == two_copies for b in opt._buckets)
     assert 0 < clipped < STEPS - 1  # the clip triggered on some steps only
     assert opt.stats["skipped_steps"] == 1  # the injected inf
     assert_same(ref_model, ref_opt, model, opt)

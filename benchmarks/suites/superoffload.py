@@ -437,7 +437,10 @@ def _so_kwargs(text: str) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep:
             raise ValueError(f"variant {text!r}: {item!r} is not k=v")
-        kw[key.strip()] = ast.literal_eval(raw.strip()) if raw.strip() not in ("auto",) else raw.strip()
+        try:
+            kw[key.strip()] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):  # a bare word: a string option value ('auto', 'copy')
+            kw[key.strip()] = raw.strip()
     SuperOffloadOptions(**kw)  # raises on an unknown name or a bad value
     return kw
 

@@ -56,6 +56,10 @@ class Bucket:
     master_buf: HostBuffer | None = None
     grad_buf: HostBuffer | None = None
     moments: torch.Tensor | None = None
+    # two-copy rollback (rollback="auto"): the other copy of master weights and moments, which a speculative
+    # update writes; committing flips the two (see .worker)
+    alt_master: HostBuffer | None = None
+    alt_moments: torch.Tensor | None = None
     backup: torch.Tensor | None = None
     backup_steps: dict[int, float] = field(default_factory=dict)
     backup_fresh: bool = False  # the backup equals the current state (taken since the last update)
@@ -137,8 +141,9 @@ class LayoutMixin:
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
             self._h2d_stream = torch.cuda.Stream(self.device)
+        self._kernel = self._two_copy_kernel()
         if self._rg is not None:
-            self._alloc_block(owned_numel)
+            self._alloc_block(owned_numel, alt=self._kernel is not None)
         for chunk, owner in chunks:
             self._new_bucket(chunk, owner)
         for i in sorted(device_idx):
@@ -151,12 +156,15 @@ class LayoutMixin:
         numel = sum(s.numel for s in slots)
         b = Bucket(index=len(self._buckets), slots=list(slots), numel=numel, owner=owner)
         owned = self._rg is None or owner == self._rg.rank
-        if self._rg is not None and owned:  # a slice of this rank's one host block
-            b.master_buf, b.grad_buf, b.moments = self._slice_block(numel)
+        if self._rg is not None and owned:  # a slice of this rank's host blocks
+            b.master_buf, b.grad_buf, b.moments, b.alt_master, b.alt_moments = self._slice_block(numel)
         elif owned:
             b.master_buf = HostBuffer(numel, pin=self._cuda, zero=False)
             b.grad_buf = HostBuffer(numel, pin=self._cuda, zero=False)
             b.moments = torch.zeros(2 * numel, dtype=torch.float32)
+            if self._kernel is not None:  # page-locked too: a speculative update's weights are copied from it
+                b.alt_master = HostBuffer(numel, pin=self._cuda, zero=False)
+                b.alt_moments = torch.zeros(2 * numel, dtype=torch.float32)
         if self._cuda and owned:
             b.d2h_event = torch.cuda.Event()
             b.h2d_event = torch.cuda.Event()
@@ -168,15 +176,31 @@ class LayoutMixin:
             if not owned:  # another rank holds this parameter's state
                 s.master = s.grad = s.exp_avg = s.exp_avg_sq = s.step = None
                 continue
-            o = s.offset
-            s.master = b.master_buf.tensor[o:o + s.numel]
-            s.grad = b.grad_buf.tensor[o:o + s.numel]
-            s.exp_avg = b.moments[o:o + s.numel]
-            s.exp_avg_sq = b.moments[numel + o:numel + o + s.numel]
+            s.grad = b.grad_buf.tensor[s.offset:s.offset + s.numel]
+            self._bind_views(b, [s])
             s.master.view(s.param.shape).copy_(s.param.detach())
             s.step = torch.zeros((), dtype=torch.float32)
             self._apply_pending(s)
         self._buckets.append(b)
+
+    @staticmethod
+    def _bind_views(b: Bucket, slots: list[Slot]) -> None:
+        """Point the slots' master and moment views at the bucket's current copy of the state."""
+        n = b.numel
+        for s in slots:
+            o = s.offset
+            s.master = b.master_buf.tensor[o:o + s.numel]
+            s.exp_avg = b.moments[o:o + s.numel]
+            s.exp_avg_sq = b.moments[n + o:n + o + s.numel]
+
+    def _two_copy_kernel(self) -> Any:
+        """The out-of-place CPU AdamW kernel when speculative updates need an exact undo and ``rollback="auto"``,
+        else ``None`` (then the worker copies the state aside before a speculative update)."""
+        if self.rollback != "auto" or not self._backup_needed():
+            return None
+        from lightning_gh.superoffload import cpu_adamw
+
+        return cpu_adamw.load()
 
     def _make_device_slot(self, s: Slot) -> None:
         self._install_device_state(s, self._device_state(s, None))

@@ -172,8 +172,12 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             ``"closure"``: only a backward inside ``step(closure)`` does (Lightning's automatic optimization).
         host_memory_check: refuse (:class:`~lightning_gh._host.HostMemoryError`, a ``MemoryError``, with the
             numbers) when host RAM cannot hold the state.
+        rollback: ``"auto"`` (a speculative update writes a second copy of the bucket's state, so undoing it is
+            free; falls back to ``"copy"`` where the CPU kernel cannot be built or checked) or ``"copy"`` (copy
+            the state aside before each speculative update). See :class:`SuperOffloadOptions`.
         options: the shared options as one :class:`SuperOffloadOptions` (``gpu_fraction``, ``max_gpu_fraction``,
-            ``speculative``, ``skip_nonfinite``, ``cpu_threads``, ``bucket_size``, ``host_memory_check``) instead
+            ``speculative``, ``skip_nonfinite``, ``cpu_threads``, ``bucket_size``, ``host_memory_check``,
+            ``rollback``) instead
             of those keyword arguments; giving both is an error.
 
     The optimizer is made of one part per idea: :mod:`.layout` (slots, buckets, host buffers), :mod:`.tail` (the
@@ -210,11 +214,13 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         module: nn.Module | None = None,
         pipeline_trigger: Literal["backward", "closure"] = "backward",
         host_memory_check: bool = True,
+        rollback: str = "auto",
         options: SuperOffloadOptions | None = None,
     ) -> None:
         opts = resolve_options(options, "HeterogeneousAdamW", gpu_fraction=gpu_fraction, speculative=speculative,
                                cpu_threads=cpu_threads, skip_nonfinite=skip_nonfinite, bucket_size=bucket_size,
-                               max_gpu_fraction=max_gpu_fraction, host_memory_check=host_memory_check)
+                               max_gpu_fraction=max_gpu_fraction, host_memory_check=host_memory_check,
+                               rollback=rollback)
         validate_options(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                          max_grad_value=max_grad_value, pipeline_trigger=pipeline_trigger)
         if module is not None and not isinstance(module, nn.Module):
@@ -237,6 +243,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self.bucket_size = opts.bucket_size
         self.pipeline_trigger = pipeline_trigger
         self.host_memory_check = opts.host_memory_check
+        self.rollback = opts.rollback
+        self._kernel: Any = None  # .cpu_adamw.AdamWKernel once the layout decided on two-copy rollback
 
         self._slots: list[Slot] = []
         self._slot_of: dict[int, Slot] = {}
@@ -463,7 +471,7 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
                     with contextlib.suppress(Exception):
                         stream.synchronize()
         for b in self._buckets:
-            for buf in (b.master_buf, b.grad_buf):
+            for buf in (b.master_buf, b.grad_buf, b.alt_master):
                 if buf is not None:
                     buf.release()
         if self._block is not None:

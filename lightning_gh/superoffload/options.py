@@ -54,6 +54,11 @@ class SuperOffloadOptions:
         bucket_size: parameters per host bucket (the unit of copy and CPU work).
         host_memory_check: refuse with a :class:`~lightning_gh._host.HostMemoryError` when host RAM cannot hold
             the state.
+        rollback: how a speculative update is made undoable. ``"auto"``: each host bucket keeps two copies of its
+            state and a speculative update writes the other one (out of place, with a small C kernel checked
+            bitwise against torch's fused AdamW on this machine; see :mod:`.cpu_adamw`), so undoing costs
+            nothing; where that kernel cannot be built or differs, as ``"copy"``. ``"copy"``: copy the state
+            aside before each speculative update and back on a rollback. Both need 12 B/parameter more host RAM.
     """
 
     gpu_fraction: float | str = "auto"
@@ -63,6 +68,7 @@ class SuperOffloadOptions:
     cpu_threads: int | None = None
     bucket_size: int = 1 << 24
     host_memory_check: bool = True
+    rollback: str = "auto"
 
     def __post_init__(self) -> None:
         gf = self.gpu_fraction
@@ -77,6 +83,8 @@ class SuperOffloadOptions:
                 raise ValueError(f"{name}={value!r} must be True or False.")
         if self.cpu_threads is not None and not (_is_count(self.cpu_threads) and self.cpu_threads >= 1):
             raise ValueError(f"cpu_threads={self.cpu_threads!r} must be an int >= 1 or None.")
+        if self.rollback not in ("auto", "copy"):
+            raise ValueError(f"rollback={self.rollback!r} must be 'auto' or 'copy'.")
         if not (_is_count(self.bucket_size) and self.bucket_size >= 1):
             raise ValueError(f"bucket_size={self.bucket_size!r} must be a positive int (parameters per bucket).")
         # Normalise numbers so equal options compare equal (0 and 0.0) and the optimizer does float math.

@@ -79,6 +79,8 @@ class SuperOffloadStrategy(DDPStrategy):
             when host RAM cannot hold the state.
         max_gpu_fraction: cap on the share of parameters the ``"auto"`` GPU tail may take (it is also bounded
             by free GPU memory); ``None``: memory only.
+        rollback: ``"auto"`` (undo a speculative update by flipping between two copies of the state) or
+            ``"copy"`` (copy the state aside first); see :class:`SuperOffloadOptions`.
         options: the options above as one :class:`SuperOffloadOptions` (shared with
             :class:`HeterogeneousAdamW`) instead of keyword arguments; giving both is an error.
         device: the device of a one-device run; normally left to ``Trainer(accelerator=..., devices=...)``.
@@ -107,6 +109,7 @@ class SuperOffloadStrategy(DDPStrategy):
         bucket_size: int = 1 << 24,
         host_memory_check: bool = True,
         max_gpu_fraction: float | None = None,
+        rollback: str = "auto",
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -120,7 +123,7 @@ class SuperOffloadStrategy(DDPStrategy):
         self.options = resolve_options(
             options, "SuperOffloadStrategy", gpu_fraction=gpu_fraction, speculative=speculative,
             skip_nonfinite=skip_nonfinite, cpu_threads=cpu_threads, bucket_size=bucket_size,
-            host_memory_check=host_memory_check, max_gpu_fraction=max_gpu_fraction)
+            host_memory_check=host_memory_check, max_gpu_fraction=max_gpu_fraction, rollback=rollback)
         extra = {} if timeout is None else {"timeout": timeout}
         super().__init__(accelerator=accelerator, parallel_devices=None if device is None else [torch.device(device)],
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,

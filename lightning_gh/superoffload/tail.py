@@ -325,9 +325,10 @@ class TailMixin:
             for s, st in staged:
                 self._install_device_state(s, st)
             self._buckets.remove(b)
-            for buf in (b.master_buf, b.grad_buf):
-                buf.release()
-            b.master_buf = b.grad_buf = None
+            for buf in (b.master_buf, b.grad_buf, b.alt_master):
+                if buf is not None:
+                    buf.release()
+            b.master_buf = b.grad_buf = b.alt_master = b.alt_moments = None
         self.stats["tail_moves"] += 1
         return True
 

@@ -133,6 +133,11 @@ class WorkerMixin:
         if dec is not None:
             self._resolve_speculation(ctx, dec)
             self._final_update(b, dec)
+        elif b.alt_master is not None:  # speculate into the other copy; the current one is the undo
+            self._update_other(b, ctx.hp, None)
+            self._push(b, b.alt_master.tensor)
+            ctx.spec.append(b)
+            self.stats["speculative_buckets"] += 1
         else:  # speculate: assume no clip/skip; keep an exact copy to undo
             if not b.backup_fresh:
                 self._backup(b, "backup")
@@ -155,7 +160,8 @@ class WorkerMixin:
             return False
         try:
             for b in list(self._buckets):
-                if b.speculated and not b.backup_fresh and b.ready.is_set() and b.master_buf is not None:
+                if (b.speculated and not b.backup_fresh and b.ready.is_set() and b.master_buf is not None
+                        and b.alt_master is None):
                     self._backup(b, "backup_idle")
                     self.stats["prefetched_backups"] += 1
                     return True
@@ -180,7 +186,19 @@ class WorkerMixin:
         spec, ctx.spec = ctx.spec, []
         for b in spec:
             t0 = time.perf_counter()
-            if dec.redo:
+            if b.alt_master is not None:
+                if dec.redo:
+                    self.stats["rollbacks"] += 1
+                    if dec.skip:
+                        self._push(b)  # the current copy was never touched: put its weights back on the GPU
+                    else:
+                        self._update_other(b, dec.hp, dec.coef)
+                        self._push(b, b.alt_master.tensor)
+                        self._flip(b)
+                    self._account(b, t0)
+                else:
+                    self._flip(b)
+            elif dec.redo:
                 self.stats["rollbacks"] += 1
                 self._restore(b)
                 if dec.skip:
@@ -231,6 +249,51 @@ class WorkerMixin:
                                 maximize=False)
         self._phase("update", t0)
 
+    def _update_other(self, b: Bucket, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
+        """Write the bucket's updated state into its other copy (out of place, bitwise as ``_update`` in place);
+        the current copy and the slots' ``step`` stay as they were until :meth:`_flip` commits."""
+        from lightning_gh.superoffload.cpu_adamw import update_spans
+
+        t0 = time.perf_counter()
+        if self._cuda:
+            b.h2d_event.synchronize()  # a copy back from the other copy may still be reading it
+        self._phase("wait_h2d", t0)
+        t0 = time.perf_counter()
+        n = b.numel
+        cur = (b.master_buf.tensor, b.moments[:n], b.moments[n:])
+        other = (b.alt_master.tensor, b.alt_moments[:n], b.alt_moments[n:])
+        grad = b.grad_buf.tensor
+        active = {s.index for s in b.active}
+        # runs of consecutive slots with a gradient, one param group and one step count: one kernel call each
+        runs: list[list[Slot]] = []
+        for s in b.slots:  # in offset order
+            if s.index not in active:
+                lo, hi = s.offset, s.offset + s.numel  # no gradient this step: its state carries over
+                for o, c in zip(other, cur):
+                    o[lo:hi].copy_(c[lo:hi])
+                continue
+            last = runs[-1][-1] if runs else None
+            if (last is not None and last.offset + last.numel == s.offset and last.group == s.group
+                    and float(last.step) == float(s.step)):
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        for run in runs:
+            lo, hi = run[0].offset, run[-1].offset + run[-1].numel
+            update_spans(self._kernel, tuple(c[lo:hi] for c in cur), grad[lo:hi], tuple(o[lo:hi] for o in other),
+                         [s.numel for s in run], float(run[0].step) + 1.0, hp[run[0].group], coef,
+                         self.cpu_threads)
+        self._phase("update", t0)
+
+    def _flip(self, b: Bucket) -> None:
+        """Commit an update written by :meth:`_update_other`: the other copy becomes the current one."""
+        b.master_buf, b.alt_master = b.alt_master, b.master_buf
+        b.moments, b.alt_moments = b.alt_moments, b.moments
+        self._bind_views(b, b.slots)
+        for s in b.active:
+            s.step.add_(1)
+        b.backup_fresh = False
+
     def _backup(self, b: Bucket, phase: str) -> None:
         t0 = time.perf_counter()
         n = b.numel
@@ -254,9 +317,10 @@ class WorkerMixin:
         b.backup_fresh = True
         self._phase("restore", t0)
 
-    def _push(self, b: Bucket) -> None:
-        """Copy the bucket's committed master weights into the model's parameters."""
+    def _push(self, b: Bucket, master: torch.Tensor | None = None) -> None:
+        """Copy the bucket's master weights (its current copy, or ``master``) into the model's parameters."""
         t0 = time.perf_counter()
+        src = b.master_buf.tensor if master is None else master
         if self._cuda and b.active:
             with torch.cuda.stream(self._h2d_stream):
                 # One host->GPU copy of the bucket's span of the flat master buffer and one multi-tensor copy
@@ -266,7 +330,7 @@ class WorkerMixin:
                 lo = min(s.offset for s in b.active)
                 hi = max(s.offset + s.numel for s in b.active)
                 stage = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
-                stage.copy_(b.master_buf.tensor[lo:hi], non_blocking=True)
+                stage.copy_(src[lo:hi], non_blocking=True)
                 torch._foreach_copy_([s.param.data for s in b.active],
                                      [stage[s.offset - lo:s.offset - lo + s.numel].view(s.param.shape)
                                       for s in b.active])
@@ -275,7 +339,7 @@ class WorkerMixin:
             b.h2d_event.record(self._h2d_stream)
         else:
             for s in b.active:
-                s.param.data.copy_(s.master.view(s.param.shape))
+                s.param.data.copy_(src[s.offset:s.offset + s.numel].view(s.param.shape))
         b.pushed = True
         self._phase("push", t0)
 

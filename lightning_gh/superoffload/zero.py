@@ -163,21 +163,27 @@ class ShardMixin:
             out += [(c, r) for c in chunk(run, self.bucket_size)]
         return out
 
-    def _alloc_block(self, owned_numel: int) -> None:
-        """One page-locked block for this rank's master weights and gradient buffers, one for its moments."""
+    def _alloc_block(self, owned_numel: int, alt: bool = False) -> None:
+        """One page-locked block for this rank's master weights and gradient buffers (and the second copy of the
+        master weights with two-copy rollback), one for its moments (twice as long with two-copy rollback)."""
         from lightning_gh._host import HostBuffer
 
-        self._block = HostBuffer(2 * owned_numel, pin=self._cuda, zero=False)
-        self._moment_block = torch.zeros(2 * owned_numel, dtype=torch.float32)
+        copies = 2 if alt else 1
+        self._block = HostBuffer((1 + copies) * owned_numel, pin=self._cuda, zero=False)
+        self._moment_block = torch.zeros(2 * copies * owned_numel, dtype=torch.float32)
+        self._block_alt = alt
         self._block_off = 0
 
-    def _slice_block(self, numel: int) -> tuple[_Slice, _Slice, torch.Tensor]:
-        total = self._block.numel // 2
+    def _slice_block(self, numel: int) -> tuple[_Slice, _Slice, torch.Tensor, _Slice | None, torch.Tensor | None]:
+        """A bucket's (master, gradient, moments, second master or None, second moments or None)."""
+        copies = 2 if self._block_alt else 1
+        total = self._block.numel // (1 + copies)
         o = self._block_off
         self._block_off += numel
-        t = self._block.tensor
-        return (_Slice(t[o:o + numel]), _Slice(t[total + o:total + o + numel]),
-                self._moment_block[2 * o:2 * o + 2 * numel])
+        t, mb = self._block.tensor, self._moment_block
+        alt = (_Slice(t[2 * total + o:2 * total + o + numel]), mb[2 * total + 2 * o:2 * total + 2 * o + 2 * numel])
+        return (_Slice(t[o:o + numel]), _Slice(t[total + o:total + o + numel]), mb[2 * o:2 * o + 2 * numel],
+                *(alt if self._block_alt else (None, None)))
 
     # ------------------------------------------------------------------ backward: gradients to their owner
     def _stage_grad(self, b: Bucket, slot: Slot, grad: torch.Tensor) -> None:

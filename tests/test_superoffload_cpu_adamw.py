@@ -1,0 +1,91 @@
+"""The out-of-place CPU AdamW kernel behind SuperOffload's two-copy rollback: bitwise equal to torch's fused CPU
+AdamW, never writes its inputs, and steps aside (``None``) where it cannot be built or checked."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lightning_gh.superoffload import HeterogeneousAdamW, SuperOffloadOptions, cpu_adamw
+
+needs_cc = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                              reason="needs a C compiler")
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    """A private build directory and no kernel loaded yet in this process."""
+    monkeypatch.setenv("LIGHTNING_GH_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_adamw, "_loaded", {})
+    yield tmp_path
+
+
+@needs_cc
+@pytest.mark.parametrize("sizes", [[4096], [48, 4, 2304, 13], [65536 + 5, 16, 1]])
+@pytest.mark.parametrize("coef", [None, 0.25])
+def test_update_spans_equals_fused_adamw_bitwise_and_keeps_inputs(sizes, coef):
+    k = cpu_adamw.load()
+    assert k is not None
+    gen = torch.Generator().manual_seed(len(sizes))
+    n = sum(sizes)
+    p, g, m = (torch.randn(n, generator=gen) for _ in range(3))
+    v = torch.rand(n, generator=gen)
+    src = (p.clone(), m.clone(), v.clone())
+    g0 = g.clone()
+    dst = tuple(torch.full((n,), float("nan")) for _ in range(3))
+    hp = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
+    coef_t = None if coef is None else torch.tensor(coef)
+    cpu_adamw.update_spans(k, src, g, dst, sizes, 5.0, hp, coef_t, threads=2)
+    # inputs untouched: they are the undo
+    assert torch.equal(src[0], p) and torch.equal(src[1], m) and torch.equal(src[2], v) and torch.equal(g, g0)
+    off = 0
+    for size in sizes:
+        sl = slice(off, off + size)
+        rp, rm, rv, rg = p[sl].clone(), m[sl].clone(), v[sl].clone(), g[sl].clone()
+        if coef_t is not None:
+            rg.mul_(coef_t)
+        torch._fused_adamw_([rp], [rg], [rm], [rv], [], [torch.tensor(5.0)], lr=3e-3, beta1=0.9, beta2=0.95,
+                            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+        for ref, out in zip((rp, rm, rv), dst):
+            assert torch.equal(ref, out[sl])
+        off += size
+
+
+@needs_cc
+def test_built_once_and_cached(fresh_cache):
+    k = cpu_adamw.load()
+    assert k is not None and k.path.parent == fresh_cache
+    assert cpu_adamw.load() is k  # once per process
+    built = sorted(fresh_cache.glob("lgh_adamw_*.so"))
+    assert built == [k.path]
+
+
+def test_steps_aside_without_a_working_compiler(fresh_cache, monkeypatch):
+    monkeypatch.setenv("CC", "/bin/false")
+    assert cpu_adamw.load() is None
+    assert not list(fresh_cache.glob("*.so"))  # nothing half-built left behind
+
+
+def test_can_be_turned_off(fresh_cache, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_GH_CPU_ADAMW", "0")
+    assert cpu_adamw.load() is None
+
+
+def test_optimizer_falls_back_to_rollback_copies(fresh_cache, monkeypatch):
+    monkeypatch.setenv("CC", "/bin/false")
+    model = torch.nn.Linear(8, 8)
+    opt = HeterogeneousAdamW(model.parameters(), max_grad_norm=1.0, module=model, bucket_size=16)
+    assert opt._kernel is None and all(b.alt_master is None for b in opt._buckets)
+    model(torch.randn(2, 8)).square().mean().backward()
+    opt.step()
+    opt.synchronize()
+    opt.close()
+
+
+def test_rollback_option_is_checked():
+    with pytest.raises(ValueError, match=r"rollback='flip' must be 'auto' or 'copy'"):
+        SuperOffloadOptions(rollback="flip")
+    with pytest.raises(ValueError, match=r"rollback=1 must be 'auto' or 'copy'"):
+        HeterogeneousAdamW(torch.nn.Linear(2, 2).parameters(), rollback=1)

@@ -68,7 +68,7 @@ def test_process_group_of_several_ranks_shards_instead_of_refusing(monkeypatch):
     owned = [b for b in opt._buckets if b.owner == 1]
     assert owned and len(owned) < len(opt._buckets)  # rank 1 holds state for its share only
     assert opt.host_numel == sum(b.numel for b in owned)
-    assert "gpu_fraction='auto' means 0.0" in opt.stats["tail_decision"]
+    assert opt.gpu_fraction == "auto" and opt.stats["tail_decision"] is None  # decided with the other ranks later
     opt._closed = True  # nothing to synchronize with the (fake) other rank
 
 

@@ -292,6 +292,7 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self._auto_adjustments = 0
         self._hp_warned = False
         self._last_redo = False
+        self._uncounted: list[StepCtx] = []  # validated steps the worker will not count (see _count_decisions)
         self._state_lock = threading.Lock()
         self._closed_step = -1
         self._cur_slack: float | None = None
@@ -314,12 +315,6 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self._tail_guard_done = False
         self._tail_retries_seen = 0
         self._plan = None
-        if self._rg is not None and self.gpu_fraction == "auto":
-            # The auto tail times this rank's own steps; ranks deciding apart would lay out different buckets.
-            self.gpu_fraction = 0.0
-            self.stats["tail_decision"] = (f"SuperOffload across {self._rg.size} ranks: gpu_fraction='auto' means 0.0 "
-                                           "(each rank's share of the state on the host); pass a float to keep a "
-                                           "replicated tail on every GPU.")
         if self.host_memory_check:  # early, before the first step allocates anything
             total = sum(s.numel for s in self._slots if s.param.requires_grad)
             share = 1.0 if self.gpu_fraction == "auto" or not self._cuda else 1.0 - float(self.gpu_fraction)
@@ -437,12 +432,26 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         if self._worker is not None:
             self._queue.join()
         self._raise_worker_error()
+        self._count_decisions(block=True)
         if self._cuda and self._h2d_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._h2d_stream)
             for b in self._buckets:
                 b.stream_synced = b.step_id
         if self._rg is not None and not self._closed:
             self._broadcast_pending()  # a collective: every rank synchronizes at the same points
+
+    def _count_decisions(self, block: bool) -> None:
+        """Count the skipped and clipped steps the worker did not see (steps with no host bucket to finish); without
+        ``block``, only those whose decision has reached the host already, so no step waits for it."""
+        while self._uncounted:
+            dec = self._poll_decision(self._uncounted[0], block=block)
+            if dec is None:
+                return
+            self._uncounted.pop(0)
+            if dec.skip:
+                self.stats["skipped_steps"] += 1
+            elif dec.coef is not None:
+                self.stats["clipped_steps"] += 1
 
     def close(self) -> None:
         """Stop the worker thread, remove hooks and unpin host buffers. The optimizer is unusable after."""
@@ -661,6 +670,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         if any(b.step_id == ctx.id and self._owned(b) for b in self._buckets):
             self._ensure_worker()
             self._queue.put(("finish", None, ctx))
+        elif ctx.needs_validation:  # no CPU work this step (all state on the GPU): count its decision here
+            self._uncounted.append(ctx)
         if self._module is None:
             for b in self._buckets:
                 self._wait_ready(b, stall=True)
@@ -739,7 +750,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self._cur_slack = None
         self._need_seen = False
         self.stats["cpu_ms_per_step"] = sum(b.cpu_ms for b in self._buckets)
-        if self.gpu_fraction == "auto" and self._cuda:
+        self._count_decisions(block=False)
+        if self.gpu_fraction == "auto" and (self._cuda or self._rg is not None):
             self._auto_tail()
 
 

@@ -214,6 +214,9 @@ class TailMixin:
                     if buf is not None:
                         buf.release()
                 b.master_buf = b.grad_buf = b.alt_master = b.alt_moments = b.moments = b.staging = None
+            if self._block is not None:  # the rank's page-locked host block held only those buckets
+                self._block.release()
+                self._block = self._moment_block = None
         self.stats["tail_moves"] += 1
         self._finish_tail(f"the whole state fits beside a step's peak on every GPU ({need / 2**30:.2f} GiB; "
                           f"{budget[1]}): kept there on every rank, as DDP keeps it", cpu_ms, compute_ms)

@@ -194,9 +194,11 @@ class TailMixin:
                             device=self.device if self._rg.tensors_on_gpu else torch.device("cpu"))
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if float(flag) < 1.0:
-            why = ("the whole state does not fit beside a step's peak on every GPU "
-                   f"({need / 2**30:.2f} GiB needed here; {budget[1] if budget else 'free GPU memory unknown'}): "
-                   "each rank keeps its share on the host")
+            if budget is None:
+                why = "no GPU memory reading on some rank (no CUDA device): each rank keeps its share on the host"
+            else:
+                why = (f"the whole state does not fit beside a step's peak on every GPU ({need / 2**30:.2f} GiB "
+                       f"needed here; {budget[1]}): each rank keeps its share on the host")
             self._finish_tail(why, cpu_ms, compute_ms)
             return
         self.synchronize()  # also sends the last step's weights to every rank (a collective on every rank)

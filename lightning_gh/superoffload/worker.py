@@ -211,13 +211,7 @@ class WorkerMixin:
             b.ready.set()
 
     def _final_update(self, b: Bucket, dec: Decision) -> None:
-        if not dec.skip and b.alt_master is not None:
-            # the out-of-place kernel here too, then commit at once: on the H200 machine it ran 5-30% faster than
-            # torch's in-place kernel (benchmarks/cpu_adamw_kernel.py), with the same numbers
-            self._update_other(b, dec.hp, dec.coef)
-            self._flip(b)
-            self._push(b)
-        elif not dec.skip:
+        if not dec.skip:
             self._update(b, dec.hp, dec.coef)
             self._push(b)
         b.ready_t = time.perf_counter()

@@ -41,6 +41,18 @@ class Timing:
         return cls(statistics.median(s), pick(0.1), pick(0.9), list(samples_ms))
 
 
+def median_s(fn: Callable[[], Any], reps: int = 5) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``reps`` calls after one untimed call (host-side work: the
+    CPU kernels; GPU work is timed with CUDA events, see :class:`Timing`)."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
 @dataclass
 class Result:
     """One variant of one preset in one suite."""

@@ -15,28 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_s  # noqa: E402
+
 from lightning_gh import hardware  # noqa: E402
 from lightning_gh.superoffload import cpu_adamw  # noqa: E402
-
-
-def _median_s(fn, reps: int = 5) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -67,7 +58,7 @@ def main() -> None:
         torch_inplace()
 
     for name, fn in (("torch fused, in place", torch_inplace), ("torch fused + rollback copy", torch_with_copy)):
-        s = _median_s(fn)
+        s = median_s(fn)
         rows.append({"variant": name, "one_call_ms": round(s * 1e3, 1), "gparams_s": round(n / s / 1e9, 2)})
 
     src_path = Path(cpu_adamw.__file__).with_name("csrc") / "adamw.c"
@@ -94,7 +85,7 @@ def main() -> None:
                 cpu_adamw.update_spans(k, (p[lo:hi], m[lo:hi], v[lo:hi]), g[lo:hi],
                                        tuple(d[lo:hi] for d in dst), [hi - lo], 5.0, hp, None, nt)
 
-        s1, sb = _median_s(one), _median_s(bucketed)
+        s1, sb = median_s(one), median_s(bucketed)
         rows.append({"variant": f"ours {name}", "bitwise_sq_mode": exact, "one_call_ms": round(s1 * 1e3, 1),
                      "gparams_s": round(n / s1 / 1e9, 2), "bucketed_ms": round(sb * 1e3, 1),
                      "bucketed_gparams_s": round(n / sb / 1e9, 2)})

@@ -70,8 +70,8 @@ from typing import Any, Callable
 import lightning as L
 import torch
 
-from common import (BenchContext, Result, Timing, child_context, emit_child_result, lightning_steps, peak_memory,
-                    reset_memory, run_isolated)
+from common import (BenchContext, Result, Timing, child_context, emit_child_result, lightning_steps, median_s,
+                    peak_memory, reset_memory, run_isolated)
 
 from lightning_gh import hardware
 from lightning_gh.demo import LlamaLM, preset
@@ -594,16 +594,6 @@ def _profile_figures(prof_dir: str) -> dict[str, Any]:
             "profile_gpu": summary.get("gpu"), "profile_top_kernels": top}
 
 
-def _median_rate(n: int, fn: Callable[[], Any]) -> float:
-    fn()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return n / statistics.median(samples)
-
-
 def _cpu_adamw_rate(threads: int, n: int) -> tuple[float, float | None]:
     """Parameters per second on ``threads`` threads (the worker's count) of torch's fused CPU AdamW, and of
     SuperOffload's out-of-place kernel (``None`` where it cannot be used here)."""
@@ -615,7 +605,7 @@ def _cpu_adamw_rate(threads: int, n: int) -> tuple[float, float | None]:
         p = torch.randn(n)
         p.grad = torch.randn(n)
         opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-        torch_rate = _median_rate(n, opt.step)
+        torch_rate = n / median_s(opt.step)
         kernel = cpu_adamw.load()
         if kernel is None:
             return torch_rate, None
@@ -623,8 +613,8 @@ def _cpu_adamw_rate(threads: int, n: int) -> tuple[float, float | None]:
         src = (p.detach(), st["exp_avg"], st["exp_avg_sq"])
         dst = tuple(torch.empty(n) for _ in range(3))
         hp = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01, "eps": 1e-8}
-        return torch_rate, _median_rate(n, lambda: cpu_adamw.update_spans(kernel, src, p.grad, dst, [n], 5.0, hp,
-                                                                           None, threads))
+        return torch_rate, n / median_s(lambda: cpu_adamw.update_spans(kernel, src, p.grad, dst, [n], 5.0, hp, None,
+                                                                        threads))
     finally:
         torch.set_num_threads(prev)
 

@@ -83,6 +83,14 @@ class Bucket:
     def __post_init__(self) -> None:
         self.ready.set()
 
+    def release_host(self) -> None:
+        """Unpin and drop the bucket's host buffers (its state has moved to the GPU, or the optimizer closes)."""
+        for buf in (self.master_buf, self.grad_buf, self.alt_master):
+            if buf is not None:
+                buf.release()
+        self.master_buf = self.grad_buf = self.alt_master = None
+        self.moments = self.alt_moments = self.staging = None
+
 
 
 def chunk_by_size(slots: list[Slot], bucket_size: int) -> list[list[Slot]]:

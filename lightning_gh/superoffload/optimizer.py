@@ -480,9 +480,7 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
                     with contextlib.suppress(Exception):
                         stream.synchronize()
         for b in self._buckets:
-            for buf in (b.master_buf, b.grad_buf, b.alt_master):
-                if buf is not None:
-                    buf.release()
+            b.release_host()
         if self._block is not None:
             self._block.release()
 
@@ -798,13 +796,7 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         """Every host-resident parameter's state, from whichever rank owns it (a collective; CPU tensors)."""
         out: dict[int, dict[str, torch.Tensor]] = {}
         for b in self._buckets:
-            packed = self._bucket_state(b)
-            n = b.numel
-            for j, s in enumerate(b.slots):
-                o = s.offset
-                out[s.index] = {"step": packed[3 * n + j].clone(), "master": packed[o:o + s.numel],
-                                "exp_avg": packed[n + o:n + o + s.numel],
-                                "exp_avg_sq": packed[2 * n + o:2 * n + o + s.numel]}
+            out.update(self._bucket_slot_states(b))
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -204,18 +204,11 @@ class TailMixin:
         self.synchronize()  # also sends the last step's weights to every rank (a collective on every rank)
         with self._state_lock:
             for b in list(self._buckets):
-                packed = self._bucket_state(b)  # collective: [master | exp_avg | exp_avg_sq | steps], every rank
-                n = b.numel
-                for j, s in enumerate(b.slots):
-                    o = s.offset
-                    host = {"master": packed[o:o + s.numel], "exp_avg": packed[n + o:n + o + s.numel],
-                            "exp_avg_sq": packed[2 * n + o:2 * n + o + s.numel], "step": packed[3 * n + j]}
-                    self._install_device_state(s, self._device_state(s, host))
+                states = self._bucket_slot_states(b)  # a collective: from the bucket's owner, on every rank
+                for s in b.slots:
+                    self._install_device_state(s, self._device_state(s, states[s.index]))
                 self._buckets.remove(b)
-                for buf in (b.master_buf, b.grad_buf, b.alt_master):
-                    if buf is not None:
-                        buf.release()
-                b.master_buf = b.grad_buf = b.alt_master = b.alt_moments = b.moments = b.staging = None
+                b.release_host()
             if self._block is not None:  # the rank's page-locked host block held only those buckets
                 self._block.release()
                 self._block = self._moment_block = None
@@ -382,10 +375,7 @@ class TailMixin:
             for s, st in staged:
                 self._install_device_state(s, st)
             self._buckets.remove(b)
-            for buf in (b.master_buf, b.grad_buf, b.alt_master):
-                if buf is not None:
-                    buf.release()
-            b.master_buf = b.grad_buf = b.alt_master = b.alt_moments = None
+            b.release_host()
         self.stats["tail_moves"] += 1
         return True
 

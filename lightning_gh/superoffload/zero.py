@@ -308,3 +308,16 @@ class ShardMixin:
             packed[3 * n:].copy_(torch.stack([s.step.reshape(()) for s in b.slots]))
         dist.broadcast(packed, src=b.owner)
         return packed.cpu()
+
+    def _bucket_slot_states(self, b: Bucket) -> dict[int, dict[str, torch.Tensor]]:
+        """Each of the bucket's parameters' ``step``, ``master``, ``exp_avg``, ``exp_avg_sq`` (CPU tensors) on every
+        rank, by slot index: :meth:`_bucket_state` unpacked (a collective)."""
+        packed = self._bucket_state(b)
+        n = b.numel
+        out = {}
+        for j, s in enumerate(b.slots):
+            o = s.offset
+            out[s.index] = {"step": packed[3 * n + j].clone(), "master": packed[o:o + s.numel],
+                            "exp_avg": packed[n + o:n + o + s.numel],
+                            "exp_avg_sq": packed[2 * n + o:2 * n + o + s.numel]}
+        return out

@@ -71,7 +71,8 @@ def check_host_room(needed_bytes: int, *, what: str, headroom: float = 0.9, held
 
 
 class HostBuffer:
-    """A flat fp32 host tensor, page-locked when CUDA is in use so copies to/from the GPU are async.
+    """A flat host tensor (fp32 unless ``dtype`` says otherwise), page-locked when CUDA is in use so copies to/from
+    the GPU are async.
 
     Page-locking registers an exact-size allocation (``cudaHostRegister``); where that fails it falls
     back to torch's pinned allocator, and where that fails too it stays pageable with one warning
@@ -80,24 +81,25 @@ class HostBuffer:
 
     _warned = False
 
-    def __init__(self, numel: int, pin: bool, zero: bool = True) -> None:
+    def __init__(self, numel: int, pin: bool, zero: bool = True, dtype: torch.dtype = torch.float32) -> None:
         self.numel = int(numel)
+        self.dtype = dtype
         self._registered_ptr: int | None = None
         if pin and self.numel > 0 and self._pin(zero):
             return
-        self.tensor = torch.zeros(self.numel, dtype=torch.float32) if zero else torch.empty(self.numel, dtype=torch.float32)
+        self.tensor = torch.zeros(self.numel, dtype=dtype) if zero else torch.empty(self.numel, dtype=dtype)
 
     def _pin(self, zero: bool) -> bool:
         # Register whole pages that lie inside this allocation only: two registrations that share a page
         # fail (cudaErrorHostMemoryAlreadyRegistered), and a failed runtime call would surface later as the
         # "last error" of an unrelated kernel launch.
         page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        nbytes = self.numel * 4
+        nbytes = self.numel * self.dtype.itemsize
         span = -(-nbytes // page) * page
-        raw = torch.empty(self.numel + 2 * page // 4, dtype=torch.float32)
+        raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
         start = -(-raw.data_ptr() // page) * page
-        first = (start - raw.data_ptr()) // 4
-        tensor = raw[first:first + self.numel]
+        first = start - raw.data_ptr()
+        tensor = raw[first:first + nbytes].view(self.dtype)
         try:
             err = int(torch.cuda.cudart().cudaHostRegister(start, span, 0))
         except Exception:  # no cudart binding in this build
@@ -110,7 +112,7 @@ class HostBuffer:
             return True
         clear_cuda_error()
         try:
-            self.tensor = torch.zeros(self.numel, dtype=torch.float32, pin_memory=True)
+            self.tensor = torch.zeros(self.numel, dtype=self.dtype, pin_memory=True)
             return True
         except RuntimeError as e:
             clear_cuda_error()

@@ -146,7 +146,8 @@ def test_matches_torch_adamw_bitwise(speculative, rollback, gpu_fraction):
                             rollback=rollback)
     # two-copy rollback runs only when speculative updates must be undoable, and needs a C compiler
     two_copies = speculative and rollback == "auto" and HAVE_CC
-    assert (opt._kernel is not None) == two_copies
+    assert (opt._kernel is not None) == (rollback == "auto" and HAVE_CC)  # it then makes every CPU update
+    assert opt._two_copies == two_copies
     assert all((b.alt_master is not None) == two_copies for b in opt._buckets)
     assert 0 < clipped < STEPS - 1  # the clip triggered on some steps only
     assert opt.stats["skipped_steps"] == 1  # the injected inf
@@ -276,6 +277,35 @@ def test_bf16_parameters_keep_fp32_master():
     for i, (m, p) in enumerate(zip(master_ref, model.parameters())):
         assert torch.equal(state[i]["master"], m.detach())
         assert torch.equal(p, m.detach().to(torch.bfloat16))
+    opt.close()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="our CPU kernel needs a C compiler")
+@pytest.mark.parametrize("gpu_fraction", [0.0, 0.4])
+def test_bf16_gradients_on_the_host_equal_the_fp32_path(gpu_fraction):
+    """bf16 parameters with our kernel: gradients land on the host in bf16 and every update (speculative into the
+    other copy, decided in place, redone after a clip or skip) equals torch's fused AdamW on their fp32 copies,
+    i.e. the ``rollback="copy"`` run, bitwise."""
+    ref_model, ref_opt = train_ours(model=make_model(torch.bfloat16), rollback="copy", gpu_fraction=gpu_fraction,
+                                    force_speculation=True)
+    model, opt = train_ours(model=make_model(torch.bfloat16), rollback="auto", gpu_fraction=gpu_fraction,
+                            force_speculation=True)
+    assert opt._kernel is not None and opt._two_copies
+    assert opt._buckets and all(b.grad_buf.tensor.dtype == torch.bfloat16 for b in opt._buckets)
+    assert all(b.grad_buf.tensor.dtype == torch.float32 for b in ref_opt._buckets)
+    assert opt.stats["rollbacks"] > 0 and opt.stats["skipped_steps"] == 1 and opt.stats["clipped_steps"] > 0
+    assert_same(ref_model, ref_opt, model, opt)
+    sa, sb = ref_opt.state_dict()["state"], opt.state_dict()["state"]
+    assert all(torch.equal(sa[k]["master"], sb[k]["master"]) for k in sa)
+    # decided (in-place) updates ran too: not every bucket of every step was speculative
+    assert opt.stats["speculative_buckets"] < (STEPS - 1) * len(opt._buckets)
+    ref_opt.close()
+    opt.close()
+
+
+def test_fp32_parameters_keep_fp32_host_gradients():
+    model, opt = train_ours(steps=2)
+    assert all(b.grad_buf.tensor.dtype == torch.float32 for b in opt._buckets)
     opt.close()
 
 

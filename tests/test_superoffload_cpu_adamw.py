@@ -1,5 +1,6 @@
-"""The out-of-place CPU AdamW kernel behind SuperOffload's two-copy rollback: bitwise equal to torch's fused CPU
-AdamW, never writes its inputs, and steps aside (``None``) where it cannot be built or checked."""
+"""The CPU AdamW kernel behind SuperOffload's two-copy rollback: bitwise equal to torch's fused CPU AdamW out of
+place (never writing its inputs) and in place, with fp32 or bf16 gradients, and steps aside (``None``) where it
+cannot be built or checked."""
 
 from __future__ import annotations
 
@@ -51,6 +52,47 @@ def test_update_spans_equals_fused_adamw_bitwise_and_keeps_inputs(sizes, coef):
         for ref, out in zip((rp, rm, rv), dst):
             assert torch.equal(ref, out[sl])
         off += size
+
+
+@needs_cc
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_in_place_and_bf16_gradients_equal_fused_adamw_on_the_fp32_gradient(grad_dtype, threads):
+    """In place (the decided updates) and with bf16 gradients (bf16 parameters): the result is torch's fused AdamW
+    given the gradient widened to fp32, bitwise, across several chunks and threads and with tails."""
+    k = cpu_adamw.load()
+    assert k is not None
+    sizes = [3 * (1 << 15) + 16, 7, 4096, 1000]
+    n = sum(sizes)
+    gen = torch.Generator().manual_seed(7)
+    p, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
+    v = torch.rand(n, generator=gen) * 1e-3
+    g = (torch.randn(n, generator=gen) * 1e-2).to(grad_dtype)
+    g0 = g.clone()
+    hp = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01, "eps": 1e-8}
+    coef = torch.tensor(0.5)
+    state = (p.clone(), m.clone(), v.clone())
+    cpu_adamw.update_spans(k, state, g, state, sizes, 3.0, hp, coef, threads=threads)
+    assert torch.equal(g, g0)
+    off = 0
+    for size in sizes:
+        sl = slice(off, off + size)
+        rp, rm, rv, rg = p[sl].clone(), m[sl].clone(), v[sl].clone(), g[sl].to(torch.float32, copy=True)
+        rg.mul_(coef)
+        torch._fused_adamw_([rp], [rg], [rm], [rv], [], [torch.tensor(3.0)], lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        for ref, out in zip((rp, rm, rv), state):
+            assert torch.equal(ref, out[sl])
+        off += size
+
+
+@needs_cc
+def test_other_gradient_dtypes_are_refused():
+    k = cpu_adamw.load()
+    t = torch.zeros(32)
+    with pytest.raises(TypeError, match="grad.dtype=torch.float16 must be torch.float32 or torch.bfloat16"):
+        cpu_adamw.update_spans(k, (t, t, t), t.half(), (t, t, t), [32], 1.0,
+                               {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8}, None, 1)
 
 
 @needs_cc

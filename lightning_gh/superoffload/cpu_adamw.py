@@ -13,6 +13,10 @@ keeps running), and checks on the running machine that its results equal ``torch
 anything uses it. Where there is no compiler, the build fails, or the check finds a difference,
 :func:`load` returns ``None`` and SuperOffload keeps its copy-based rollback.
 
+The same kernel also updates in place and reads bf16 gradients as they are (widened exactly, so the result equals
+torch's on the fp32 copy of the gradient): the host then receives 2 B/parameter of gradient instead of 4, and the
+update, bound by the host's memory bandwidth, reads 2 B less.
+
 Example::
 
     >>> import torch
@@ -102,49 +106,54 @@ class AdamWKernel:
         fn = lib.lgh_adamw
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                               ctypes.c_int]
+                                               ctypes.c_int, ctypes.c_int]
         self._fn = fn
 
     def step(self, src: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor,
              dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor], consts: tuple[torch.Tensor, bool],
              threads: int, sq_mode: int | None = None) -> None:
-        """One AdamW step over contiguous fp32 spans: ``src`` = (weights, exp_avg, exp_avg_sq) and ``grad`` in,
-        the new values written to ``dst`` (distinct memory), all of one length.
+        """One AdamW step over contiguous fp32 spans: ``src`` = (weights, exp_avg, exp_avg_sq) and ``grad`` (fp32
+        or bf16) in, the new values written to ``dst`` (``src`` itself, or memory that does not overlap it), all of
+        one length.
 
         The spans' per-tensor tails are not special-cased here: the caller (:func:`update_spans`) runs each
         parameter's last ``numel % 16`` elements through torch."""
+        if grad.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"lgh_adamw: grad.dtype={grad.dtype} must be torch.float32 or torch.bfloat16.")
         c, small = consts
         n = grad.numel()
         rc = self._fn(src[0].data_ptr(), src[1].data_ptr(), src[2].data_ptr(), grad.data_ptr(), dst[0].data_ptr(),
                       dst[1].data_ptr(), dst[2].data_ptr(), n, c.data_ptr(), int(small),
-                      self.sq_mode if sq_mode is None else sq_mode, int(threads))
+                      self.sq_mode if sq_mode is None else sq_mode, int(threads), int(grad.dtype == torch.bfloat16))
         if rc < 0:
             raise RuntimeError(f"lgh_adamw rejected its arguments (sq_mode={sq_mode}).")
 
 
-def _torch_tail(src: tuple[torch.Tensor, ...], grad: torch.Tensor, dst: tuple[torch.Tensor, ...], step: float,
-                hp: dict[str, float], coef: torch.Tensor | None) -> None:
-    for d, s in zip(dst, src):
-        d.copy_(s)
-    g = grad.clone()
+def _torch_tail(src: tuple[torch.Tensor, ...], grad: torch.Tensor, step: float, hp: dict[str, float],
+                coef: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """torch's fused AdamW on copies of a short span: (weights, exp_avg, exp_avg_sq) after the step."""
+    out = tuple(t.clone() for t in src)
+    g = grad.to(torch.float32, copy=True)
     if coef is not None:
         torch._foreach_mul_([g], coef)
-    torch._fused_adamw_([dst[0]], [g], [dst[1]], [dst[2]], [], [torch.tensor(step)], lr=hp["lr"],
+    torch._fused_adamw_([out[0]], [g], [out[1]], [out[2]], [], [torch.tensor(step)], lr=hp["lr"],
                         beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
                         amsgrad=False, maximize=False)
+    return out
 
 
 def update_spans(kernel: AdamWKernel, src: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor,
                  dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sizes: list[int], step: float,
                  hp: dict[str, float], coef: torch.Tensor | None, threads: int, sq_mode: int | None = None) -> None:
     """Update a run of parameters laid out back to back (``sizes`` elements each) with one hyper-parameter set
-    and one step count, out of place, bitwise as ``torch._fused_adamw_`` would update each parameter in place
-    (after ``grad *= coef`` when ``coef`` is given; ``grad`` itself is left unchanged).
+    and one step count, bitwise as ``torch._fused_adamw_`` would update each parameter in place given the fp32
+    gradient (after ``grad *= coef`` when ``coef`` is given; ``grad`` itself is left unchanged).
 
     Args:
         kernel: from :func:`load`.
-        src, dst: (weights, exp_avg, exp_avg_sq) spans in and out, each ``sum(sizes)`` long.
-        grad: the gradient span.
+        src, dst: (weights, exp_avg, exp_avg_sq) spans in and out, each ``sum(sizes)`` long; ``dst`` may be
+            ``src`` (in place) or must not overlap it.
+        grad: the gradient span, fp32 or bf16.
         sizes: the parameters' element counts, in order.
         step: the step number after this update (1 for the first).
         hp: ``lr``, ``beta1``, ``beta2``, ``weight_decay``, ``eps``.
@@ -153,14 +162,19 @@ def update_spans(kernel: AdamWKernel, src: tuple[torch.Tensor, torch.Tensor, tor
     """
     consts = step_constants(step, hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["eps"],
                             None if coef is None else float(coef))
-    kernel.step(src, grad, dst, consts, threads, sq_mode)
+    # the tails are computed first, from the inputs, since an in-place kernel call overwrites them
+    tails = []
     off = 0
     for n in sizes:
         r = n % _TAIL
         if r:
             lo, hi = off + n - r, off + n
-            _torch_tail(tuple(t[lo:hi] for t in src), grad[lo:hi], tuple(t[lo:hi] for t in dst), step, hp, coef)
+            tails.append((lo, hi, _torch_tail(tuple(t[lo:hi] for t in src), grad[lo:hi], step, hp, coef)))
         off += n
+    kernel.step(src, grad, dst, consts, threads, sq_mode)
+    for lo, hi, out in tails:
+        for d, o in zip(dst, out):
+            d[lo:hi].copy_(o)
 
 
 def _build(cc: str) -> Path | None:
@@ -193,7 +207,8 @@ def _build(cc: str) -> Path | None:
 
 def _matches_torch(kernel: AdamWKernel, sq_mode: int) -> bool:
     """Whether the kernel reproduces ``torch._fused_adamw_`` bitwise on varied data, sizes (with and without
-    tails), both forms of the lerp, with and without weight decay and clipping."""
+    tails), both forms of the lerp, with and without weight decay and clipping, out of place and in place, with
+    fp32 and bf16 gradients."""
     gen = torch.Generator().manual_seed(1234)
     cases = [(1e-3, 0.9, 0.999, 0.1, 1e-8, None, 1.0), (3e-4, 0.9, 0.95, 0.0, 1e-6, 0.37, 7.0),
              (1e-2, 0.3, 0.5, 0.01, 1e-8, None, 1000.0), (5e-4, 0.8, 0.99, 0.05, 1e-8, 2.5, 3.0)]
@@ -207,19 +222,21 @@ def _matches_torch(kernel: AdamWKernel, sq_mode: int) -> bool:
         v = torch.rand(n, generator=gen) * 1e-4
         hp = {"lr": lr, "beta1": b1, "beta2": b2, "weight_decay": wd, "eps": eps}
         coef_t = None if coef is None else torch.tensor(coef, dtype=torch.float32)
-        dst = (torch.empty(n), torch.empty(n), torch.empty(n))
-        update_spans(kernel, (p, m, v), g, dst, sizes, step, hp, coef_t, threads=2, sq_mode=sq_mode)
-        off = 0
-        for size in sizes:
-            sl = slice(off, off + size)
-            rp, rm, rv, rg = p[sl].clone(), m[sl].clone(), v[sl].clone(), g[sl].clone()
-            if coef_t is not None:
-                torch._foreach_mul_([rg], coef_t)
-            torch._fused_adamw_([rp], [rg], [rm], [rv], [], [torch.tensor(step)], lr=lr, beta1=b1, beta2=b2,
-                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
-            if not all(torch.equal(a, b[sl]) for a, b in zip((rp, rm, rv), dst)):
-                return False
-            off += size
+        for in_place, grad in ((False, g), (i % 2 == 1, g.to(torch.bfloat16))):
+            src = (p.clone(), m.clone(), v.clone())
+            dst = src if in_place else (torch.empty(n), torch.empty(n), torch.empty(n))
+            update_spans(kernel, src, grad, dst, sizes, step, hp, coef_t, threads=2, sq_mode=sq_mode)
+            off = 0
+            for size in sizes:
+                sl = slice(off, off + size)
+                rp, rm, rv, rg = p[sl].clone(), m[sl].clone(), v[sl].clone(), grad[sl].to(torch.float32, copy=True)
+                if coef_t is not None:
+                    torch._foreach_mul_([rg], coef_t)
+                torch._fused_adamw_([rp], [rg], [rm], [rv], [], [torch.tensor(step)], lr=lr, beta1=b1, beta2=b2,
+                                    weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+                if not all(torch.equal(a, b[sl]) for a, b in zip((rp, rm, rv), dst)):
+                    return False
+                off += size
     return True
 
 

@@ -149,9 +149,10 @@ class LayoutMixin:
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
             self._h2d_stream = torch.cuda.Stream(self.device)
-        self._kernel = self._two_copy_kernel()
+        self._kernel = self._update_kernel()
+        self._two_copies = self._kernel is not None and self._backup_needed()
         if self._rg is not None:
-            self._alloc_block(owned_numel, alt=self._kernel is not None)
+            self._alloc_block(owned_numel, alt=self._two_copies)
         for chunk, owner in chunks:
             self._new_bucket(chunk, owner)
         for i in sorted(device_idx):
@@ -168,9 +169,9 @@ class LayoutMixin:
             b.master_buf, b.grad_buf, b.moments, b.alt_master, b.alt_moments = self._slice_block(numel)
         elif owned:
             b.master_buf = HostBuffer(numel, pin=self._cuda, zero=False)
-            b.grad_buf = HostBuffer(numel, pin=self._cuda, zero=False)
+            b.grad_buf = HostBuffer(numel, pin=self._cuda, zero=False, dtype=self._host_grad_dtype(slots))
             b.moments = torch.zeros(2 * numel, dtype=torch.float32)
-            if self._kernel is not None:  # page-locked too: a speculative update's weights are copied from it
+            if self._two_copies:  # page-locked too: a speculative update's weights are copied from it
                 b.alt_master = HostBuffer(numel, pin=self._cuda, zero=False)
                 b.alt_moments = torch.zeros(2 * numel, dtype=torch.float32)
         if self._cuda and owned:
@@ -201,14 +202,23 @@ class LayoutMixin:
             s.exp_avg = b.moments[o:o + s.numel]
             s.exp_avg_sq = b.moments[n + o:n + o + s.numel]
 
-    def _two_copy_kernel(self) -> Any:
-        """The out-of-place CPU AdamW kernel when speculative updates need an exact undo and ``rollback="auto"``,
-        else ``None`` (then the worker copies the state aside before a speculative update)."""
-        if self.rollback != "auto" or not self._backup_needed():
+    def _update_kernel(self) -> Any:
+        """Our CPU AdamW kernel (:mod:`.cpu_adamw`) with ``rollback="auto"`` where it builds and matches torch,
+        else ``None``: then torch's fused CPU AdamW updates in place and, when a speculative update needs an
+        exact undo, the worker copies the state aside first."""
+        if self.rollback != "auto":
             return None
         from lightning_gh.superoffload import cpu_adamw
 
         return cpu_adamw.load()
+
+    def _host_grad_dtype(self, slots: list[Slot]) -> torch.dtype:
+        """bf16 for a bucket of bf16 parameters when our kernel updates it (it reads bf16 gradients exactly, and
+        the host then receives and reads 2 B/parameter less); fp32 otherwise. Several ranks reduce their
+        gradients in fp32 (see .zero)."""
+        if self._kernel is not None and self._rg is None and all(s.param.dtype == torch.bfloat16 for s in slots):
+            return torch.bfloat16
+        return torch.float32
 
     def _make_device_slot(self, s: Slot) -> None:
         self._install_device_state(s, self._device_state(s, None))

@@ -4,8 +4,9 @@ CPU update behind the backward pass.
 What lives where
     GPU: the model's weights (bf16 under ``precision="bf16-true"``, fp32 under ``"bf16-mixed"``) and, only
     while they are in flight, the gradients of offloaded parameters. Host: fp32 master weights, both
-    AdamW moments and a gradient landing buffer, 16 B per offloaded parameter (master and gradient
-    page-locked), plus 12 B when speculation keeps its exact-rollback copy. The parameters whose
+    AdamW moments and a gradient landing buffer (bf16 for bf16 parameters when our CPU kernel runs, else
+    fp32), 14-16 B per offloaded parameter (master and gradient page-locked), plus 12 B when speculation
+    keeps its exact-rollback copy (or second copy of the state). The parameters whose
     gradients arrive last (the first layers) may stay on the GPU with the fused GPU AdamW (the "GPU
     tail", ``gpu_fraction``): the next forward needs them first, so updating them on the CPU would make
     the step end waiting for the CPU.
@@ -13,12 +14,13 @@ What lives where
 The pipeline (one optimizer step)
     1. Backward: a post-accumulate-grad hook fires as each gradient becomes final. It adds the
        gradient's norm to a GPU-side vector (for clipping and the non-finite check), copies the gradient
-       to the host on a copy stream (cast to fp32 on the GPU: the CPU, not the PCIe link, is the scarce
-       resource) and frees it on the GPU. When every parameter of a bucket (buckets follow gradient-arrival
-       order) has landed, the bucket goes to a CPU worker thread.
-    2. The worker waits for the bucket's copy event, runs torch's fused CPU AdamW kernel on the fp32 master
-       weights and moments (multithreaded, vectorised, GIL released) and streams the updated weights back
-       on a second stream (fp32 over the link, cast to the parameter dtype on the GPU).
+       to the host on a copy stream (as it is for bf16 parameters when our CPU kernel runs, which widens it
+       exactly; else cast to fp32 on the GPU) and frees it on the GPU. When every parameter of a bucket
+       (buckets follow gradient-arrival order) has landed, the bucket goes to a CPU worker thread.
+    2. The worker waits for the bucket's copy event, runs a fused CPU AdamW (our kernel, :mod:`.cpu_adamw`,
+       or torch's) on the fp32 master weights and moments (multithreaded, vectorised, GIL released) and
+       streams the updated weights back on a second stream (fp32 over the link, cast to the parameter dtype
+       on the GPU).
     3. ``step()`` computes the global gradient norm on the GPU, updates the GPU tail with the fused GPU
        kernel and posts the clip/skip decision to the worker; it does not wait for the CPU.
     4. The next forward waits per bucket: a forward pre-hook on each module that owns offloaded
@@ -244,7 +246,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self.pipeline_trigger = pipeline_trigger
         self.host_memory_check = opts.host_memory_check
         self.rollback = opts.rollback
-        self._kernel: Any = None  # .cpu_adamw.AdamWKernel once the layout decided on two-copy rollback
+        self._kernel: Any = None  # .cpu_adamw.AdamWKernel when the layout found it usable (rollback="auto")
+        self._two_copies = False  # host buckets keep two copies of their state (the kernel's rollback)
 
         self._slots: list[Slot] = []
         self._slot_of: dict[int, Slot] = {}
@@ -566,7 +569,7 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             cur = torch.cuda.current_stream(self.device)
             self._copy_stream.wait_stream(cur)
             with torch.cuda.stream(self._copy_stream):
-                src = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
+                src = grad if grad.dtype == slot.grad.dtype else grad.to(slot.grad.dtype)
                 slot.grad.view(slot.param.shape).copy_(src, non_blocking=True)
             grad.record_stream(self._copy_stream)
             slot.param.grad = None  # the GPU copy is no longer needed once the host copy lands

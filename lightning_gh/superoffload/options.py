@@ -57,8 +57,10 @@ class SuperOffloadOptions:
         rollback: how a speculative update is made undoable. ``"auto"``: each host bucket keeps two copies of its
             state and a speculative update writes the other one (out of place, with a small C kernel checked
             bitwise against torch's fused AdamW on this machine; see :mod:`.cpu_adamw`), so undoing costs
-            nothing; where that kernel cannot be built or differs, as ``"copy"``. ``"copy"``: copy the state
-            aside before each speculative update and back on a rollback. Both need 12 B/parameter more host RAM.
+            nothing; that kernel then makes every CPU update, and reads the gradients of bf16 parameters in
+            bf16 (one rank); where it cannot be built or differs, as ``"copy"``. ``"copy"``: torch's fused CPU
+            AdamW in place, fp32 gradients on the host, the state copied aside before each speculative update
+            and back on a rollback. Both need 12 B/parameter more host RAM.
     """
 
     gpu_fraction: float | str = "auto"

@@ -1,11 +1,13 @@
-"""The CPU worker: a thread that updates host buckets with torch's fused CPU AdamW, speculating before the step's
-clip/skip decision is known and undoing a speculative update exactly when it must be redone.
+"""The CPU worker: a thread that updates host buckets with a fused CPU AdamW (our kernel, :mod:`.cpu_adamw`, or
+torch's), speculating before the step's clip/skip decision is known and undoing a speculative update exactly when
+it must be redone.
 
 The worker waits for a bucket's gradient copy, updates its fp32 master weights and moments, and streams the
-weights back to the GPU on a second stream. Before a speculative update it copies the bucket's state aside;
-when ``step()`` posts the decision (:class:`Decision`), speculative buckets are committed, or restored bitwise and
-redone with the clipped gradients, or left restored (skipped step). While nothing is queued it makes the copies
-the next speculative updates will need.
+weights back to the GPU on a second stream. With two copies of the state (``rollback="auto"``) a speculative
+update writes the other copy and committing flips them; otherwise it copies the bucket's state aside first, and
+while nothing is queued makes the copies the next speculative updates will need. When ``step()`` posts the
+decision (:class:`Decision`), speculative buckets are committed, or undone bitwise and redone with the clipped
+gradients, or left undone (skipped step).
 
 :class:`WorkerMixin` is that part of :class:`~lightning_gh.superoffload.HeterogeneousAdamW`; :func:`worker_loop`
 is the thread's body.
@@ -227,12 +229,23 @@ class WorkerMixin:
         phases[name] = phases.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
 
     def _update(self, b: Bucket, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
+        """Update the bucket's current copy of its state in place (our kernel where it is loaded, else torch's)."""
         t0 = time.perf_counter()
         if self._cuda:
             b.h2d_event.synchronize()  # the previous copy back must have read the master weights
         self._phase("wait_h2d", t0)
         t0 = time.perf_counter()
         b.backup_fresh = False
+        if self._kernel is not None:
+            # One kernel for every update, not torch's for some: the two thread pools would otherwise take turns
+            # on the same cores, and ours reads bf16 gradients as they are.
+            n = b.numel
+            cur = (b.master_buf.tensor, b.moments[:n], b.moments[n:])
+            self._kernel_update(b, hp, coef, cur, cur)
+            for s in b.active:
+                s.step.add_(1)
+            self._phase("update", t0)
+            return
         by_group: dict[int, list[Slot]] = {}
         for s in b.active:
             by_group.setdefault(s.group, []).append(s)
@@ -252,8 +265,6 @@ class WorkerMixin:
     def _update_other(self, b: Bucket, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
         """Write the bucket's updated state into its other copy (out of place, bitwise as ``_update`` in place);
         the current copy and the slots' ``step`` stay as they were until :meth:`_flip` commits."""
-        from lightning_gh.superoffload.cpu_adamw import update_spans
-
         t0 = time.perf_counter()
         if self._cuda:
             b.h2d_event.synchronize()  # a copy back from the other copy may still be reading it
@@ -262,15 +273,25 @@ class WorkerMixin:
         n = b.numel
         cur = (b.master_buf.tensor, b.moments[:n], b.moments[n:])
         other = (b.alt_master.tensor, b.alt_moments[:n], b.alt_moments[n:])
+        self._kernel_update(b, hp, coef, cur, other)
+        self._phase("update", t0)
+
+    def _kernel_update(self, b: Bucket, hp: list[dict[str, float]], coef: torch.Tensor | None,
+                       cur: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...]) -> None:
+        """Our kernel's step over the bucket's slots with a gradient, from ``cur`` into ``out`` (``cur`` itself or
+        the other copy; slots without a gradient are copied over unchanged then)."""
+        from lightning_gh.superoffload.cpu_adamw import update_spans
+
         grad = b.grad_buf.tensor
         active = {s.index for s in b.active}
         # runs of consecutive slots with a gradient, one param group and one step count: one kernel call each
         runs: list[list[Slot]] = []
         for s in b.slots:  # in offset order
             if s.index not in active:
-                lo, hi = s.offset, s.offset + s.numel  # no gradient this step: its state carries over
-                for o, c in zip(other, cur):
-                    o[lo:hi].copy_(c[lo:hi])
+                if out is not cur:  # no gradient this step: its state carries over
+                    lo, hi = s.offset, s.offset + s.numel
+                    for o, c in zip(out, cur):
+                        o[lo:hi].copy_(c[lo:hi])
                 continue
             last = runs[-1][-1] if runs else None
             if (last is not None and last.offset + last.numel == s.offset and last.group == s.group
@@ -280,10 +301,9 @@ class WorkerMixin:
                 runs.append([s])
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].numel
-            update_spans(self._kernel, tuple(c[lo:hi] for c in cur), grad[lo:hi], tuple(o[lo:hi] for o in other),
+            update_spans(self._kernel, tuple(c[lo:hi] for c in cur), grad[lo:hi], tuple(o[lo:hi] for o in out),
                          [s.numel for s in run], float(run[0].step) + 1.0, hp[run[0].group], coef,
                          self.cpu_threads)
-        self._phase("update", t0)
 
     def _flip(self, b: Bucket) -> None:
         """Commit an update written by :meth:`_update_other`: the other copy becomes the current one."""

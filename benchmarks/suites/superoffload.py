@@ -603,22 +603,31 @@ def _cpu_adamw_rate(threads: int, n: int) -> tuple[float, float | None]:
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        p = torch.randn(n)
-        p.grad = torch.randn(n)
-        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-        torch_rate = n / median_s(opt.step)
-        kernel = cpu_adamw.load()
-        if kernel is None:
-            return torch_rate, None
-        st = opt.state[p]
-        src = (p.detach(), st["exp_avg"], st["exp_avg_sq"])
-        dst = tuple(torch.empty(n) for _ in range(3))
+        p, grad, m, v = (torch.randn(n) for _ in range(4))
+        v.abs_()
+        step = torch.tensor(5.0)
         hp = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01, "eps": 1e-8}
-        g16 = p.grad.to(torch.bfloat16)
-        best = min(median_s(lambda g=g, out=out: cpu_adamw.update_spans(kernel, src, g, out, [n], 5.0, hp, None,
-                                                                          threads))
-                   for g, out in ((p.grad, dst), (g16, dst), (g16, src)))
-        return torch_rate, n / best
+
+        def torch_step() -> None:  # torch's kernel itself, without the optimizer's Python around it
+            torch._fused_adamw_([p], [grad], [m], [v], [], [step], amsgrad=False, maximize=False, **hp)
+
+        kernel = cpu_adamw.load()
+        fns = {"torch": torch_step}
+        if kernel is not None:
+            src = (p, m, v)
+            dst = tuple(torch.empty(n) for _ in range(3))
+            g16 = grad.to(torch.bfloat16)
+            for name, g, out in (("oop", grad, dst), ("oop bf16", g16, dst), ("in place bf16", g16, src)):
+                fns[name] = lambda g=g, out=out: cpu_adamw.update_spans(kernel, src, g, out, [n], 5.0, hp, None,
+                                                                        threads)
+        # The machine's speed drifts (up to 1.4x between processes): three interleaved rounds, and each the
+        # fastest of them, so the bound is as strict as this process allows.
+        best = {name: float("inf") for name in fns}
+        for _ in range(3):
+            for name, fn in fns.items():
+                best[name] = min(best[name], median_s(fn))
+        torch_rate = n / best.pop("torch")
+        return torch_rate, (n / min(best.values())) if best else None
     finally:
         torch.set_num_threads(prev)
 

@@ -23,6 +23,23 @@ def fresh_cache(monkeypatch, tmp_path):
     yield tmp_path
 
 
+def assert_each_parameter_is_torchs(before, grad, after, sizes, step, hp, coef):
+    """Each parameter's span of ``after`` equals torch's fused AdamW applied to its span of ``before`` with the
+    gradient widened to fp32 (and multiplied by ``coef`` when given), bitwise."""
+    off = 0
+    for size in sizes:
+        sl = slice(off, off + size)
+        ref = [t[sl].clone() for t in before]
+        rg = grad[sl].to(torch.float32, copy=True)
+        if coef is not None:
+            rg.mul_(coef)
+        torch._fused_adamw_([ref[0]], [rg], [ref[1]], [ref[2]], [], [torch.tensor(step)], amsgrad=False,
+                            maximize=False, **hp)
+        for r, out in zip(ref, after):
+            assert torch.equal(r, out[sl])
+        off += size
+
+
 @needs_cc
 @pytest.mark.parametrize("sizes", [[4096], [48, 4, 2304, 13], [65536 + 5, 16, 1]])
 @pytest.mark.parametrize("coef", [None, 0.25])
@@ -41,17 +58,7 @@ def test_update_spans_equals_fused_adamw_bitwise_and_keeps_inputs(sizes, coef):
     cpu_adamw.update_spans(k, src, g, dst, sizes, 5.0, hp, coef_t, threads=2)
     # inputs untouched: they are the undo
     assert torch.equal(src[0], p) and torch.equal(src[1], m) and torch.equal(src[2], v) and torch.equal(g, g0)
-    off = 0
-    for size in sizes:
-        sl = slice(off, off + size)
-        rp, rm, rv, rg = p[sl].clone(), m[sl].clone(), v[sl].clone(), g[sl].clone()
-        if coef_t is not None:
-            rg.mul_(coef_t)
-        torch._fused_adamw_([rp], [rg], [rm], [rv], [], [torch.tensor(5.0)], lr=3e-3, beta1=0.9, beta2=0.95,
-                            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-        for ref, out in zip((rp, rm, rv), dst):
-            assert torch.equal(ref, out[sl])
-        off += size
+    assert_each_parameter_is_torchs((p, m, v), g, dst, sizes, 5.0, hp, coef_t)
 
 
 @needs_cc
@@ -74,16 +81,7 @@ def test_in_place_and_bf16_gradients_equal_fused_adamw_on_the_fp32_gradient(grad
     state = (p.clone(), m.clone(), v.clone())
     cpu_adamw.update_spans(k, state, g, state, sizes, 3.0, hp, coef, threads=threads)
     assert torch.equal(g, g0)
-    off = 0
-    for size in sizes:
-        sl = slice(off, off + size)
-        rp, rm, rv, rg = p[sl].clone(), m[sl].clone(), v[sl].clone(), g[sl].to(torch.float32, copy=True)
-        rg.mul_(coef)
-        torch._fused_adamw_([rp], [rg], [rm], [rv], [], [torch.tensor(3.0)], lr=1e-3, beta1=0.9, beta2=0.999,
-                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
-        for ref, out in zip((rp, rm, rv), state):
-            assert torch.equal(ref, out[sl])
-        off += size
+    assert_each_parameter_is_torchs((p, m, v), g, state, sizes, 3.0, hp, coef)
 
 
 @needs_cc

@@ -26,11 +26,13 @@ def _auto_opt(model: torch.nn.Module) -> HeterogeneousAdamW:
                               bucket_size=600, gpu_fraction="auto")
 
 
-def _measure(opt: HeterogeneousAdamW, period: float, stall: float, k: int) -> None:
-    """Pretend two steps were measured with this period and stall, ``k`` pipelined steps after the layout."""
+def _measure(opt: HeterogeneousAdamW, period: float | list[float], stall: float, k: int) -> None:
+    """Pretend a window of steps was measured with this period (or these periods) and stall, ``k`` pipelined steps
+    after the layout."""
     opt._step_id = opt._layout_step + k
-    opt._periods[:] = [period, period]
-    opt._stalls[:] = [stall, stall]
+    periods = period if isinstance(period, list) else [period] * tail_mod._WINDOW
+    opt._periods[:] = periods
+    opt._stalls[:] = [stall] * len(periods)
     opt._slack[:] = [None, None]
     for b in opt._buckets:
         b.cpu_ms = b.cpu_ms or 10.0
@@ -72,6 +74,25 @@ def test_a_trial_growth_that_is_not_faster_is_undone(info_log):
     assert opt.device_numel == 0 and opt._tail_final and opt.host_numel == total
     lines = _decision_lines(info_log)
     assert len(lines) == 1 and "was undone: the step took 100 ms instead of 100 ms" in lines[0]
+    opt.close()
+
+
+@pytest.mark.parametrize("window,kept", [([80.0, 130.0, 80.0], True), ([130.0, 80.0, 130.0], False)])
+def test_one_slow_step_does_not_undo_a_growth_that_paid(info_log, window, kept):
+    """The policy reads the median of a window: one slow step (a spike the H200 machine shows every few steps) in
+    the window after a growth does not undo it (the mean of the last two would say 105 ms); two slow steps do."""
+    opt = _auto_opt(make_model())
+    total = opt.host_numel
+    _measure(opt, period=100.0, stall=40.0, k=4)
+    opt._auto_tail()
+    assert opt.device_numel > 0 and opt._tail_trial is not None
+    _measure(opt, period=window, stall=0.0, k=8)
+    opt._auto_tail()
+    line = _decision_lines(info_log)[0]
+    if kept:
+        assert opt.device_numel == total and "the step was faster with it there" in line
+    else:
+        assert opt.device_numel == 0 and "was undone: the step took 130 ms instead of 100 ms" in line
     opt.close()
 
 

@@ -378,7 +378,7 @@ def _cap(ctx: BenchContext) -> list[Result]:
 
 # ---------------------------------------------------------------------------------------------- part 4: hf + bound
 HF_GOAL_VS_BOUND = 1.15
-HF_MIN_WARMUP = 20  # the auto tail decides within the first ~10-30 pipelined steps: time after it
+HF_MIN_WARMUP = 28  # the auto tail decides within the first ~10-36 pipelined steps: time after it
 
 
 class _HFLlamaLM(L.LightningModule):

@@ -1,8 +1,9 @@
 """The GPU-tail policy: which parameters keep their optimizer state on the GPU, and moving them there and back.
 
-With ``gpu_fraction="auto"`` (CUDA only) everything starts on the host. The policy then measures, over pairs of
-pipelined steps, the step period, how long the next forward waited for the CPU (the stall) and the CPU update
-time of the host buckets:
+With ``gpu_fraction="auto"`` (CUDA only) everything starts on the host. The policy then measures, over windows of
+``_WINDOW`` pipelined steps (their medians: on the H200 machine single steps spread by +-15% and one slow step in a
+window of two once undid a growth that paid), the step period, how long the next forward waited for the CPU (the
+stall) and the CPU update time of the host buckets:
 
 * everything still on the host fits in the GPU memory the tail may take (below): move all of it, once, as a trial
   (stall or not: a CPU update that hides under forward+backward still shares the host with the training loop);
@@ -45,7 +46,9 @@ __all__ = ["TailMixin", "allocator_retries"]
 # pay one-time costs (allocator growth, cuDNN/cuBLAS heuristics, pinning).
 _AUTO_FIRST_CHECK = 4
 # Stop adjusting after this many pipelined steps: the decision is final then.
-_AUTO_LAST_CHECK = 30
+_AUTO_LAST_CHECK = 36
+# Steps per measurement; the policy reads their median period and stall.
+_WINDOW = 3
 # The forward "waits for the CPU" when the stall is above this share of the step period.
 _AUTO_STALL_SHARE = 0.03
 # A trial growth is kept only when the step gets at least this much faster.
@@ -84,6 +87,12 @@ def allocator_retries(device: torch.device) -> int:
     return int(stats.get("num_alloc_retries", 0)) + int(stats.get("num_ooms", 0))
 
 
+def _recent(values: list[float]) -> float:
+    """The median of the last ``_WINDOW`` measurements (0 when there are none)."""
+    last = sorted(values[-_WINDOW:])
+    return last[len(last) // 2] if last else 0.0
+
+
 class TailMixin:
     """Sizes the GPU tail from measured stalls, trial by trial, and moves state between host buckets and the GPU.
 
@@ -99,10 +108,10 @@ class TailMixin:
             self._guard_tail()
             return
         k = self._step_id - self._layout_step
-        if k < _AUTO_FIRST_CHECK or len(self._periods) < 2:
+        if k < _AUTO_FIRST_CHECK or len(self._periods) < _WINDOW:
             return
-        stall = sum(self._stalls[-2:]) / 2
-        period = sum(self._periods[-2:]) / 2
+        stall = _recent(self._stalls)
+        period = _recent(self._periods)
         cpu_ms = sum(b.cpu_ms for b in self._buckets)
         compute_ms = max(period - stall, 0.0)
         retries = allocator_retries(self.device)
@@ -184,8 +193,7 @@ class TailMixin:
         import torch.distributed as dist
 
         cpu_ms = sum(b.cpu_ms for b in self._buckets)
-        compute_ms = max(sum(self._periods[-2:]) / max(len(self._periods[-2:]), 1) - sum(self._stalls[-2:]) /
-                         max(len(self._stalls[-2:]), 1), 0.0)
+        compute_ms = max(_recent(self._periods) - _recent(self._stalls), 0.0)
         budget = self._tail_budget()
         need = sum(self._tail_bytes(b.slots) for b in self._buckets)
         fits = (budget is not None and need <= budget[0] and bool(self._buckets)

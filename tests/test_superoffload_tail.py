@@ -62,18 +62,24 @@ def test_no_stall_means_no_tail_and_one_log_line(info_log):
     opt.close()
 
 
-def test_a_trial_growth_that_is_not_faster_is_undone(info_log):
+def test_a_stall_growth_is_kept_unless_measurably_slower(info_log):
+    """A growth the forward's wait asked for stays unless the step got more than 3% slower: on the H200 machine a
+    2%-gain rule undid growths that paid on noise."""
     opt = _auto_opt(make_model())
     total = opt.host_numel
-    _measure(opt, period=100.0, stall=40.0, k=4)
+    _measure(opt, period=100.0, stall=8.0, k=4)  # a stall worth less than one bucket's CPU time (10 ms each)
     opt._auto_tail()
-    assert opt.device_numel > 0 and opt._tail_trial is not None and not opt._tail_final
+    first = opt.device_numel
+    assert 0 < first < total and opt._tail_trial["on_stall"] and not opt._tail_final
     assert opt._last_step_t is None  # the step after a move is not measured
-    _measure(opt, period=99.5, stall=30.0, k=6)  # 0.5% faster: below the 2% a growth must buy
+    _measure(opt, period=101.0, stall=8.0, k=8)  # 1% slower: noise; kept, and the stall asks for more
     opt._auto_tail()
-    assert opt.device_numel == 0 and opt._tail_final and opt.host_numel == total
+    assert opt.device_numel > first and not opt._tail_final and not _decision_lines(info_log)
+    _measure(opt, period=104.5, stall=8.0, k=12)  # 3.5% slower than the 101 ms before this growth: undone
+    opt._auto_tail()
+    assert opt.device_numel == first and opt._tail_final and opt.host_numel == total - first
     lines = _decision_lines(info_log)
-    assert len(lines) == 1 and "was undone: the step took 100 ms instead of 100 ms" in lines[0]
+    assert len(lines) == 1 and "was undone: the step took 104 ms instead of 101 ms" in lines[0]
     opt.close()
 
 
@@ -224,7 +230,7 @@ def test_trial_moves_keep_the_math_bitwise(monkeypatch, all_in):
             opt._auto_tail()
             assert opt.device_numel > 0 and (opt.host_numel == 0 or not all_in)
         if step == 5:
-            _measure(opt, period=70.0 if all_in else 100.0, stall=stall, k=6)  # all-in: faster, kept; else undone
+            _measure(opt, period=70.0 if all_in else 110.0, stall=stall, k=6)  # all-in: faster, kept; else undone
             opt._auto_tail()
             assert opt.host_numel == 0 if all_in else opt.device_numel == 0
         offload_step(model, opt, sched, step)

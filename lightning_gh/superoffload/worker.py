@@ -239,9 +239,7 @@ class WorkerMixin:
         if self._kernel is not None:
             # One kernel for every update, not torch's for some: the two thread pools would otherwise take turns
             # on the same cores, and ours reads bf16 gradients as they are.
-            n = b.numel
-            cur = (b.master_buf.tensor, b.moments[:n], b.moments[n:])
-            self._kernel_update(b, hp, coef, cur, cur)
+            self._kernel_update(b, hp, coef, in_place=True)
             for s in b.active:
                 s.step.add_(1)
             self._phase("update", t0)
@@ -270,25 +268,25 @@ class WorkerMixin:
             b.h2d_event.synchronize()  # a copy back from the other copy may still be reading it
         self._phase("wait_h2d", t0)
         t0 = time.perf_counter()
-        n = b.numel
-        cur = (b.master_buf.tensor, b.moments[:n], b.moments[n:])
-        other = (b.alt_master.tensor, b.alt_moments[:n], b.alt_moments[n:])
-        self._kernel_update(b, hp, coef, cur, other)
+        self._kernel_update(b, hp, coef, in_place=False)
         self._phase("update", t0)
 
     def _kernel_update(self, b: Bucket, hp: list[dict[str, float]], coef: torch.Tensor | None,
-                       cur: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...]) -> None:
-        """Our kernel's step over the bucket's slots with a gradient, from ``cur`` into ``out`` (``cur`` itself or
-        the other copy; slots without a gradient are copied over unchanged then)."""
+                       in_place: bool) -> None:
+        """Our kernel's step over the bucket's slots with a gradient, from its current copy of the state into the
+        same copy (``in_place``) or into the other one (slots without a gradient are then copied over unchanged)."""
         from lightning_gh.superoffload.cpu_adamw import update_spans
 
+        n = b.numel
+        cur = (b.master_buf.tensor, b.moments[:n], b.moments[n:])
+        out = cur if in_place else (b.alt_master.tensor, b.alt_moments[:n], b.alt_moments[n:])
         grad = b.grad_buf.tensor
         active = {s.index for s in b.active}
         # runs of consecutive slots with a gradient, one param group and one step count: one kernel call each
         runs: list[list[Slot]] = []
         for s in b.slots:  # in offset order
             if s.index not in active:
-                if out is not cur:  # no gradient this step: its state carries over
+                if not in_place:  # no gradient this step: its state carries over
                     lo, hi = s.offset, s.offset + s.numel
                     for o, c in zip(out, cur):
                         o[lo:hi].copy_(c[lo:hi])

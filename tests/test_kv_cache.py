@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from lightning_gh.demo import LlamaLM, MarkovDataModule, preset
-from lightning_gh.kv import GenerationCallback, KVOffloadEngine, KVOffloadOptions, OffloadedKVCache, kv_spec
+from lightning_gh.kv import (GenerationCallback, KVOffloadEngine, KVOffloadOptions, OffloadedKVCache, cache_kwarg,
+                             kv_spec)
 from lightning_gh.kv.plan import make_plan, place
 from lightning_gh.kv.pool import HostKVPool, HostMemoryError, StagingRing
 from lightning_gh.kv.transport import HostCopyTransport, rows_geometry
@@ -357,10 +358,35 @@ def test_hf_generate_is_bitwise_equal_to_dynamic_cache(name):
     opts = dict(resident_layers=1, max_length=22) if name == "Llama" else dict(resident_layers=0)
     cache = OffloadedKVCache(model, **opts, **HOST)
     assert isinstance(cache, Cache) and isinstance(cache, OffloadedKVCache)
-    out = model.generate(p, past_key_values=cache, **kw)
+    out = model.generate(p, **{cache_kwarg(model): cache}, **kw)
     assert torch.equal(out, ref), (name, opts)
     assert cache.get_seq_length() == 21 and len(cache) == 3 and cache.layers[0].get_seq_length() == 21
     assert "offloaded" in cache.describe() and cache.stats.d2h_bytes > 0
+
+
+def test_cache_kwarg_follows_the_forward_signature():
+    class New(torch.nn.Module):  # transformers >= 5.24
+        def forward(self, input_ids, cache=None, use_cache=None):
+            return input_ids
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return input_ids
+
+    class Both(torch.nn.Module):  # a model that takes both keeps the name every transformers version knows
+        def forward(self, input_ids, cache=None, past_key_values=None):
+            return input_ids
+
+    assert [cache_kwarg(m()) for m in (New, Old, Both)] == ["cache", "past_key_values", "past_key_values"]
+    assert cache_kwarg(_demo(1)) == "past_key_values" and cache_kwarg(object()) == "past_key_values"
+    # Whatever this transformers calls it: the keyword is taken without a deprecation warning, and the cache is used.
+    model = _hf("Llama")
+    cache = OffloadedKVCache(model, **HOST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model.generate(torch.randint(96, (1, 5)), max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       **{cache_kwarg(model): cache})
+    assert cache.get_seq_length() == 6
 
 
 def test_hf_forward_with_the_cache_matches_dynamic_cache_logits():
@@ -370,10 +396,11 @@ def test_hf_forward_with_the_cache_matches_dynamic_cache_logits():
     p = torch.randint(96, (2, 7))
     with torch.no_grad():
         a, b = DynamicCache(), OffloadedKVCache(model, resident_layers=1, max_length=16, **HOST)
-        la, lb = model(p, past_key_values=a).logits, model(p, past_key_values=b).logits
+        name = cache_kwarg(model)
+        la, lb = model(p, **{name: a}).logits, model(p, **{name: b}).logits
         assert torch.equal(la, lb)
         nxt = torch.randint(96, (2, 3))  # a chunk after a prefix: the mask path, not only single tokens
-        assert torch.equal(model(nxt, past_key_values=a).logits, model(nxt, past_key_values=b).logits)
+        assert torch.equal(model(nxt, **{name: a}).logits, model(nxt, **{name: b}).logits)
         assert torch.equal(a.layers[2].keys, b.layers[2].keys)
 
 
@@ -538,12 +565,12 @@ def test_gpu_hf_generate_is_bitwise_equal_to_dynamic_cache(opts):
     kw = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, attention_mask=torch.ones_like(p), pad_token_id=0)
     ref = model.generate(p, **kw)
     cache = OffloadedKVCache(model, max_length=190, **opts)
-    out = model.generate(p, past_key_values=cache, **kw)
+    out = model.generate(p, **{cache_kwarg(model): cache}, **kw)
     assert torch.equal(out, ref)
     assert cache.plan.backend == "cuda" and cache.engine.pool.pinned
     before = cache.engine.addresses()
     cache.reset()
-    assert torch.equal(model.generate(p, past_key_values=cache, **kw), ref)
+    assert torch.equal(model.generate(p, **{cache_kwarg(model): cache}, **kw), ref)
     assert cache.engine.addresses() == before
     if cache.plan.slots < len(cache.plan.offloaded):
         assert cache.stats.late_fetches <= 2  # one per generate (the first layer of the prefill); the rest prefetched

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gh.kv import KVOffloadEngine, KVOffloadOptions, OffloadedKVCache
+from lightning_gh.kv import KVOffloadEngine, KVOffloadOptions, OffloadedKVCache, cache_kwarg
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = dict(backend="host-copy")
@@ -38,7 +38,7 @@ def _llama(layers=3):
 def _generate(model, cache, new=5):
     p = torch.randint(96, (2, 9), generator=torch.Generator().manual_seed(3))
     return model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, pad_token_id=0, past_key_values=cache)
+                          do_sample=False, pad_token_id=0, **{cache_kwarg(model): cache})
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(resident_layers=1, max_length=14, **HOST)],

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_gh.demo import LlamaLM, preset
-from lightning_gh.kv import GenerationCallback, OffloadedKVCache
+from lightning_gh.kv import GenerationCallback, OffloadedKVCache, cache_kwarg
 
 transformers = pytest.importorskip("transformers")
 HOST = dict(backend="host-copy")
@@ -32,6 +32,10 @@ def _hf(name: str, layers: int = 4, positions: int = 64, **sizes):
     return getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
 
 
+def _kv(model, cache):
+    return {cache_kwarg(model): cache}
+
+
 def _greedy(model, prompts, new, **kw):
     return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new,
                           do_sample=False, pad_token_id=0, **kw)
@@ -45,7 +49,7 @@ def test_chunked_prefill_gives_the_tokens_of_dynamic_cache_with_the_same_chunks(
     ref = _greedy(model, p, 10, prefill_chunk_size=6)
     # 4 layers, none resident, 2 slots: every chunk and every step fetches prefixes back from the host pool.
     cache = OffloadedKVCache(model, resident_layers=0, max_length=30, **HOST)
-    out = _greedy(model, p, 10, past_key_values=cache, prefill_chunk_size=6)
+    out = _greedy(model, p, 10, **_kv(model, cache), prefill_chunk_size=6)
     assert torch.equal(out, ref), name
     # Greedy tokens of the tiny models do not depend on the chunking either (their logits may, in the last bits).
     assert torch.equal(out, plain), name
@@ -89,7 +93,7 @@ def test_cache_sized_at_first_use_grows_through_the_chunks_and_plans_again_withi
 
     cache.engine._build = spy
     with pytest.warns(UserWarning, match="900 tokens do not fit the 768 allocated; reallocating for 1536"):
-        out = _greedy(model, p, 5, past_key_values=cache, prefill_chunk_size=300)
+        out = _greedy(model, p, 5, **_kv(model, cache), prefill_chunk_size=300)
     assert torch.equal(out, ref)
     assert plans == [(768, (0, 1, 2, 3), budget), (1536, (), budget)]
     assert cache.stats.grown == 1 and cache.plan.offloaded == (0, 1, 2, 3) and cache.plan.gpu_kv_bytes <= budget
@@ -97,7 +101,7 @@ def test_cache_sized_at_first_use_grows_through_the_chunks_and_plans_again_withi
     cache.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert torch.equal(_greedy(model, p, 5, past_key_values=cache, prefill_chunk_size=300), ref)
+        assert torch.equal(_greedy(model, p, 5, **_kv(model, cache), prefill_chunk_size=300), ref)
     assert cache.stats.grown == 1
 
 
@@ -108,7 +112,7 @@ def test_growth_keeps_a_fixed_resident_count_and_moves_every_layer_kept_so_far()
     cache = OffloadedKVCache(model, resident_layers=1, **HOST)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = _greedy(model, p, 4, past_key_values=cache, prefill_chunk_size=200)
+        out = _greedy(model, p, 4, **_kv(model, cache), prefill_chunk_size=200)
     assert torch.equal(out, ref)
     # 200 + 256 -> 512 tokens at the first chunk; the third chunk (600) grows them to 1024.
     assert cache.stats.grown == 1 and cache.engine.max_length == 1024
@@ -136,6 +140,7 @@ def test_callback_passes_prefill_chunk_size_to_transformers_generate(monkeypatch
                             options=OffloadedKVCache(model).options.replace(resident_layers=0, backend="host-copy"))
     record = cb.generate(_HFModule(model))
     assert seen["prefill_chunk_size"] == 4
+    assert isinstance(seen[cache_kwarg(model)], OffloadedKVCache)  # under the keyword this transformers takes
     ref = _greedy(model, p, 5, prefill_chunk_size=4)[:, 12:]
     assert record["ids"] == ref.tolist() and record["gpu_kv_fraction"] == 0.5
 
@@ -168,12 +173,12 @@ def test_gpu_chunked_prefill_with_growth_is_bitwise_equal_to_dynamic_cache(opts)
         cache = OffloadedKVCache(model, **opts)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = _greedy(model, p, 24, past_key_values=cache, prefill_chunk_size=200)
+            out = _greedy(model, p, 24, **_kv(model, cache), prefill_chunk_size=200)
         assert torch.equal(out, ref), cache.describe()
         assert cache.stats.grown == 1 and cache.engine.max_length == 1024
         if "gpu_budget_bytes" in opts:  # 4 layers of 1024 tokens: 2 resident + the 2 slots after growing
             assert cache.plan.gpu_kv_bytes <= opts["gpu_budget_bytes"] and len(cache.plan.resident) == 2
             assert cache.engine.pool.pinned
         cache.reset()
-        assert torch.equal(_greedy(model, p, 24, past_key_values=cache, prefill_chunk_size=200), ref)
+        assert torch.equal(_greedy(model, p, 24, **_kv(model, cache), prefill_chunk_size=200), ref)
         assert cache.stats.grown == 1

@@ -172,7 +172,7 @@ def _time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters:
 
 
 def run(ctx: BenchContext) -> list[Result]:
-    from lightning_gh.kv import OffloadedKVCache
+    from lightning_gh.kv import OffloadedKVCache, cache_kwarg
 
     shape = _shape(ctx)
     dev = ctx.device
@@ -218,7 +218,7 @@ def run(ctx: BenchContext) -> list[Result]:
                 cache_box["built_s"] = time.perf_counter() - t0
             else:
                 c.reset()
-            return generate(max_new, past_key_values=c, **gen_kw)
+            return generate(max_new, **{cache_kwarg(model): c}, **gen_kw)
         fn.box = cache_box  # type: ignore[attr-defined]
         return fn
 
@@ -599,14 +599,17 @@ def _step_profile(model, prompts: torch.Tensor, make_cache: Callable[[], Any], d
     time and the busiest host-side ops (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from lightning_gh.kv import cache_kwarg
+
     cache = make_cache()
     with _mode(mode), torch.inference_mode():
-        out = model(prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        kv_name = cache_kwarg(model)
+        out = model(prompts, **{kv_name: cache}, use_cache=True, logits_to_keep=1)
         tok = out.logits[:, -1:].argmax(-1)
 
         def step():
             nonlocal tok
-            tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tok = model(tok, **{kv_name: cache}, use_cache=True).logits[:, -1:].argmax(-1)
 
         ms = _median_ms(step, device, warmup=3, iters=steps)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -639,7 +642,7 @@ def _decode_study(ctx, model, prompts, shape, mode, generate, ours, name, full_k
 
     from transformers import DynamicCache
 
-    from lightning_gh.kv import OffloadedKVCache
+    from lightning_gh.kv import OffloadedKVCache, cache_kwarg
 
     dev, new = ctx.device, shape["new_tokens"]
     report: dict[str, Any] = {"attention": mode, "shape": shape, "rounds": []}

@@ -284,7 +284,8 @@ def _drop_kv_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     if getattr(block, "_can_checkpoint_with_cache", False):
         return kwargs
     out = kwargs
-    for name in ("past_key_values", "past_key_value", "layer_past"):
+    # ``cache`` from transformers 5.24; ``past_key_values`` / ``past_key_value`` / ``layer_past`` before.
+    for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
         if out.get(name) is not None:
             out = {**out, name: None}
     if out is not kwargs and out.get("use_cache"):

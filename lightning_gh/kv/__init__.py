@@ -11,7 +11,7 @@ from lightning_gh.kv.callback import GenerationCallback
 from lightning_gh.kv.engine import KVOffloadEngine, KVStats
 from lightning_gh.kv.options import KVOffloadOptions
 from lightning_gh.kv.plan import KVPlan
-from lightning_gh.kv.spec import KVSpec, kv_spec
+from lightning_gh.kv.spec import KVSpec, cache_kwarg, kv_spec
 
 __all__ = ["GenerationCallback", "KVOffloadEngine", "KVOffloadOptions", "KVPlan", "KVSpec", "KVStats",
-           "OffloadedKVCache", "kv_spec"]
+           "OffloadedKVCache", "cache_kwarg", "kv_spec"]

@@ -3,7 +3,8 @@
 ``OffloadedKVCache(model)`` reads the number of layers from the model (:func:`~lightning_gh.kv.spec.kv_spec`)
 and sizes everything else at its first use. With transformers installed the object is also an instance of
 ``transformers.Cache`` (the subclass is built on first construction, so importing this module never imports
-transformers), and ``model.generate(..., past_key_values=cache)`` accepts it. Without transformers it still
+transformers), and ``model.generate(..., past_key_values=cache)`` accepts it (``cache=cache`` from transformers
+5.24: :func:`~lightning_gh.kv.spec.cache_kwarg`). Without transformers it still
 serves the demo ``Llama.generate``.
 
 Per layer it answers what transformers asks of a growing cache: ``update`` returns all keys and values so far,

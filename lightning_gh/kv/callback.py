@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_gh import compat
 from lightning_gh.kv.cache import OffloadedKVCache
 from lightning_gh.kv.options import KVOffloadOptions
-from lightning_gh.kv.spec import find_generator
+from lightning_gh.kv.spec import cache_kwarg, find_generator
 
 __all__ = ["GenerationCallback"]
 
@@ -211,7 +211,7 @@ class GenerationCallback(L.Callback):
             if hasattr(target, "generation_config"):  # transformers
                 kw: dict[str, Any] = dict(max_new_tokens=self.max_new_tokens, do_sample=False)
                 if cache is not None:
-                    kw["past_key_values"] = cache
+                    kw[cache_kwarg(target)] = cache
                 if mask is not None:
                     kw["attention_mask"] = mask
                 pad = getattr(self.tokenizer, "pad_token_id", None) if self.tokenizer is not None else None

@@ -15,13 +15,14 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["KVSpec", "SUPPORTED_LAYER_TYPES", "kv_spec", "find_generator"]
+__all__ = ["KVSpec", "SUPPORTED_LAYER_TYPES", "cache_kwarg", "kv_spec", "find_generator"]
 
 # Layers whose cache is a plain, growing key/value sequence. Sliding-window layers are kept in full: the model's
 # sliding mask hides what lies outside the window, so the output is the same.
@@ -152,3 +153,26 @@ def find_generator(model: nn.Module) -> nn.Module:
             return cand
     raise TypeError(f"model={type(model).__name__} has no generate() method, nor does any of its submodules; "
                     "give GenerationCallback a generate_fn=callable(pl_module, input_ids, cache, max_new_tokens).")
+
+
+def cache_kwarg(model: Any) -> str:
+    """The keyword by which ``model.generate`` and ``model(...)`` take a KV cache object.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name still works there, with a
+    ``FutureWarning``); models that are not transformers' (the demo ``LlamaLM``) keep ``past_key_values``.
+
+    Args:
+        model: the module whose ``generate``/``forward`` will get the cache (see :func:`find_generator`).
+
+    Example::
+
+        >>> from lightning_gh.demo import LlamaLM
+        >>> cache_kwarg(LlamaLM.from_preset("tiny"))
+        'past_key_values'
+    """
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if callable(forward) else {}
+    except (TypeError, ValueError):  # builtins and some C extensions have no signature
+        params = {}
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"

@@ -9,8 +9,6 @@ as Lightning does, and skips a step whose gradient norm is not finite, as a Grad
 from __future__ import annotations
 
 import shutil
-import threading
-import time
 import warnings
 
 import pytest
@@ -20,7 +18,6 @@ from torch import nn
 from lightning_gh import hardware
 from lightning_gh.superoffload import memory as superoffload_memory
 from lightning_gh.superoffload import HeterogeneousAdamW
-from lightning_gh.superoffload.worker import WorkerMixin
 
 STEPS = 24
 CLIP = 0.5
@@ -304,46 +301,6 @@ def test_bf16_gradients_on_the_host_equal_the_fp32_path(gpu_fraction):
     assert opt.stats["speculative_buckets"] < (STEPS - 1) * len(opt._buckets)
     ref_opt.close()
     opt.close()
-
-
-@pytest.mark.parametrize("force_speculation", [True, False], ids=["speculate-all", "free-running"])
-@pytest.mark.parametrize("rollback", ["auto", "copy"])
-def test_copies_back_from_the_push_thread_equal_the_worker_issuing_them(monkeypatch, rollback, force_speculation):
-    """The push thread issues the copies back while the worker goes on; slowed down, so that updates, rollbacks
-    and commits find copies back still queued, the run stays bitwise the one where the worker issues them. Free
-    running (no synchronize between steps), the next forward's wait for a bucket is all that keeps it from reading
-    weights whose copy back is still queued."""
-    monkeypatch.setenv("LIGHTNING_GH_SO_PUSH_THREAD", "0")
-    ref_model, ref_opt = train_ours(rollback=rollback, force_speculation=True)
-    assert ref_opt._pusher is None and ref_opt.stats["cpu_phases_ms"]["push"] > 0
-    monkeypatch.delenv("LIGHTNING_GH_SO_PUSH_THREAD")
-    real = WorkerMixin._push_now
-    seen = set()
-
-    def slow_push(self, b, src, active):
-        seen.add(threading.current_thread().name)
-        time.sleep(0.002)
-        real(self, b, src, active)
-
-    monkeypatch.setattr(WorkerMixin, "_push_now", slow_push)
-    model, opt = train_ours(rollback=rollback, force_speculation=force_speculation)
-    assert seen == {"superoffload-push"} and opt._pusher.is_alive()
-    assert opt.stats["speculative_buckets"] > 0 and opt.stats["skipped_steps"] == 1
-    assert opt.stats["cpu_phases_ms"].get("wait_push", 0.0) > 0  # the worker did find copies still queued
-    assert_same(ref_model, ref_opt, model, opt)
-    pusher = opt._pusher
-    opt.close()
-    ref_opt.close()
-    assert opt._pusher is None and not pusher.is_alive()
-
-
-def test_a_failed_copy_back_is_raised_on_the_training_thread(monkeypatch):
-    def broken(self, b, src, active):
-        raise OSError("copy failed")
-
-    monkeypatch.setattr(WorkerMixin, "_push_now", broken)
-    with pytest.raises(RuntimeError, match="CPU worker failed: OSError: copy failed"):
-        train_ours(steps=3)
 
 
 def test_fp32_parameters_keep_fp32_host_gradients():

@@ -84,7 +84,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -283,10 +282,6 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self._in_closure = False
         self._worker: threading.Thread | None = None
         self._queue: queue.Queue = queue.Queue()
-        # the copy-back thread (.worker.push_loop); LIGHTNING_GH_SO_PUSH_THREAD=0 makes the worker issue them itself
-        self._pusher: threading.Thread | None = None
-        self._push_queue: queue.Queue = queue.Queue()
-        self._async_push = os.environ.get("LIGHTNING_GH_SO_PUSH_THREAD", "1") != "0"
         self._worker_error: BaseException | None = None
         self._copy_stream = None
         self._h2d_stream = None
@@ -439,8 +434,6 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self._raise_worker_error()
         if self._worker is not None:
             self._queue.join()
-        if self._pusher is not None:  # the worker's last copies back are queued before its tasks are done
-            self._push_queue.join()
         self._raise_worker_error()
         self._count_decisions(block=True)
         if self._cuda and self._h2d_stream is not None:
@@ -479,7 +472,6 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             self._queue.put(None)
             self._worker.join(timeout=30)
             self._worker = None
-        self._stop_pusher()
         for h in self._hook_handles + self._module_hooks:
             h.remove()
         self._hook_handles, self._module_hooks = [], []
@@ -499,8 +491,6 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         with contextlib.suppress(Exception):
             if not getattr(self, "_closed", True) and self._worker is not None:
                 self._queue.put(None)
-            if not getattr(self, "_closed", True) and self._pusher is not None:
-                self._push_queue.put(None)
 
     @property
     def host_numel(self) -> int:

@@ -3,12 +3,9 @@ torch's), speculating before the step's clip/skip decision is known and undoing 
 it must be redone.
 
 The worker waits for a bucket's gradient copy, updates its fp32 master weights and moments, and streams the
-weights back to the GPU on a second stream. On one rank a second thread issues those copies back
-(:func:`push_loop`), so the worker starts the next bucket's update at once: issuing them (a few Python and CUDA
-calls per bucket) took 5-6% of the step on the worker's critical path, while the update kernel runs without the
-GIL. With two copies of the state (``rollback="auto"``) a speculative update writes the other copy and committing
-flips them; otherwise it copies the bucket's state aside first, and while nothing is queued makes the copies the
-next speculative updates will need. When ``step()`` posts the
+weights back to the GPU on a second stream. With two copies of the state (``rollback="auto"``) a speculative
+update writes the other copy and committing flips them; otherwise it copies the bucket's state aside first, and
+while nothing is queued makes the copies the next speculative updates will need. When ``step()`` posts the
 decision (:class:`Decision`), speculative buckets are committed, or undone bitwise and redone with the clipped
 gradients, or left undone (skipped step).
 
@@ -31,7 +28,7 @@ import torch
 
 from lightning_gh.superoffload.layout import Bucket, Slot
 
-__all__ = ["Decision", "StepCtx", "WorkerMixin", "push_loop", "worker_loop"]
+__all__ = ["Decision", "StepCtx", "WorkerMixin", "worker_loop"]
 
 
 @dataclass
@@ -78,25 +75,6 @@ class WorkerMixin:
                                             name="superoffload-cpu-adamw", daemon=True)
             self._worker.start()
 
-    def _ensure_pusher(self) -> None:
-        if self._pusher is None or not self._pusher.is_alive():
-            self._pusher = threading.Thread(target=push_loop, args=(weakref.ref(self), self._push_queue),
-                                            name="superoffload-push", daemon=True)
-            self._pusher.start()
-
-    def _stop_pusher(self) -> None:
-        if self._pusher is not None:
-            self._push_queue.put(None)
-            self._pusher.join(timeout=30)
-            self._pusher = None
-
-    def _fail(self, e: BaseException) -> None:
-        """Record a worker or push-thread failure and release everyone waiting on a bucket."""
-        self._worker_error = e
-        for bk in self._buckets:
-            bk.push_idle.set()
-            bk.ready.set()
-
     def _raise_worker_error(self) -> None:
         if self._worker_error is not None:
             err = self._worker_error
@@ -117,7 +95,9 @@ class WorkerMixin:
                     else:
                         self._work_finish(ctx)
         except BaseException as e:  # surfaced on the main thread at the next step/forward
-            self._fail(e)
+            self._worker_error = e
+            for bk in self._buckets:
+                bk.ready.set()
 
     def _poll_decision(self, ctx: StepCtx, block: bool) -> Decision | None:
         if ctx.decision is not None:
@@ -211,48 +191,33 @@ class WorkerMixin:
             if b.alt_master is not None:
                 if dec.redo:
                     self.stats["rollbacks"] += 1
-                    if not dec.skip:
+                    if dec.skip:
+                        self._push(b)  # the current copy was never touched: put its weights back on the GPU
+                    else:
                         self._update_other(b, dec.hp, dec.coef)
+                        self._push(b, b.alt_master.tensor)
                         self._flip(b)
-                    # skipped: the current copy was never touched; either way its weights go back to the GPU
-                    self._push(b, then_ready=True)
                     self._account(b, t0)
                 else:
                     self._flip(b)
-                    self._mark_ready(b)  # once the speculative copy back is issued
             elif dec.redo:
                 self.stats["rollbacks"] += 1
                 self._restore(b)
-                if not dec.skip:
+                if dec.skip:
+                    self._push(b)  # put the restored weights back on the GPU
+                else:
                     self._update(b, dec.hp, dec.coef)
-                self._push(b, then_ready=True)  # the redone (or, skipped, the restored) weights
+                    self._push(b)
                 self._account(b, t0)
-            else:
-                self._mark_ready(b)
+            b.ready_t = time.perf_counter()
+            b.ready.set()
 
     def _final_update(self, b: Bucket, dec: Decision) -> None:
-        if dec.skip:
-            self._mark_ready(b)
-        else:
+        if not dec.skip:
             self._update(b, dec.hp, dec.coef)
-            self._push(b, then_ready=True)
-
-    def _mark_ready(self, b: Bucket) -> None:
-        """Let the next forward use the bucket: after any copy back of its weights has been issued, since the
-        forward's stream then waits on that copy's event."""
-        self._wait_push(b)
+            self._push(b)
         b.ready_t = time.perf_counter()
         b.ready.set()
-
-    def _wait_push(self, b: Bucket) -> None:
-        """Wait until the push thread has issued the bucket's last copy back (its event is then recorded)."""
-        if b.push_idle.is_set():
-            return
-        t0 = time.perf_counter()
-        while not b.push_idle.wait(0.05):
-            if self._pusher is None or not self._pusher.is_alive():
-                raise RuntimeError("HeterogeneousAdamW: the push thread stopped with a copy back pending.")
-        self._phase("wait_push", t0)
 
     def _account(self, b: Bucket, t0: float) -> None:
         ms = (time.perf_counter() - t0) * 1e3
@@ -265,7 +230,6 @@ class WorkerMixin:
 
     def _update(self, b: Bucket, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
         """Update the bucket's current copy of its state in place (our kernel where it is loaded, else torch's)."""
-        self._wait_push(b)
         t0 = time.perf_counter()
         if self._cuda:
             b.h2d_event.synchronize()  # the previous copy back must have read the master weights
@@ -299,7 +263,6 @@ class WorkerMixin:
     def _update_other(self, b: Bucket, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
         """Write the bucket's updated state into its other copy (out of place, bitwise as ``_update`` in place);
         the current copy and the slots' ``step`` stay as they were until :meth:`_flip` commits."""
-        self._wait_push(b)
         t0 = time.perf_counter()
         if self._cuda:
             b.h2d_event.synchronize()  # a copy back from the other copy may still be reading it
@@ -361,7 +324,6 @@ class WorkerMixin:
         self._phase(phase, t0)
 
     def _restore(self, b: Bucket) -> None:
-        self._wait_push(b)
         t0 = time.perf_counter()
         if self._cuda:
             b.h2d_event.synchronize()  # the speculative copy back may still read the master weights
@@ -373,43 +335,28 @@ class WorkerMixin:
         b.backup_fresh = True
         self._phase("restore", t0)
 
-    def _push(self, b: Bucket, master: torch.Tensor | None = None, then_ready: bool = False) -> None:
-        """Copy the bucket's master weights (its current copy, or ``master``) into the model's parameters, then
-        (``then_ready``) let the next forward use the bucket. On one rank the push thread issues the copies and the
-        worker goes on."""
-        src = b.master_buf.tensor if master is None else master
-        active = list(b.active)
-        if self._async_push and self._rg is None:  # several ranks: see .zero, which broadcasts from the owner
-            self._wait_push(b)  # at most one pending copy back per bucket
-            b.push_idle.clear()
-            self._ensure_pusher()
-            self._push_queue.put((b, src, active, then_ready))
-            return
-        self._push_now(b, src, active)
-        if then_ready:
-            self._mark_ready(b)
-
-    def _push_now(self, b: Bucket, src: torch.Tensor, active: list[Slot]) -> None:
-        """Issue the copies of ``src`` (a bucket's master weights) into the parameters of ``active``."""
+    def _push(self, b: Bucket, master: torch.Tensor | None = None) -> None:
+        """Copy the bucket's master weights (its current copy, or ``master``) into the model's parameters."""
         t0 = time.perf_counter()
-        if self._cuda and active:
+        src = b.master_buf.tensor if master is None else master
+        if self._cuda and b.active:
             with torch.cuda.stream(self._h2d_stream):
                 # One host->GPU copy of the bucket's span of the flat master buffer and one multi-tensor copy
                 # (with the cast) into the parameters: a few calls per bucket instead of three per parameter,
                 # so the worker spends less time in Python, where it competes with the training loop's threads.
                 # Allocated on the copy stream, so the caching allocator reuses it only after the copies ran.
-                lo = min(s.offset for s in active)
-                hi = max(s.offset + s.numel for s in active)
+                lo = min(s.offset for s in b.active)
+                hi = max(s.offset + s.numel for s in b.active)
                 stage = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
                 stage.copy_(src[lo:hi], non_blocking=True)
-                torch._foreach_copy_([s.param.data for s in active],
+                torch._foreach_copy_([s.param.data for s in b.active],
                                      [stage[s.offset - lo:s.offset - lo + s.numel].view(s.param.shape)
-                                      for s in active])
+                                      for s in b.active])
                 b.h2d_event.record(self._h2d_stream)
         elif self._cuda:  # nothing to copy back; the event still orders the next forward's wait
             b.h2d_event.record(self._h2d_stream)
         else:
-            for s in active:
+            for s in b.active:
                 s.param.data.copy_(src[s.offset:s.offset + s.numel].view(s.param.shape))
         b.pushed = True
         self._phase("push", t0)
@@ -438,40 +385,6 @@ def _next_task(opt: Any, pending: list[Any]) -> int:
         run += 1
     # parameter registration order follows the forward (embedding, layer 0, ..., head) in the models users bring
     return min(range(run), key=lambda j: min(s.index for s in pending[j][1].slots))
-
-
-def push_loop(wself: Callable[[], Any], q: queue.Queue) -> None:
-    """The copy-back thread (one rank): issues each queued bucket's host-to-GPU copy in order, marks the bucket's
-    copy issued (``push_idle``) and, when asked, the bucket ready for the next forward."""
-    opt = wself()
-    if opt is None:
-        return
-    if opt._cuda:
-        torch.cuda.set_device(opt.device)
-    del opt
-    while True:
-        item = q.get()
-        try:
-            if item is None:
-                return
-            b, src, active, then_ready = item
-            opt = wself()
-            if opt is None:
-                return
-            try:
-                if opt._worker_error is None:
-                    with torch.no_grad():
-                        opt._push_now(b, src, active)
-            except BaseException as e:  # surfaced on the main thread at the next step/forward
-                opt._fail(e)
-            finally:
-                b.push_idle.set()
-                if then_ready:
-                    b.ready_t = time.perf_counter()
-                    b.ready.set()
-                del opt
-        finally:
-            q.task_done()
 
 
 def worker_loop(wself: Callable[[], Any], q: queue.Queue) -> None:

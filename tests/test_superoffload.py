@@ -558,29 +558,23 @@ def test_host_memory_error_is_the_shared_one(monkeypatch):
         HeterogeneousAdamW(make_model().parameters())
 
 
-def test_worker_runs_queued_updates_in_forward_order():
-    """Queued bucket updates of a step run earliest layer first (what the next forward needs first), before its
-    decision is known too, preferring buckets whose gradient copy has landed; across steps or a "finish" task the
-    queue keeps its order."""
+def test_worker_runs_final_updates_in_forward_order():
+    """Once a step's decision is known, queued bucket updates run earliest layer first (what the next forward needs
+    first); before it, and across steps or a "finish" task, the queue keeps its order."""
     from types import SimpleNamespace
 
     from lightning_gh.superoffload.worker import _next_task
 
-    def bucket(*indexes, landed=True):
-        return SimpleNamespace(slots=[SimpleNamespace(index=i) for i in indexes],
-                               d2h_event=SimpleNamespace(query=lambda: landed))
+    def bucket(*indexes):
+        return SimpleNamespace(slots=[SimpleNamespace(index=i) for i in indexes])
 
-    known, unknown, older = object(), object(), object()
-    opt = SimpleNamespace(_cuda=True)
+    known, unknown = object(), object()
+    opt = SimpleNamespace(_poll_decision=lambda ctx, block: "decision" if ctx is known else None)
     late, mid, early = bucket(9, 10), bucket(5, 6), bucket(1, 2)  # arrival order: last layer first
     pending = [("bucket", late, known), ("bucket", mid, known), ("bucket", early, known), ("finish", None, known)]
     assert _next_task(opt, pending) == 2
-    assert _next_task(opt, [("bucket", late, unknown), ("bucket", early, unknown)]) == 1  # speculative too
-    in_flight = bucket(1, 2, landed=False)  # its gradient is still being copied: take a landed one meanwhile
-    assert _next_task(opt, [("bucket", late, unknown), ("bucket", mid, unknown), ("bucket", in_flight, unknown)]) == 1
-    assert _next_task(opt, [("bucket", bucket(9, landed=False), unknown), ("bucket", in_flight, unknown)]) == 1
-    assert _next_task(SimpleNamespace(_cuda=False), [("bucket", late, unknown), ("bucket", in_flight, unknown)]) == 1
+    assert _next_task(opt, [("bucket", late, unknown), ("bucket", early, unknown)]) == 0  # speculative: FIFO
     assert _next_task(opt, [("bucket", late, known), ("finish", None, known), ("bucket", early, known)]) == 0
-    assert _next_task(opt, [("bucket", late, older), ("bucket", early, unknown)]) == 0  # the older step first
+    assert _next_task(opt, [("bucket", late, known), ("bucket", early, unknown)]) == 0
     assert _next_task(opt, [("finish", None, known), ("bucket", early, known)]) == 0
     assert _next_task(opt, [None]) == 0

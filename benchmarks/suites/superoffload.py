@@ -29,8 +29,6 @@ tokens), the GPU capped with `torch.cuda.set_per_process_memory_fraction` (`--so
   gpu fused adamw (bf16-mixed)            GPU-only, at the first of `--so-hf-layers` (16: the largest that fits)
   superoffload default (bf16-true)        Trainer(strategy="superoffload"), default options, each size
   superoffload gpu_fraction=0.0 (bf16-true)  the same with every parameter's state on the host
-  superoffload default, speculative updates in arrival order  `default-arrival-order`: the worker's order before
-                                          2026-11-24 (session i), for the A/B of the forward-order rule
   superoffload k=v,... (bf16-true)        `--so-hf-variants 'so:k=v,...'`: SuperOffloadStrategy(k=v, ...)
 
 Per run it prints the measured forward+backward time (the same module, the same batch, no optimizer: each
@@ -56,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import gc
 import glob
 import json
@@ -68,7 +65,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any, Callable
 
 import lightning as L
@@ -82,7 +78,6 @@ from lightning_gh.demo import LlamaLM, preset
 from lightning_gh.profiling import SelectiveProfiler
 from lightning_gh.profiling.profiler import window_metrics
 from lightning_gh.superoffload import HeterogeneousAdamW, SuperOffloadOptions, SuperOffloadStrategy
-from lightning_gh.superoffload import worker as so_worker
 
 DEFAULT_PRESETS = ["medium"]
 ANCHOR_GPU_MS = 107.0
@@ -108,7 +103,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--so-hf-hidden", type=int, default=2048,
                         help="part hf: hidden size (FFN = 2.75x, 16 heads / 4 KV heads); small only for a CPU smoke run")
     parser.add_argument("--so-hf-variants", nargs="+", default=["gpu", "default", "tail0"], type=_hf_variant,
-                        help="part hf: which variants to run: gpu, default, default-arrival-order, tail0, deepspeed "
+                        help="part hf: which variants to run: gpu, default, tail0, deepspeed "
                              "(strategy='deepspeed_stage_2_offload' with DeepSpeedCPUAdam, the anchor users know; "
                              "needs the deepspeed package), or 'so:k=v,...' for SuperOffloadStrategy(k=v, ...) "
                              "(e.g. 'so:gpu_fraction=1.0', 'so:cpu_threads=8,speculative=False')")
@@ -418,7 +413,7 @@ class _HFLlamaLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=fused)
 
 
-_HF_FIXED = ("gpu", "default", "default-arrival-order", "tail0", "deepspeed")
+_HF_FIXED = ("gpu", "default", "tail0", "deepspeed")
 
 
 def _hf_variant(text: str) -> str:
@@ -448,30 +443,6 @@ def _so_kwargs(text: str) -> dict[str, Any]:
             kw[key.strip()] = raw.strip()
     SuperOffloadOptions(**kw)  # raises on an unknown name or a bad value
     return kw
-
-
-def _next_task_arrival(opt: Any, pending: list[Any]) -> int:
-    """The worker's order before session i: speculative updates in gradient-arrival order (oldest first), and only
-    once the step's decision is known the queued ones earliest layer first."""
-    head = pending[0]
-    if head is None or head[0] != "bucket" or opt._poll_decision(head[2], block=False) is None:
-        return 0
-    ctx = head[2]
-    run = 0
-    while run < len(pending) and pending[run] is not None and pending[run][0] == "bucket" and pending[run][2] is ctx:
-        run += 1
-    return min(range(run), key=lambda j: min(s.index for s in pending[j][1].slots))
-
-
-@contextlib.contextmanager
-def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """Set ``obj.name`` to ``value`` for the duration of the block."""
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 def _token_loader(seq_len: int, cuda: bool, n: int = 64) -> Any:
@@ -519,7 +490,6 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         total = torch.cuda.get_device_properties(dev_index).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), dev_index)
     name = {"gpu": "gpu fused adamw (bf16-mixed)", "default": "superoffload default (bf16-true)",
-            "default-arrival-order": "superoffload default, speculative updates in arrival order (bf16-true)",
             "tail0": "superoffload gpu_fraction=0.0 (bf16-true)",
             "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)"}.get(variant, f"superoffload {variant[3:]} (bf16-true)")
     r = Result(ctx.suite, f"hf-llama {n_layers}L cap {cap_gib:g} GiB", name, None, seq_len)
@@ -543,7 +513,7 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         reset_memory(ctx.device)
         if variant == "gpu":
             kw: dict[str, Any] = dict(precision="bf16-mixed" if ctx.cuda else "32-true")
-        elif variant in ("default", "default-arrival-order"):
+        elif variant == "default":
             kw = dict(strategy="superoffload", precision="bf16-true")
         elif variant == "deepspeed":
             module.deepspeed_cpu_adam = True
@@ -561,11 +531,8 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         if getattr(ctx.args, "so_hf_profile", False):
             prof_dir = os.path.join(ctx.out_dir or ".", f"so-prof-{n_layers}L-{re.sub(r'[^A-Za-z0-9]+', '_', variant)}")
             callbacks.append(SelectiveProfiler(steps=f"{warmup + 2}-{warmup + 3}", output_dir=prof_dir))
-        # the A/B of the worker's order: the rule before 2026-11-24 (session i), patched in for this run only
-        order = _next_task_arrival if variant == "default-arrival-order" else so_worker._next_task
-        with _patched(so_worker, "_next_task", order):
-            r.timing, trainer = lightning_steps(module, sub, datamodule=_token_loader(seq_len, ctx.cuda),
-                                                callbacks=callbacks, **kw)
+        r.timing, trainer = lightning_steps(module, sub, datamodule=_token_loader(seq_len, ctx.cuda),
+                                            callbacks=callbacks, **kw)
         r.peak_mem_bytes = peak_memory(ctx.device)
         r.extra.update(_so_stats(trainer))
         r.extra.update(snap.per_step(trainer))

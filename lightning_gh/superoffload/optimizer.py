@@ -56,7 +56,7 @@ Layout
     lays out the buckets and allocates the host buffers.
 
 Auto GPU tail (``gpu_fraction="auto"``, CUDA only)
-    Everything starts on the host; over the first pipelined steps the last-arriving host buckets (the earliest
+    Everything starts on the host; over the first pipelined steps the last-processed host buckets (the earliest
     layers) move to the GPU while the next forward measurably waits for the CPU, each growth a trial kept only if
     the step gets faster without allocator retries, within the GPU memory left after a step's peak and
     ``max_gpu_fraction``; the decision is logged once (the policy and its thresholds:

@@ -8,7 +8,7 @@ stall) and the CPU update time of the host buckets:
 * everything still on the host fits in the GPU memory the tail may take (below): move all of it, once, as a trial
   (stall or not: a CPU update that hides under forward+backward still shares the host with the training loop);
 * no stall (the CPU update hides under forward+backward): no tail; the decision is final;
-* a stall: move the last-arriving host buckets (the earliest layers) to the GPU, worth a little less than the
+* a stall: move the last-processed host buckets (the earliest layers) to the GPU, worth a little less than the
   stall in measured CPU time, as a *trial*. The forward waited for exactly that CPU work, so the trial is kept
   unless the next measured steps are slower by more than ``_TRIAL_NOISE`` (the noise of a comparison of two
   windows: on the H200 machine, with the burden of proof on the growth, one noisy comparison in three left the
@@ -329,7 +329,7 @@ class TailMixin:
         return budget, how
 
     def _grow_tail(self, need_ms: float) -> int:
-        """Move host buckets, last-arriving first (the earliest layers), to the GPU tail until they account
+        """Move host buckets, last-processed first (the earliest layers), to the GPU tail until they account
         for ``need_ms`` of measured CPU time, within ``max_gpu_fraction`` and the GPU memory left after a step's
         peak less the margin. Returns the number of buckets moved."""
         total = sum(s.numel for s in self._slots if s.step is not None)

@@ -372,30 +372,19 @@ def _drain(q: queue.Queue, pending: list[Any]) -> None:
 
 
 def _next_task(opt: Any, pending: list[Any]) -> int:
-    """Index in ``pending`` of the task to run next: among the queued bucket updates of the oldest step, the one the
-    next forward needs first (the earliest layer; gradients arrive last layer first), preferring buckets whose
-    gradient copy has landed; otherwise (a "finish" task or a stop first) the oldest.
-
-    Before the step's decision is known this takes the most recently arrived bucket rather than the oldest: the
-    CPU is behind the backward under memory pressure, so the buckets left for last are then the latest layers,
-    whose forward comes last, and the next forward runs through the earlier ones while the CPU finishes them (in
-    arrival order the CPU finished the earliest layers last and then sat idle through the forward of every layer it
-    had updated before). The order of updates does not change any number, only how soon the forward may go on."""
+    """Index in ``pending`` of the task to run next: the oldest, except that once a step's decision is known its
+    queued bucket updates run in the order the next forward needs them (the earliest layer first; gradients
+    arrive last layer first). Speculative updates keep the arrival order: the backward is still producing them.
+    The order of final updates does not change any number, only how soon the forward may go on."""
     head = pending[0]
-    if head is None or head[0] != "bucket":
+    if head is None or head[0] != "bucket" or opt._poll_decision(head[2], block=False) is None:
         return 0
     ctx = head[2]
     run = 0
     while run < len(pending) and pending[run] is not None and pending[run][0] == "bucket" and pending[run][2] is ctx:
         run += 1
-    if run == 1:
-        return 0
-    candidates = list(range(run))
-    if getattr(opt, "_cuda", False):
-        landed = [j for j in candidates if pending[j][1].d2h_event.query()]
-        candidates = landed or candidates
     # parameter registration order follows the forward (embedding, layer 0, ..., head) in the models users bring
-    return min(candidates, key=lambda j: min(s.index for s in pending[j][1].slots))
+    return min(range(run), key=lambda j: min(s.index for s in pending[j][1].slots))
 
 
 def worker_loop(wself: Callable[[], Any], q: queue.Queue) -> None:

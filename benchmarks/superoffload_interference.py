@@ -1,0 +1,138 @@
+"""What slows the training loop while SuperOffload's CPU worker updates: the update's cores and memory traffic,
+or the worker's Python holding the GIL?
+
+    python benchmarks/superoffload_interference.py [--layers 32] [--rounds 2] [--out DIR]
+
+Forward+backward of the `superoffload` suite's HF Llama (hidden 2048, 1x2048 tokens, bf16 weights on the GPU, each
+gradient dropped as it lands), timed with CUDA events while one background thread does, in turn:
+
+  none            nothing (the reference)
+  kernel          SuperOffload's CPU AdamW kernel in place with bf16 gradients (the worker's mode) over 256M fp32
+                  parameters in one call per pass: the update's cores and memory traffic, the GIL released
+  kernel+python   the same in 16M-parameter calls through ``update_spans`` (the worker's Python per bucket)
+  python          pure Python in a loop (small tensor ops and list building, as the worker does between kernel
+                  calls): GIL contention only
+
+Each mode's median ms, its ratio to ``none`` of the same round, and the background's rate are printed and written
+to ``superoffload_interference.json``. Rounds repeat the modes in the same order. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "suites"))
+
+from lightning_gh import hardware  # noqa: E402
+from lightning_gh.superoffload import cpu_adamw  # noqa: E402
+
+MODES = ("none", "kernel", "kernel+python", "python")
+_HP = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
+
+
+class Background:
+    """One thread doing ``mode``'s work until stopped; counts the parameters it updated (or loop passes)."""
+
+    def __init__(self, mode: str, kernel: cpu_adamw.AdamWKernel | None, state: tuple[torch.Tensor, ...],
+                 grad: torch.Tensor, threads: int, bucket: int) -> None:
+        self.mode, self.kernel, self.state, self.grad = mode, kernel, state, grad
+        self.threads, self.bucket = threads, bucket
+        self.stop = threading.Event()
+        self.work = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        n = self.grad.numel()
+        small = torch.zeros(8)
+        while not self.stop.is_set():
+            if self.mode == "kernel":
+                cpu_adamw.update_spans(self.kernel, self.state, self.grad, self.state, [n], 5.0, _HP, None,
+                                       self.threads)
+                self.work += n
+            elif self.mode == "kernel+python":
+                for lo in range(0, n, self.bucket):
+                    hi = min(n, lo + self.bucket)
+                    view = tuple(t[lo:hi] for t in self.state)
+                    cpu_adamw.update_spans(self.kernel, view, self.grad[lo:hi], view, [hi - lo], 5.0, _HP, None,
+                                           self.threads)
+                    self.work += hi - lo
+            elif self.mode == "python":
+                views = [small[i:i + 1] for i in range(8)]  # the kind of per-slot view building the worker does
+                small.add_(1.0)
+                self.work += len(views)
+
+    def __enter__(self) -> Background:
+        self.t0 = time.perf_counter()
+        if self.mode != "none":
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.mode != "none":
+            self.thread.join()
+        self.seconds = time.perf_counter() - self.t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--numel", type=int, default=1 << 28, help="background kernel's parameters")
+    ap.add_argument("--bucket", type=int, default=1 << 24)
+    ap.add_argument("--threads", type=int, default=max(1, hardware.cpus_available() - 2))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("superoffload_interference.py needs a CUDA GPU (it times the GPU's forward+backward).")
+    from superoffload import _fwd_bwd_ms, _HFLlamaLM  # the suite's model and timer
+
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        module = _HFLlamaLM(args.layers, hidden=2048, seq_len=2048)
+    torch.set_default_dtype(prev)
+    batch = torch.randint(0, 32000, (1, 2048), device="cuda")
+    kernel = cpu_adamw.load()
+    if kernel is None:
+        raise SystemExit("our CPU kernel could not be built here (no C compiler?)")
+    torch.set_num_threads(args.threads)
+    n = args.numel
+    state = (torch.randn(n), torch.randn(n), torch.rand(n))
+    grad = torch.randn(n).to(torch.bfloat16)
+    _fwd_bwd_ms(module, batch, autocast=False, warmup=3, iters=3)  # cuDNN/cuBLAS choices before any timing
+    rows = []
+    for rnd in range(args.rounds):
+        base = None
+        for mode in MODES:
+            with Background(mode, kernel, state, grad, args.threads, args.bucket) as bg:
+                time.sleep(0.2 if mode != "none" else 0.0)  # let the background reach its steady state
+                ms = _fwd_bwd_ms(module, batch, autocast=False, warmup=2, iters=7)
+            base = ms if mode == "none" else base
+            rate = bg.work / bg.seconds
+            row = {"round": rnd, "mode": mode, "fwd_bwd_ms": round(ms, 2), "x_none": round(ms / base, 3),
+                   "background_rate": round(rate / 1e9, 2) if mode.startswith("kernel") else round(rate)}
+            rows.append(row)
+            print(row, flush=True)
+    summary = {m: round(statistics.median(r["x_none"] for r in rows if r["mode"] == m), 3) for m in MODES}
+    print("median slowdown of forward+backward by background:", summary)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "superoffload_interference.json").write_text(json.dumps(
+            {"layers": args.layers, "threads": args.threads, "numel": n, "bucket": args.bucket,
+             "cpus": hardware.cpus_available(), "rows": rows, "median_x_none": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -95,14 +95,11 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("superoffload_interference.py needs a CUDA GPU (it times the GPU's forward+backward).")
-    from superoffload import _fwd_bwd_ms, _HFLlamaLM  # the suite's model and timer
+    from superoffload import _fwd_bwd_ms, _HFLlamaLM, default_dtype  # the suite's model and timer
 
     torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with default_dtype(torch.bfloat16), torch.device("cuda"):
         module = _HFLlamaLM(args.layers, hidden=2048, seq_len=2048)
-    torch.set_default_dtype(prev)
     batch = torch.randint(0, 32000, (1, 2048), device="cuda")
     kernel = cpu_adamw.load()
     if kernel is None:

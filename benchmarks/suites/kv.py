@@ -642,7 +642,7 @@ def _decode_study(ctx, model, prompts, shape, mode, generate, ours, name, full_k
 
     from transformers import DynamicCache
 
-    from lightning_gh.kv import OffloadedKVCache, cache_kwarg
+    from lightning_gh.kv import OffloadedKVCache
 
     dev, new = ctx.device, shape["new_tokens"]
     report: dict[str, Any] = {"attention": mode, "shape": shape, "rounds": []}

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import gc
 import glob
 import json
@@ -65,6 +66,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import lightning as L
@@ -297,13 +299,8 @@ def _fits(ctx: BenchContext, cfg: Any, offload: bool) -> tuple[bool, str, float 
     try:
         torch.manual_seed(0)
         if offload:
-            prev = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)  # build the weights in bf16 directly (bf16-true)
-            try:
-                with torch.device(ctx.device):
-                    model = LlamaLM(cfg, lr=1e-4, warmup_steps=0)
-            finally:
-                torch.set_default_dtype(prev)
+            with default_dtype(torch.bfloat16), torch.device(ctx.device):  # bf16 weights directly (bf16-true)
+                model = LlamaLM(cfg, lr=1e-4, warmup_steps=0)
             kw = dict(strategy=SuperOffloadStrategy(gpu_fraction=0.0, skip_nonfinite=False), precision="bf16-true")
         else:
             with torch.device(ctx.device):
@@ -379,6 +376,17 @@ def _cap(ctx: BenchContext) -> list[Result]:
 # ---------------------------------------------------------------------------------------------- part 4: hf + bound
 HF_GOAL_VS_BOUND = 1.15
 HF_MIN_WARMUP = 28  # the auto tail decides within the first ~10-36 pipelined steps: time after it
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch``'s default dtype set to ``dtype`` for the block (modules built inside get weights of that dtype)."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
 
 
 class _HFLlamaLM(L.LightningModule):
@@ -497,14 +505,9 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
     try:
         torch.manual_seed(0)
         offload = variant not in ("gpu", "deepspeed")  # DeepSpeed casts an fp32 module itself
-        prev = torch.get_default_dtype()
-        if offload:
-            torch.set_default_dtype(torch.bfloat16)  # bf16 weights straight away (bf16-true)
-        try:
-            with torch.device(ctx.device):
-                module = _HFLlamaLM(n_layers, hidden=hidden, seq_len=seq_len)
-        finally:
-            torch.set_default_dtype(prev)
+        # bf16 weights straight away (bf16-true)
+        with default_dtype(torch.bfloat16 if offload else torch.get_default_dtype()), torch.device(ctx.device):
+            module = _HFLlamaLM(n_layers, hidden=hidden, seq_len=seq_len)
         r.extra["params_M"] = round(sum(p.numel() for p in module.parameters()) / 1e6)
         batch = torch.randint(0, 32000, (1, seq_len), device=ctx.device)
         r.extra["fwd_bwd_ms"] = round(_fwd_bwd_ms(module, batch, autocast=not offload and ctx.cuda), 2)

@@ -75,8 +75,9 @@ def hf_sdpa_decoders(model: nn.Module) -> dict[str, nn.Module]:
 def _plain_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
     # HF forwards take input_ids first; anything else positional might be a mask or positions: not plain. The KV
     # cache is ``cache`` from transformers 5.24, ``past_key_values`` before.
-    _STATE.plain = (len(args) <= 1 and all(kwargs.get(k) is None for k in
-                                           ("attention_mask", "position_ids", "past_key_values", "cache", "cache_position")))
+    _STATE.plain = (len(args) <= 1 and all(kwargs.get(k) is None for k in ("attention_mask", "position_ids",
+                                                                          "past_key_values", "cache",
+                                                                          "cache_position")))
 
 
 def _call_done(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -421,7 +421,7 @@ class _HFLlamaLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=fused)
 
 
-_HF_FIXED = ("gpu", "default", "tail0", "deepspeed")
+_HF_FIXED = ("gpu", "default", "tail0", "deepspeed", "default-per-param")
 
 
 def _hf_variant(text: str) -> str:
@@ -499,7 +499,8 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), dev_index)
     name = {"gpu": "gpu fused adamw (bf16-mixed)", "default": "superoffload default (bf16-true)",
             "tail0": "superoffload gpu_fraction=0.0 (bf16-true)",
-            "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)"}.get(variant, f"superoffload {variant[3:]} (bf16-true)")
+            "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)",
+            "default-per-param": "superoffload default, per-parameter hooks (bf16-true)"}.get(variant, f"superoffload {variant[3:]} (bf16-true)")
     r = Result(ctx.suite, f"hf-llama {n_layers}L cap {cap_gib:g} GiB", name, None, seq_len)
     module = trainer = None
     try:
@@ -523,6 +524,8 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
             kw = dict(strategy="deepspeed_stage_2_offload", precision="bf16-mixed")
         elif variant == "tail0":
             kw = dict(strategy=SuperOffloadStrategy(gpu_fraction=0.0), precision="bf16-true")
+        elif variant == "default-per-param":  # experiment: norms and copies per parameter in the hook (before)
+            kw = dict(strategy="superoffload", precision="bf16-true")
         else:
             kw = dict(strategy=SuperOffloadStrategy(**_so_kwargs(variant)), precision="bf16-true")
         warmup = ctx.warmup if variant == "gpu" else max(ctx.warmup, HF_MIN_WARMUP)
@@ -530,6 +533,8 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
                            args=ctx.args)
         snap = _PhaseSnapshot(warmup)
         callbacks: list[Any] = [snap]
+        if variant == "default-per-param":
+            callbacks.append(_PerParamHooks())
         prof_dir = None
         if getattr(ctx.args, "so_hf_profile", False):
             prof_dir = os.path.join(ctx.out_dir or ".", f"so-prof-{n_layers}L-{re.sub(r'[^A-Za-z0-9]+', '_', variant)}")
@@ -560,19 +565,28 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
     return r
 
 
+class _PerParamHooks(L.Callback):
+    """Experiment: the optimizer's older gradient hook (norm and copy per parameter), for an A/B in one process."""
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        for opt in trainer.optimizers:
+            if isinstance(opt, HeterogeneousAdamW):
+                opt._batch_grads = False
+
+
 class _PhaseSnapshot(L.Callback):
     """The CPU worker's cumulative time per phase (``stats["cpu_phases_ms"]``) when the timed steps start, so
     the per-step figures exclude the warm-up and the auto tail's trials."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
-        self.start: tuple[int, dict[str, float]] | None = None
+        self.start: tuple[int, dict[str, float], dict[str, float]] | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == self.warmup:
             opt = next((o for o in trainer.optimizers if isinstance(o, HeterogeneousAdamW)), None)
             if opt is not None:
-                self.start = (opt.stats["steps"], dict(opt.stats["cpu_phases_ms"]))
+                self.start = (opt.stats["steps"], dict(opt.stats["cpu_phases_ms"]), dict(opt.stats["loop_phases_ms"]))
 
     def per_step(self, trainer: L.Trainer) -> dict[str, Any]:
         opt = next((o for o in trainer.optimizers if isinstance(o, HeterogeneousAdamW)), None)
@@ -581,8 +595,11 @@ class _PhaseSnapshot(L.Callback):
         steps = opt.stats["steps"] - self.start[0]
         if steps <= 0:
             return {}
-        now, before = opt.stats["cpu_phases_ms"], self.start[1]
-        return {"cpu_phase_ms_per_step": {k: round((v - before.get(k, 0.0)) / steps, 1) for k, v in sorted(now.items())}}
+        out: dict[str, Any] = {}
+        for key, now, before in (("cpu_phase_ms_per_step", opt.stats["cpu_phases_ms"], self.start[1]),
+                                 ("loop_phase_ms_per_step", opt.stats["loop_phases_ms"], self.start[2])):
+            out[key] = {k: round((v - before.get(k, 0.0)) / steps, 1) for k, v in sorted(now.items())}
+        return out
 
 
 def _profile_figures(prof_dir: str) -> dict[str, Any]:

@@ -278,6 +278,11 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self._step_id = 0
         self._layout_step = 0
         self._norms: torch.Tensor | None = None
+        self._norm_views: list[torch.Tensor] = []
+        # per bucket (norms, copies) rather than per parameter in the gradient hook; False is the older path,
+        # kept for measuring the two in one process
+        self._batch_grads = True
+        self._loop_ms: dict[str, float] = {"grad_hooks": 0.0, "forward_hooks": 0.0}
         self._accumulating = False
         self._in_closure = False
         self._worker: threading.Thread | None = None
@@ -306,7 +311,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
                                       "speculative_buckets": 0, "prefetched_backups": 0, "last_stall_ms": 0.0,
                                       "last_slack_ms": None, "cpu_ms_per_step": 0.0, "tail_moves": 0,
                                       "tail_moves_back": 0, "tail_limited": 0, "tail_move_failures": 0,
-                                      "tail_decision": None, "cpu_phases_ms": {}}
+                                      "tail_decision": None, "cpu_phases_ms": {},
+                                      "loop_phases_ms": self._loop_ms}
         self._tail_warned = False
         self._tail_blocked = False
         # auto tail decision state (see .tail): an open trial growth, whether the decision is final, what limited it
@@ -518,6 +524,7 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             self._ctx = StepCtx(self._step_id, self._hp_snapshot(), self._needs_validation())
             if self._norms is None or self._norms.numel() != len(self._slots):
                 self._norms = torch.zeros(len(self._slots), dtype=torch.float32, device=self.device)
+                self._norm_views = list(self._norms.unbind())
             elif self._rg is not None:  # each rank writes only the norms it owns; the rest must be zero
                 self._norms.zero_()
         return self._ctx
@@ -528,8 +535,10 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         slot = self._slot_of.get(id(p))
         if slot is None or p.grad is None:
             return
+        t0 = time.perf_counter()
         ctx = self._open_step()
         self._arrive(slot, ctx)
+        self._loop_ms["grad_hooks"] += (time.perf_counter() - t0) * 1e3
 
     @torch.no_grad()
     def _arrive(self, slot: Slot, ctx: StepCtx) -> None:
@@ -544,14 +553,30 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             grad.clamp_(-self.max_grad_value, self.max_grad_value)
         slot.step_id = ctx.id
         ctx.arrival.append(slot.index)
-        if ctx.needs_validation and not sharded:
-            if grad.dtype == torch.float32:  # the kernel clip_grad_norm_ uses, so the norm is bitwise equal
-                n = torch._foreach_norm([grad], 2.0)[0]
-            else:  # fp32 accumulation of bf16/fp16 gradients (clip_grad_norm_ would return a bf16 norm)
-                n = torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)
-            self._norms[slot.index] = n
+        # Norms are taken per bucket when it is complete, and for the GPU tail at step(): one multi-tensor
+        # kernel for many parameters instead of a few launches from this hook per parameter.
+        if ctx.needs_validation and not sharded and not (self._batch_grads and self._layout_built):
+            self._take_norms([slot], ctx)
         if self._layout_built and slot.residency == "host":
             self._offload(slot, grad, ctx)
+
+    def _take_norms(self, slots: list[Slot], ctx: StepCtx) -> None:
+        """Write the gradient norms of ``slots`` (gradients still on ``param.grad``) into ``self._norms``."""
+        slots = [s for s in slots if s.normed_step != ctx.id]
+        if not slots:
+            return
+        assert self._norms is not None
+        by_kind: dict[bool, list[Slot]] = {}
+        for s in slots:
+            by_kind.setdefault(s.param.grad.dtype == torch.float32, []).append(s)
+            s.normed_step = ctx.id
+        for fp32, group in by_kind.items():
+            grads = [s.param.grad for s in group]
+            if fp32:  # the kernel clip_grad_norm_ uses, so each norm is bitwise equal to its
+                norms = torch._foreach_norm(grads, 2.0)
+            else:  # fp32 accumulation of bf16/fp16 gradients (clip_grad_norm_ would return a bf16 norm)
+                norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            torch._foreach_copy_([self._norm_views[s.index] for s in group], list(norms))
 
     def _offload(self, slot: Slot, grad: torch.Tensor, ctx: StepCtx) -> None:
         b = slot.bucket
@@ -565,20 +590,32 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         b.active.append(slot)
         if self._rg is not None:
             self._stage_grad(b, slot, grad)
-        elif self._cuda:
-            cur = torch.cuda.current_stream(self.device)
-            self._copy_stream.wait_stream(cur)
-            with torch.cuda.stream(self._copy_stream):
-                src = grad if grad.dtype == slot.grad.dtype else grad.to(slot.grad.dtype)
-                slot.grad.view(slot.param.shape).copy_(src, non_blocking=True)
-            grad.record_stream(self._copy_stream)
-            slot.param.grad = None  # the GPU copy is no longer needed once the host copy lands
-        else:
-            slot.grad.view(slot.param.shape).copy_(grad)
+        elif not self._batch_grads:
+            self._land([slot], ctx)
         if b.arrived == len(b.slots):
             self._submit(b, ctx)
 
+    def _land(self, slots: list[Slot], ctx: StepCtx) -> None:
+        """Take the norms of ``slots``' gradients if the step needs them, copy the gradients into their host
+        buffers and, on CUDA, free them on the GPU."""
+        if ctx.needs_validation:
+            self._take_norms(slots, ctx)
+        grads = [s.param.grad if s.param.grad.dtype == s.grad.dtype else s.param.grad.to(s.grad.dtype)
+                 for s in slots]
+        dst = [s.grad.view(s.param.shape) for s in slots]
+        if self._cuda:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                torch._foreach_copy_(dst, grads, non_blocking=True)
+            for s, g in zip(slots, grads):
+                g.record_stream(self._copy_stream)
+                s.param.grad = None  # the GPU copy is no longer needed once the host copy lands
+        else:
+            torch._foreach_copy_(dst, grads)
+
     def _submit(self, b: Bucket, ctx: StepCtx) -> None:
+        if self._rg is None and self._batch_grads:
+            self._land(b.active, ctx)
         if self._rg is not None:
             self._reduce_bucket(b, ctx)
             if not self._owned(b):
@@ -591,11 +628,14 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
     def _before_forward(self, slots: list[Slot] | None) -> None:
         if not self._layout_built or self._closed:
             return
+        t0, stalled = time.perf_counter(), self._stall_ms
         buckets = self._buckets if slots is None else {id(s.bucket): s.bucket for s in slots if s.residency == "host"}.values()
         for b in list(buckets):
             self._wait_ready(b, stall=True)
             if self._rg is not None and b.step_id == self._closed_step:
                 self._broadcast_bucket(b)
+        # the hooks' own time: the waits for the CPU are counted in last_stall_ms
+        self._loop_ms["forward_hooks"] += (time.perf_counter() - t0) * 1e3 - (self._stall_ms - stalled)
 
     def _wait_ready(self, b: Bucket, stall: bool) -> None:
         ctx = self._ctx
@@ -662,6 +702,8 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
                 self._submit(b, ctx)
         if self._rg is not None:
             self._reduce_tail(ctx)
+        elif ctx.needs_validation:  # the GPU tail's norms (host buckets took theirs when complete)
+            self._take_norms([self._slots[i] for i in ctx.arrival if self._slots[i].residency == "device"], ctx)
 
         hp_now = self._hp_snapshot()
         coef_dev, found_inf = self._post_decision(ctx, hp_now)

@@ -614,6 +614,11 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             torch._foreach_copy_(dst, grads)
 
     def _submit(self, b: Bucket, ctx: StepCtx) -> None:
+        t0 = time.perf_counter()
+        self._submit_inner(b, ctx)
+        self._loop_ms["submit"] = self._loop_ms.get("submit", 0.0) + (time.perf_counter() - t0) * 1e3  # experiment
+
+    def _submit_inner(self, b: Bucket, ctx: StepCtx) -> None:
         if self._rg is None and self._batch_grads:
             self._land(b.active, ctx)
         if self._rg is not None:

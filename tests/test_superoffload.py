@@ -578,3 +578,37 @@ def test_worker_runs_final_updates_in_forward_order():
     assert _next_task(opt, [("bucket", late, known), ("bucket", early, unknown)]) == 0
     assert _next_task(opt, [("finish", None, known), ("bucket", early, known)]) == 0
     assert _next_task(opt, [None]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_norms_are_taken_per_bucket_not_per_parameter(monkeypatch, dtype):
+    """After the first step the gradient hook only records arrivals: each complete host bucket takes its norms in
+    one multi-tensor call (and the GPU tail its own at step()), and the training thread's hook time is counted."""
+    model = make_model(dtype)
+    params = list(model.parameters())
+    opt = HeterogeneousAdamW(params, lr=1e-2, max_grad_norm=CLIP, module=model, bucket_size=100, gpu_fraction=0.2)
+    x = batches(0)[0]
+    loss_fn(model, x).backward()
+    opt.step()  # the first step lays out the buckets
+    opt.zero_grad()
+    opt.synchronize()
+    calls: list[int] = []
+    real = torch._foreach_norm
+
+    def counting(tensors, *args, **kwargs):
+        calls.append(len(tensors))
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", counting)
+    before = dict(opt.stats["loop_phases_ms"])
+    loss_fn(model, x).backward()
+    host_buckets = len(opt._buckets)
+    assert host_buckets >= 2 and len(calls) == host_buckets  # one call per complete bucket, during backward
+    opt.step()
+    assert len(calls) == host_buckets + 1  # the GPU tail's norms, in step()
+    assert sum(calls) == len(params) and max(calls) > 1
+    opt.zero_grad()
+    opt.synchronize()
+    for phase in ("grad_hooks", "forward_hooks"):
+        assert opt.stats["loop_phases_ms"][phase] > before[phase]
+    opt.close()

@@ -421,7 +421,7 @@ class _HFLlamaLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=fused)
 
 
-_HF_FIXED = ("gpu", "default", "tail0", "deepspeed", "default-per-param", "default-nice", "default-switch")
+_HF_FIXED = ("gpu", "default", "tail0", "deepspeed")
 
 
 def _hf_variant(text: str) -> str:
@@ -499,10 +499,7 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), dev_index)
     name = {"gpu": "gpu fused adamw (bf16-mixed)", "default": "superoffload default (bf16-true)",
             "tail0": "superoffload gpu_fraction=0.0 (bf16-true)",
-            "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)",
-            "default-per-param": "superoffload default, per-parameter hooks (bf16-true)",
-            "default-nice": "superoffload default, CPU update at nice 10 (bf16-true)",
-            "default-switch": "superoffload default, GIL switch interval 1 ms (bf16-true)"}.get(variant, f"superoffload {variant[3:]} (bf16-true)")
+            "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)"}.get(variant, f"superoffload {variant[3:]} (bf16-true)")
     r = Result(ctx.suite, f"hf-llama {n_layers}L cap {cap_gib:g} GiB", name, None, seq_len)
     module = trainer = None
     try:
@@ -526,12 +523,6 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
             kw = dict(strategy="deepspeed_stage_2_offload", precision="bf16-mixed")
         elif variant == "tail0":
             kw = dict(strategy=SuperOffloadStrategy(gpu_fraction=0.0), precision="bf16-true")
-        elif variant in ("default-per-param", "default-nice", "default-switch"):  # experiments (session j)
-            kw = dict(strategy="superoffload", precision="bf16-true")
-            if variant == "default-nice":  # the CPU update's threads at nice 10
-                os.environ["LIGHTNING_GH_SO_NICE"] = "10"
-            if variant == "default-switch":  # the GIL handed over after 1 ms instead of 5
-                sys.setswitchinterval(0.001)
         else:
             kw = dict(strategy=SuperOffloadStrategy(**_so_kwargs(variant)), precision="bf16-true")
         warmup = ctx.warmup if variant == "gpu" else max(ctx.warmup, HF_MIN_WARMUP)
@@ -539,8 +530,6 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
                            args=ctx.args)
         snap = _PhaseSnapshot(warmup)
         callbacks: list[Any] = [snap]
-        if variant == "default-per-param":
-            callbacks.append(_PerParamHooks())
         prof_dir = None
         if getattr(ctx.args, "so_hf_profile", False):
             prof_dir = os.path.join(ctx.out_dir or ".", f"so-prof-{n_layers}L-{re.sub(r'[^A-Za-z0-9]+', '_', variant)}")
@@ -569,15 +558,6 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         gc.collect()
         reset_memory(ctx.device)
     return r
-
-
-class _PerParamHooks(L.Callback):
-    """Experiment: the optimizer's older gradient hook (norm and copy per parameter), for an A/B in one process."""
-
-    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
-        for opt in trainer.optimizers:
-            if isinstance(opt, HeterogeneousAdamW):
-                opt._batch_grads = False
 
 
 class _PhaseSnapshot(L.Callback):

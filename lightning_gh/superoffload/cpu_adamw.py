@@ -108,14 +108,6 @@ class AdamWKernel:
         fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                                ctypes.c_int, ctypes.c_int]
         self._fn = fn
-        self._set_nice = lib.lgh_set_pool_nice
-        self._set_nice.restype = None
-        self._set_nice.argtypes = [ctypes.c_int]
-
-    def set_pool_nice(self, nice: int) -> None:
-        """Run the kernel's pool threads at this nice value from their next call on (the calling thread keeps its
-        own; see :func:`os.setpriority`)."""
-        self._set_nice(int(nice))
 
     def step(self, src: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor,
              dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor], consts: tuple[torch.Tensor, bool],

@@ -182,6 +182,11 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             ``rollback``) instead
             of those keyword arguments; giving both is an error.
 
+    ``stats`` holds counters for diagnosis: steps clipped, skipped and rolled back, the tail's decision, the CPU
+    worker's cumulative milliseconds per phase (``cpu_phases_ms``) and the training thread's in the optimizer's
+    hooks (``loop_phases_ms``: ``grad_hooks``, and ``forward_hooks`` less their waits for the CPU, which
+    ``last_stall_ms`` reports per step).
+
     The optimizer is made of one part per idea: :mod:`.layout` (slots, buckets, host buffers), :mod:`.tail` (the
     GPU-tail policy), :mod:`.worker` (the CPU update thread); this class holds the hooks, ``step()`` and the
     state dict.
@@ -279,9 +284,6 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self._layout_step = 0
         self._norms: torch.Tensor | None = None
         self._norm_views: list[torch.Tensor] = []
-        # per bucket (norms, copies) rather than per parameter in the gradient hook; False is the older path,
-        # kept for measuring the two in one process
-        self._batch_grads = True
         self._loop_ms: dict[str, float] = {"grad_hooks": 0.0, "forward_hooks": 0.0}
         self._accumulating = False
         self._in_closure = False
@@ -553,9 +555,10 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             grad.clamp_(-self.max_grad_value, self.max_grad_value)
         slot.step_id = ctx.id
         ctx.arrival.append(slot.index)
-        # Norms are taken per bucket when it is complete, and for the GPU tail at step(): one multi-tensor
-        # kernel for many parameters instead of a few launches from this hook per parameter.
-        if ctx.needs_validation and not sharded and not (self._batch_grads and self._layout_built):
+        # Once the layout is built, norms and host copies are made per bucket when it is complete (and the GPU
+        # tail's norms at step()): a few multi-tensor calls for many parameters instead of several launches from
+        # this hook per parameter, which took ~2.5x as long on the training thread (issue 13, session j).
+        if ctx.needs_validation and not sharded and not self._layout_built:
             self._take_norms([slot], ctx)
         if self._layout_built and slot.residency == "host":
             self._offload(slot, grad, ctx)
@@ -572,7 +575,7 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             s.normed_step = ctx.id
         for fp32, group in by_kind.items():
             grads = [s.param.grad for s in group]
-            if fp32:  # the kernel clip_grad_norm_ uses, so each norm is bitwise equal to its
+            if fp32:  # the kernel clip_grad_norm_ uses, so each norm is bitwise equal to its own
                 norms = torch._foreach_norm(grads, 2.0)
             else:  # fp32 accumulation of bf16/fp16 gradients (clip_grad_norm_ would return a bf16 norm)
                 norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
@@ -590,8 +593,6 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         b.active.append(slot)
         if self._rg is not None:
             self._stage_grad(b, slot, grad)
-        elif not self._batch_grads:
-            self._land([slot], ctx)
         if b.arrived == len(b.slots):
             self._submit(b, ctx)
 
@@ -614,14 +615,9 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             torch._foreach_copy_(dst, grads)
 
     def _submit(self, b: Bucket, ctx: StepCtx) -> None:
-        t0 = time.perf_counter()
-        self._submit_inner(b, ctx)
-        self._loop_ms["submit"] = self._loop_ms.get("submit", 0.0) + (time.perf_counter() - t0) * 1e3  # experiment
-
-    def _submit_inner(self, b: Bucket, ctx: StepCtx) -> None:
-        if self._rg is None and self._batch_grads:
+        if self._rg is None:
             self._land(b.active, ctx)
-        if self._rg is not None:
+        else:
             self._reduce_bucket(b, ctx)
             if not self._owned(b):
                 return

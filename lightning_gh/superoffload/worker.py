@@ -16,7 +16,6 @@ is the thread's body.
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 import time
@@ -83,11 +82,6 @@ class WorkerMixin:
 
     def _worker_setup(self) -> None:
         torch.set_num_threads(self.cpu_threads)
-        nice = int(os.environ.get("LIGHTNING_GH_SO_NICE", "0"))  # experiment (session j)
-        if nice > 0:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-            if self._kernel is not None:
-                self._kernel.set_pool_nice(nice)
         if self._cuda:
             torch.cuda.set_device(self.device)
 

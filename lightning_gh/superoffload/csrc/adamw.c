@@ -18,9 +18,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <pthread.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -200,29 +197,15 @@ static int pool_pending = 0;        /* workers that have not finished this call'
 static job_t pool_jobs[MAX_THREADS];
 static unsigned long pool_born[MAX_THREADS];  /* pool_gen when each worker was started */
 
-static int pool_nice = 0;  /* the pool threads' nice value (applied by each thread at its next call) */
-
-void lgh_set_pool_nice(int n) {
-  pthread_mutex_lock(&pool_mu);
-  pool_nice = n;
-  pthread_mutex_unlock(&pool_mu);
-}
-
 static void *pool_main(void *x) {
   int slot = (int)(intptr_t)x;
-  int nice_now = 0;
   pthread_mutex_lock(&pool_mu);
   unsigned long seen = pool_born[slot];  /* the call that started this worker may already have bumped pool_gen */
   for (;;) {
     while (pool_gen == seen) pthread_cond_wait(&pool_start, &pool_mu);
     seen = pool_gen;
     job_t job = pool_jobs[slot];
-    int want_nice = pool_nice;
     pthread_mutex_unlock(&pool_mu);
-    if (want_nice != nice_now) {  /* raising one's own nice needs no privilege; lowering it back may fail */
-      if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), want_nice) == 0) nice_now = want_nice;
-      else nice_now = want_nice;  /* do not retry every call */
-    }
     if (job.lo < job.hi) job_main(&job);
     pthread_mutex_lock(&pool_mu);
     if (--pool_pending == 0) pthread_cond_signal(&pool_done);

@@ -109,7 +109,10 @@ def test_candidates_follow_the_rule_order():
 
     assert auto_candidates(False, "SingleDeviceStrategy", None, None) == [
         "fp8-te-delayed", "fp8-te-current", "fp8-ao-tensorwise"]
-    assert auto_candidates(True, "SingleDeviceStrategy", None, None) == ["fp8-ao-tensorwise", "fp8-te-current"]
+    # a compiled model: torchao whenever it is usable (no trial between it and TE, whose graph breaks it cannot see)
+    assert auto_candidates(True, "SingleDeviceStrategy", None, None) == ["fp8-ao-tensorwise"]
+    assert auto_candidates(True, "SingleDeviceStrategy", None, "torchao is not installed") == ["fp8-te-current"]
+    assert auto_candidates(True, "FSDPStrategy", None, None) == ["fp8-ao-tensorwise"]
     assert auto_candidates(False, "ModelParallelStrategy", None, None) == []
     assert auto_candidates(False, "SingleDeviceStrategy", TE_GONE, None) == ["fp8-ao-tensorwise"]
 
@@ -122,6 +125,9 @@ def test_measured_timings_override_the_table_and_are_logged_in_the_reason():
     # within 2%: the rule's order decides (TE delayed first for an eager model)
     near = {"fp8-te-delayed": 18.2, "fp8-ao-tensorwise": 18.0}
     assert choose_fp8(False, "SingleDeviceStrategy", None, None, near).name == "fp8-te-delayed"
+    # on a compiled model a faster-looking TE layer does not win: the trial cannot see its graph breaks
+    compiled_timings = {"bf16": 42.4, "fp8-te-current": 74.5, "fp8-ao-tensorwise": 76.7}  # medium, H200
+    assert choose_fp8(True, "SingleDeviceStrategy", None, None, compiled_timings).name == "fp8-ao-tensorwise"
     # timings of recipes that cannot run here, or none usable, fall back to the table
     assert choose_fp8(True, "SingleDeviceStrategy", None, None, {"fp8-te-delayed": 1.0}).name == "fp8-ao-tensorwise"
     assert choose_fp8(False, "SingleDeviceStrategy", None, None, {"fp8-te-current": float("nan")}).name == \

@@ -35,9 +35,11 @@ Variants (pick with --variants; bf16, bf16-compiled and, when a TE variant runs,
   te-current-matched-compiled   the same with current scaling on a compiled model
   ao-tensorwise, ao-rowwise, ao-rowwise-gw-hp   lgh.precision("fp8-ao-*") on a compiled model
   ao-tensorwise-all    ao-tensorwise with the head and first layer in fp8 too (what the 1.31x anchor converted)
-  ao-tensorwise-eager  ao-tensorwise without compile (expected slower than bf16)
+  ao-tensorwise-eager  ao-tensorwise on an uncompiled model (the plugin compiles its blocks by default)
   auto                 lgh.precision("fp8-auto") on a compiled model (it should pick fp8-ao-tensorwise)
   auto-eager           lgh.precision("fp8-auto") on an uncompiled model (it should pick fp8-te-delayed)
+  te-delayed-noblocks, te-delayed-nomasters, te-delayed-plainmasters   fp8-te-delayed with one default turned off
+                       (compile_blocks, master_weights, fused_master_update): what each default costs here
 
     python benchmarks/run.py --suite fp8 --preset large --variants te-delayed te-current ...
     python benchmarks/run.py --suite fp8 --preset large --check-loss --loss-steps 120
@@ -112,6 +114,15 @@ VARIANTS: dict[str, Variant] = {
     "ao-tensorwise-eager": Variant("fp8-ao-tensorwise eager", plugin=("fp8-ao-tensorwise", {}), tags={"ao"}),
     "auto": Variant("fp8-auto compiled", True, plugin=("fp8-auto", {})),
     "auto-eager": Variant("fp8-auto eager", plugin=("fp8-auto", {})),
+    # which of the TE defaults costs what on a preset (compiled blocks, fp32 masters, their fused update)
+    "te-delayed-noblocks": Variant("fp8-te-delayed compile_blocks=False", plugin=("fp8-te-delayed",
+                                                                                  {"compile_blocks": False}),
+                                   tags={"te"}),
+    "te-delayed-nomasters": Variant("fp8-te-delayed master_weights=False", plugin=("fp8-te-delayed",
+                                                                                   {"master_weights": False}),
+                                    tags={"te"}),
+    "te-delayed-plainmasters": Variant("fp8-te-delayed fused_master_update=False",
+                                       plugin=("fp8-te-delayed", {"fused_master_update": False}), tags={"te"}),
 }
 BASES = ("bf16", "bf16-compiled")
 

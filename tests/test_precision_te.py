@@ -213,12 +213,14 @@ def _prepare(plugin, model, native_te=()):
     return plugin._compile_regions(model)
 
 
-def test_blocks_holding_te_layers_are_compiled_in_place_by_default(plugin_without_te):
-    with pytest.raises(ValueError, match=r"compile_blocks='yes'.*expected True, False or a dict"):
+def test_blocks_holding_te_layers_are_compiled_in_place_with_compile_blocks_true(plugin_without_te):
+    with pytest.raises(ValueError, match=r"compile_blocks='yes'.*expected 'auto', True, False or a dict"):
         precision("fp8-te-current", compile_blocks="yes")
 
     model = _blocks_model()
-    note = _prepare(plugin_without_te(), model)
+    plugin = plugin_without_te()
+    plugin.compile_blocks = True  # as TEFloat8Precision(compile_blocks=True) sets it
+    note = _prepare(plugin, model)
     assert "compiled 3 blocks of 1 in place" in note and "TE layers running eagerly inside" in note
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model[1])
     assert getattr(model[0], "_compiled_call_impl", None) is None  # the rest of the model stays eager
@@ -456,3 +458,80 @@ def test_ddp_on_two_gpus_shares_delayed_scaling_amax(tmp_path):
     for name in r0["amax"]:
         assert torch.equal(r0["amax"][name], r1["amax"][name]), name
         assert r0["amax"][name].abs().sum() > 0, name  # histories were really filled
+
+
+class _Clock:
+    """Step marks for the compile trial: each call advances by the current period (ms), no GPU needed."""
+
+    def __init__(self) -> None:
+        self.t, self.period_ms = 0.0, 10.0
+
+    def __call__(self) -> float:
+        self.t += self.period_ms / 1e3
+        return self.t
+
+
+@pytest.mark.parametrize("compiled_ms, kept", [(8.0, True), (9.9, False), (12.0, False)])
+def test_compile_blocks_auto_keeps_the_blocks_compiled_only_when_measured_faster(plugin_without_te, monkeypatch,
+                                                                                  compiled_ms, kept):
+    """By default the blocks run eager for the first steps, then compiled for a few; the faster is kept (2% margin),
+    and the decision is one log line with the figures."""
+    from lightning_gh.precision.master import MasterWeightsMixin
+
+    model = _blocks_model()
+    plugin = plugin_without_te()
+    assert plugin.compile_blocks == "auto"
+    note = _prepare(plugin, model)
+    assert "compile_blocks='auto'" in note
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in model[1])  # eager at first
+    trial = plugin._block_trial
+    clock, logged = _Clock(), []
+    trial.clock, trial.log = clock, logged.append
+    monkeypatch.setattr(MasterWeightsMixin, "optimizer_step", lambda self, *a, **k: "stepped")
+    opt, other = object(), object()
+    for step in range(1, 30):
+        if trial._phase == "compiled":
+            assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model[1])
+            clock.period_ms = compiled_ms
+        assert plugin.optimizer_step(opt, model, lambda: None) == "stepped"
+        plugin.optimizer_step(other, model, lambda: None)  # a second optimizer's call does not count as a step
+        if trial.done:
+            break
+    assert step == 16 and trial.decision == ("compiled" if kept else "eager")
+    assert trial.eager_ms == pytest.approx(10.0) and trial.compiled_ms == pytest.approx(compiled_ms)
+    assert all((getattr(b, "_compiled_call_impl", None) is not None) == kept for b in model[1])
+    assert getattr(model[0], "_compiled_call_impl", None) is None
+    assert len(logged) == 1 and f"{compiled_ms:.1f} ms/step with the blocks compiled" in logged[0]
+    assert ("kept them compiled" if kept else "left them eager") in logged[0]
+    assert "against 10.0 eager" in logged[0] and "compiled 3 blocks of 1 in place" in logged[0]
+    plugin.optimizer_step(opt, model, lambda: None)  # decided: later steps measure nothing
+    assert len(logged) == 1
+
+
+def test_block_compile_trial_takes_the_agreed_decision_and_checks_its_arguments():
+    from lightning_gh.precision.block_trial import BlockCompileTrial
+
+    blocks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+
+    def compile_fn():
+        for b in blocks:
+            b.compile()
+        return "compiled 2"
+
+    clock = _Clock()
+    # this process measured the compiled blocks faster, but the agreed decision (rank 0's) is to stay eager
+    trial = BlockCompileTrial(compile_fn, lambda: blocks, warmup=1, steps=2, clock=clock, agree=lambda keep: False,
+                              log=lambda line: None)
+    for _ in range(3):
+        trial.step()
+    assert trial._phase == "compiled"
+    clock.period_ms = 5.0
+    for _ in range(3):
+        trial.step()
+    assert trial.decision == "eager" and all(b._compiled_call_impl is None for b in blocks)
+    # nothing compiled (no blocks found): nothing to decide, no compiled phase
+    none = BlockCompileTrial(lambda: "", lambda: [], warmup=1, steps=1, clock=_Clock(), log=lambda line: None)
+    none.step(); none.step()
+    assert none.decision == "eager" and none.compiled_ms is None
+    with pytest.raises(ValueError, match="warmup=0, steps=5"):
+        BlockCompileTrial(compile_fn, lambda: blocks, warmup=0)

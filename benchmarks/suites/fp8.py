@@ -135,7 +135,7 @@ HF_VARIANTS = {
     # key: (label, precision string or plugin name, plugin options, how the model is compiled)
     "bf16": ("bf16-mixed eager", "bf16-mixed", None, "none"),
     "lightning-te": ("Lightning transformer-engine", "transformer-engine", None, "none"),
-    "te-delayed": ("fp8-te-delayed (default: fp32 masters, blocks compiled)", "fp8-te-delayed", {}, "none"),
+    "te-delayed": ("fp8-te-delayed (default: fp32 masters, compile_blocks='auto')", "fp8-te-delayed", {}, "none"),
     "te-current": ("fp8-te-current (default: fp32 masters, blocks compiled)", "fp8-te-current", {}, "none"),
     "te-delayed-head": ("fp8-te-delayed, head in fp8 (skip_head=False)", "fp8-te-delayed",
                         {"skip_head": False}, "none"),

@@ -52,11 +52,11 @@ from torch import Tensor, nn
 
 from lightning_gh._lightning import is_compiled, trainer_of
 from lightning_gh.precision.base import Float8PrecisionBase
+from lightning_gh.precision.block_trial import BlockCompileTrial
 from lightning_gh.precision.checks import FP8UnavailableError, te_missing_reason
 from lightning_gh.precision.layer_filter import LayerDecision, LayerPlan, clean_name
 from lightning_gh.precision.master import MasterWeightsMixin
 from lightning_gh.precision.options import Float8Options
-from lightning_gh.precision.block_trial import BlockCompileTrial
 from lightning_gh.precision.regional import compile_regions, is_region_compiled
 
 __all__ = ["TEFloat8Precision", "TE_RECIPES", "make_recipe", "te_autocast", "fp8_meta_state_dict",

@@ -283,7 +283,6 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         self._step_id = 0
         self._layout_step = 0
         self._norms: torch.Tensor | None = None
-        self._norm_views: list[torch.Tensor] = []
         self._loop_ms: dict[str, float] = {"grad_hooks": 0.0, "forward_hooks": 0.0}
         self._accumulating = False
         self._in_closure = False
@@ -526,7 +525,6 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             self._ctx = StepCtx(self._step_id, self._hp_snapshot(), self._needs_validation())
             if self._norms is None or self._norms.numel() != len(self._slots):
                 self._norms = torch.zeros(len(self._slots), dtype=torch.float32, device=self.device)
-                self._norm_views = list(self._norms.unbind())
             elif self._rg is not None:  # each rank writes only the norms it owns; the rest must be zero
                 self._norms.zero_()
         return self._ctx
@@ -579,7 +577,7 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
                 norms = torch._foreach_norm(grads, 2.0)
             else:  # fp32 accumulation of bf16/fp16 gradients (clip_grad_norm_ would return a bf16 norm)
                 norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            torch._foreach_copy_([self._norm_views[s.index] for s in group], list(norms))
+            self._norms.index_copy_(0, self._index_tensor(group), torch.stack(norms))
 
     def _offload(self, slot: Slot, grad: torch.Tensor, ctx: StepCtx) -> None:
         b = slot.bucket

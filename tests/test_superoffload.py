@@ -612,3 +612,63 @@ def test_gradient_norms_are_taken_per_bucket_not_per_parameter(monkeypatch, dtyp
     for phase in ("grad_hooks", "forward_hooks"):
         assert opt.stats["loop_phases_ms"][phase] > before[phase]
     opt.close()
+
+
+def test_tail_update_casts_bf16_gradients_a_chunk_at_a_time(monkeypatch):
+    """The GPU tail's update of bf16 weights reads fp32 copies of their gradients; they are made a chunk at a time
+    (so the tail costs 14 B per bf16 parameter, not 18), and the chunked update equals the one-call update
+    bitwise. On the CPU the tail runs in ``step()`` with the same math."""
+    import threading
+
+    from lightning_gh.superoffload import optimizer as so_opt
+
+    def run(chunk: int):
+        monkeypatch.setattr(so_opt, "TAIL_UPDATE_CHUNK", chunk)
+        main, calls = threading.get_ident(), []
+        real = torch._fused_adamw_
+
+        def spy(*args, **kwargs):
+            if threading.get_ident() == main:  # the tail's update (the worker thread runs the host buckets')
+                calls.append(len(args[0]))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "_fused_adamw_", spy)
+        model, opt = train_ours(model=make_model(torch.bfloat16), gpu_fraction=0.6, steps=6)
+        monkeypatch.setattr(torch, "_fused_adamw_", real)
+        return model, opt, calls
+
+    whole_model, whole_opt, whole_calls = run(1 << 40)
+    chunk_model, chunk_opt, chunk_calls = run(1)
+    n_tail = sum(1 for s in chunk_opt._slots if s.residency == "device")
+    assert n_tail >= 2
+    # one call per group and step in one piece; one per tail parameter in chunks of one element
+    assert max(whole_calls) > 1 and set(chunk_calls) == {1}
+    assert len(chunk_calls) == sum(whole_calls)
+    assert_same(whole_model, whole_opt, chunk_model, chunk_opt)
+    # the per-parameter GPU cost the auto tail budgets: moments 8 B + fp32 master 4 B + the bf16 gradient 2 B
+    slot = next(s for s in chunk_opt._slots if s.residency == "device")
+    assert chunk_opt._tail_bytes([slot]) == 14 * slot.numel
+    whole_opt.close()
+    chunk_opt.close()
+
+
+def test_tail_budget_holds_back_one_cast_chunk(monkeypatch):
+    """The auto tail's memory budget holds back one chunk of fp32 gradient copies for bf16 weights (none for fp32
+    weights, whose gradients the update reads as they are)."""
+    from lightning_gh.superoffload import tail as so
+
+    room = (10 * 2**30, 2**40)
+    monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: room)
+    budgets = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_model(dtype)
+        opt = HeterogeneousAdamW(model.parameters(), lr=1e-2, module=model, skip_nonfinite=False, bucket_size=600)
+        loss_fn(model, batches(0)[0]).backward()
+        opt.step()
+        opt.synchronize()
+        budgets[dtype] = opt._tail_budget()[0]
+        largest = max(s.numel for s in opt._slots)
+        expect = 0 if dtype == torch.float32 else 4 * (so.TAIL_UPDATE_CHUNK + largest)
+        assert opt._cast_chunk_bytes() == expect
+        opt.close()
+    assert budgets[torch.float32] - budgets[torch.bfloat16] == 4 * (so.TAIL_UPDATE_CHUNK + largest)

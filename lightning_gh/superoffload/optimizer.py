@@ -96,7 +96,7 @@ import torch
 from torch import nn
 
 from lightning_gh import hardware
-from lightning_gh.superoffload.layout import Bucket, LayoutMixin, Slot
+from lightning_gh.superoffload.layout import Bucket, LayoutMixin, Slot, chunk_by_size
 from lightning_gh.superoffload.memory import check_host_memory
 from lightning_gh.superoffload.options import (
     SuperOffloadOptions,
@@ -104,7 +104,7 @@ from lightning_gh.superoffload.options import (
     validate_hyperparameters,
     validate_options,
 )
-from lightning_gh.superoffload.tail import TailMixin
+from lightning_gh.superoffload.tail import TAIL_UPDATE_CHUNK, TailMixin
 from lightning_gh.superoffload.worker import Decision, StepCtx, WorkerMixin
 from lightning_gh.superoffload.zero import ShardMixin, current_group, rank_cpu_threads
 
@@ -761,22 +761,27 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
             s = self._slots[i]
             if s.residency == "device" and s.param.grad is not None:
                 by_group.setdefault(s.group, []).append(s)
-        for gi, slots in sorted(by_group.items()):
+        for gi, group_slots in sorted(by_group.items()):
             h = hp[gi]
-            grads = [s.param.grad if s.dev_master is None else s.param.grad.to(torch.float32) for s in slots]
-            if coef is not None:
-                torch._foreach_mul_(grads, coef)
-            targets = [s.param if s.dev_master is None else s.dev_master for s in slots]
-            steps = [s.step for s in slots]
-            torch._foreach_add_(steps, 1)
-            torch._fused_adamw_(targets, grads, [s.exp_avg for s in slots], [s.exp_avg_sq for s in slots], [], steps,
-                                lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
-                                eps=h["eps"], amsgrad=False, maximize=False, found_inf=found_inf)
-            if found_inf is not None:
-                torch._foreach_sub_(steps, [found_inf] * len(steps))
-            mastered = [s for s in slots if s.dev_master is not None]
-            if mastered:  # one multi-tensor cast back into the module's (bf16) weights
-                torch._foreach_copy_([s.param for s in mastered], [s.dev_master for s in mastered])
+            # The fp32 copies of bf16 gradients the fused update reads are made a chunk at a time: they then cost
+            # one chunk of GPU memory, not 4 B per tail parameter (the auto tail budgets for one chunk).
+            for slots in chunk_by_size(group_slots, TAIL_UPDATE_CHUNK):
+                grads = [s.param.grad if s.dev_master is None else s.param.grad.to(torch.float32) for s in slots]
+                if coef is not None:
+                    torch._foreach_mul_(grads, coef)
+                targets = [s.param if s.dev_master is None else s.dev_master for s in slots]
+                steps = [s.step for s in slots]
+                torch._foreach_add_(steps, 1)
+                torch._fused_adamw_(targets, grads, [s.exp_avg for s in slots], [s.exp_avg_sq for s in slots], [],
+                                    steps, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
+                                    weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=False,
+                                    found_inf=found_inf)
+                if found_inf is not None:
+                    torch._foreach_sub_(steps, [found_inf] * len(steps))
+                mastered = [s for s in slots if s.dev_master is not None]
+                if mastered:  # one multi-tensor cast back into the module's (bf16) weights
+                    torch._foreach_copy_([s.param for s in mastered], [s.dev_master for s in mastered])
+                del grads  # free this chunk's fp32 copies before the next chunk makes its own
 
     def _after_step(self) -> None:
         self.stats["steps"] += 1

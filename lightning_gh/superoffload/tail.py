@@ -34,6 +34,7 @@ why, and keeps the same text in ``optimizer.stats["tail_decision"]``.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Iterable
 
@@ -61,6 +62,10 @@ _TRIAL_NOISE = 0.03
 # device's (or the cap's) memory, for a longer batch, fragmentation and other processes.
 _TAIL_HEADROOM_MIN_BYTES = 1 << 30
 _TAIL_HEADROOM_SHARE = 0.10
+# The tail's fused update reads fp32 gradients; for bf16/fp16 weights it casts them a chunk of about this many
+# parameters at a time, so the cast costs one chunk of transient GPU memory instead of 4 B for every tail parameter
+# (which, charged per parameter, had limited a 32-layer Llama's tail under a 24 GiB cap to ~52%).
+TAIL_UPDATE_CHUNK = 1 << 26
 # Moving CPU work w to the GPU shortens the wait by a little more than w (the moved layers' own forward now runs
 # before the first host bucket is needed): move this share of the wait, re-check later.
 _GROW_SHARE = 0.85
@@ -299,11 +304,19 @@ class TailMixin:
 
     @staticmethod
     def _tail_bytes(slots: Iterable[Slot]) -> int:
-        """GPU bytes these parameters cost in the tail: fp32 moments; for non-fp32 weights an fp32 master and the
-        fp32 copy of the gradient the fused update reads; and the gradient itself, which stays on the GPU until
-        ``zero_grad`` instead of being freed as it lands on the host."""
-        return sum(s.numel * (8 + (0 if s.param.dtype == torch.float32 else 8) + s.param.element_size())
+        """GPU bytes these parameters cost in the tail: fp32 moments; for non-fp32 weights an fp32 master; and the
+        gradient itself, which stays on the GPU until ``zero_grad`` instead of being freed as it lands on the host.
+        The fp32 copy of the gradient the fused update reads is made a chunk at a time (``TAIL_UPDATE_CHUNK``): the
+        budget holds one chunk of it back (:meth:`_tail_budget`)."""
+        extra = int(os.environ.get("LIGHTNING_GH_SO_TAIL_CAST_CHARGE", "0"))  # TEMPORARY A/B (session k)
+        return sum(s.numel * (8 + (0 if s.param.dtype == torch.float32 else 4 + extra) + s.param.element_size())
                    for s in slots)
+
+    def _cast_chunk_bytes(self) -> int:
+        """GPU bytes of one chunk of fp32 gradient copies the tail's update makes (0 when every weight is fp32);
+        the largest parameter counts in full, as a chunk never splits a parameter."""
+        cast = [s.numel for s in self._slots if s.param.dtype != torch.float32]
+        return 4 * (TAIL_UPDATE_CHUNK + max(cast)) if cast else 0
 
     def _tail_budget(self) -> tuple[int, str] | None:
         """GPU bytes the tail may still take, and how that was worked out; ``None`` when the room is unknown.
@@ -323,7 +336,10 @@ class TailMixin:
             # memory the step's peak needed beyond what is reserved now (the cache may have been trimmed)
             peak_extra = max(0, torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device))
         margin = max(_TAIL_HEADROOM_MIN_BYTES, int(_TAIL_HEADROOM_SHARE * limit))
-        budget = free - peak_extra - margin
+        # one chunk of the update's fp32 gradient copies (made in step(), after the activations are freed, so the
+        # measured peak need not hold it)
+        cast = self._cast_chunk_bytes()
+        budget = free - peak_extra - margin - cast
         how = (f"{max(free - peak_extra, 0) / 2**30:.2f} GiB free after a step's peak under a {limit / 2**30:.1f} GiB "
                f"limit, less a margin of {margin / 2**30:.2f} GiB")
         return budget, how

@@ -653,8 +653,9 @@ def test_tail_update_casts_bf16_gradients_a_chunk_at_a_time(monkeypatch):
 
 
 def test_tail_budget_holds_back_one_cast_chunk(monkeypatch):
-    """The auto tail's memory budget holds back one chunk of fp32 gradient copies for bf16 weights (none for fp32
-    weights, whose gradients the update reads as they are)."""
+    """Before the first move, the auto tail's memory budget holds back one chunk of fp32 gradient copies for bf16
+    weights (none for fp32 weights, whose gradients the update reads as they are); once a tail exists, the measured
+    peak of a step holds it and nothing more is held back."""
     from lightning_gh.superoffload import tail as so
 
     room = (10 * 2**30, 2**40)
@@ -672,3 +673,11 @@ def test_tail_budget_holds_back_one_cast_chunk(monkeypatch):
         assert opt._cast_chunk_bytes() == expect
         opt.close()
     assert budgets[torch.float32] - budgets[torch.bfloat16] == 4 * (so.TAIL_UPDATE_CHUNK + largest)
+    model = make_model(torch.bfloat16)
+    opt = HeterogeneousAdamW(model.parameters(), lr=1e-2, module=model, skip_nonfinite=False, bucket_size=600,
+                             gpu_fraction=0.5)
+    loss_fn(model, batches(0)[0]).backward()
+    opt.step()
+    opt.synchronize()
+    assert opt.device_numel > 0 and opt._tail_budget()[0] == budgets[torch.float32]
+    opt.close()

@@ -421,7 +421,7 @@ class _HFLlamaLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=fused)
 
 
-_HF_FIXED = ("gpu", "default", "tail0", "deepspeed", "default-charge18")
+_HF_FIXED = ("gpu", "default", "tail0", "deepspeed")
 
 
 def _hf_variant(text: str) -> str:
@@ -499,8 +499,7 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), dev_index)
     name = {"gpu": "gpu fused adamw (bf16-mixed)", "default": "superoffload default (bf16-true)",
             "tail0": "superoffload gpu_fraction=0.0 (bf16-true)",
-            "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)",
-            "default-charge18": "superoffload default, tail charged 18 B/param (bf16-true)"}.get(variant, f"superoffload {variant[3:]} (bf16-true)")
+            "deepspeed": "deepspeed_stage_2_offload (bf16-mixed)"}.get(variant, f"superoffload {variant[3:]} (bf16-true)")
     r = Result(ctx.suite, f"hf-llama {n_layers}L cap {cap_gib:g} GiB", name, None, seq_len)
     module = trainer = None
     try:
@@ -518,9 +517,6 @@ def _hf_run(ctx: BenchContext, n_layers: int, variant: str, cap_gib: float, seq_
         if variant == "gpu":
             kw: dict[str, Any] = dict(precision="bf16-mixed" if ctx.cuda else "32-true")
         elif variant == "default":
-            kw = dict(strategy="superoffload", precision="bf16-true")
-        elif variant == "default-charge18":  # experiment (session k): the tail charged as before the chunked cast
-            os.environ["LIGHTNING_GH_SO_TAIL_CAST_CHARGE"] = "4"
             kw = dict(strategy="superoffload", precision="bf16-true")
         elif variant == "deepspeed":
             module.deepspeed_cpu_adam = True

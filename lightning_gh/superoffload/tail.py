@@ -34,7 +34,6 @@ why, and keeps the same text in ``optimizer.stats["tail_decision"]``.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Iterable
 
@@ -64,7 +63,7 @@ _TAIL_HEADROOM_MIN_BYTES = 1 << 30
 _TAIL_HEADROOM_SHARE = 0.10
 # The tail's fused update reads fp32 gradients; for bf16/fp16 weights it casts them a chunk of about this many
 # parameters at a time, so the cast costs one chunk of transient GPU memory instead of 4 B for every tail parameter
-# (which, charged per parameter, had limited a 32-layer Llama's tail under a 24 GiB cap to ~52%).
+# (3.4 GB for an 850M-parameter tail, which a step whose peak is the optimizer step cannot spare).
 TAIL_UPDATE_CHUNK = 1 << 26
 # Moving CPU work w to the GPU shortens the wait by a little more than w (the moved layers' own forward now runs
 # before the first host bucket is needed): move this share of the wait, re-check later.
@@ -307,9 +306,8 @@ class TailMixin:
         """GPU bytes these parameters cost in the tail: fp32 moments; for non-fp32 weights an fp32 master; and the
         gradient itself, which stays on the GPU until ``zero_grad`` instead of being freed as it lands on the host.
         The fp32 copy of the gradient the fused update reads is made a chunk at a time (``TAIL_UPDATE_CHUNK``): the
-        budget holds one chunk of it back (:meth:`_tail_budget`)."""
-        extra = int(os.environ.get("LIGHTNING_GH_SO_TAIL_CAST_CHARGE", "0"))  # TEMPORARY A/B (session k)
-        return sum(s.numel * (8 + (0 if s.param.dtype == torch.float32 else 4 + extra) + s.param.element_size())
+        budget holds one chunk of it back before the first move (:meth:`_tail_budget`)."""
+        return sum(s.numel * (8 + (0 if s.param.dtype == torch.float32 else 4) + s.param.element_size())
                    for s in slots)
 
     def _cast_chunk_bytes(self) -> int:
@@ -336,9 +334,9 @@ class TailMixin:
             # memory the step's peak needed beyond what is reserved now (the cache may have been trimmed)
             peak_extra = max(0, torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device))
         margin = max(_TAIL_HEADROOM_MIN_BYTES, int(_TAIL_HEADROOM_SHARE * limit))
-        # one chunk of the update's fp32 gradient copies (made in step(), after the activations are freed, so the
-        # measured peak need not hold it)
-        cast = self._cast_chunk_bytes()
+        # one chunk of the update's fp32 gradient copies, before the first move: afterwards the measured peak of a
+        # full step holds it (the copies are made in step(), after the activations are freed)
+        cast = self._cast_chunk_bytes() if self.device_numel == 0 else 0
         budget = free - peak_extra - margin - cast
         how = (f"{max(free - peak_extra, 0) / 2**30:.2f} GiB free after a step's peak under a {limit / 2**30:.1f} GiB "
                f"limit, less a margin of {margin / 2**30:.2f} GiB")

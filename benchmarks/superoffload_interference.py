@@ -19,7 +19,8 @@ gradient dropped as it lands), timed with CUDA events while one background threa
 Each mode's median ms, its ratio to ``none`` of the same round, and the background's rate are printed and written
 to ``superoffload_interference.json``. Before the rounds, the kernel modes also run for ``--alone-s`` seconds with
 no GPU work: their rates alone, so the update's rate under its own copies and under the training loop can be read
-against it (what the host's memory bandwidth leaves the update: the bound assumes the rate alone). Rounds repeat the modes in the same order. Needs a CUDA GPU.
+against it (what the host's memory bandwidth leaves the update: the bound assumes the rate alone). Rounds repeat
+the modes in the same order. Needs a CUDA GPU.
 """
 
 from __future__ import annotations

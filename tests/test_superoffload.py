@@ -622,7 +622,7 @@ def test_tail_update_casts_bf16_gradients_a_chunk_at_a_time(monkeypatch):
 
     from lightning_gh.superoffload import optimizer as so_opt
 
-    def run(chunk: int):
+    def run(chunk: int, dtype: torch.dtype = torch.bfloat16):
         monkeypatch.setattr(so_opt, "TAIL_UPDATE_CHUNK", chunk)
         main, calls = threading.get_ident(), []
         real = torch._fused_adamw_
@@ -633,7 +633,7 @@ def test_tail_update_casts_bf16_gradients_a_chunk_at_a_time(monkeypatch):
             return real(*args, **kwargs)
 
         monkeypatch.setattr(torch, "_fused_adamw_", spy)
-        model, opt = train_ours(model=make_model(torch.bfloat16), gpu_fraction=0.6, steps=6)
+        model, opt = train_ours(model=make_model(dtype), gpu_fraction=0.6, steps=6)
         monkeypatch.setattr(torch, "_fused_adamw_", real)
         return model, opt, calls
 
@@ -650,6 +650,10 @@ def test_tail_update_casts_bf16_gradients_a_chunk_at_a_time(monkeypatch):
     assert chunk_opt._tail_bytes([slot]) == 14 * slot.numel
     whole_opt.close()
     chunk_opt.close()
+    # fp32 weights: nothing is cast, so the tail's update stays one call per group and step whatever the chunk
+    _, fp32_opt, fp32_calls = run(1, torch.float32)
+    assert fp32_calls == whole_calls
+    fp32_opt.close()
 
 
 def test_tail_budget_holds_back_one_cast_chunk(monkeypatch):

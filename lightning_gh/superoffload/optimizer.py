@@ -764,8 +764,10 @@ class HeterogeneousAdamW(LayoutMixin, TailMixin, WorkerMixin, ShardMixin, torch.
         for gi, group_slots in sorted(by_group.items()):
             h = hp[gi]
             # The fp32 copies of bf16 gradients the fused update reads are made a chunk at a time: they then cost
-            # one chunk of GPU memory, not 4 B per tail parameter (the auto tail budgets for one chunk).
-            for slots in chunk_by_size(group_slots, TAIL_UPDATE_CHUNK):
+            # one chunk of GPU memory, not 4 B per tail parameter (the auto tail budgets for one chunk). fp32
+            # weights' gradients are read as they are: one call, no chunks.
+            cast = any(s.dev_master is not None for s in group_slots)
+            for slots in chunk_by_size(group_slots, TAIL_UPDATE_CHUNK) if cast else [group_slots]:
                 grads = [s.param.grad if s.dev_master is None else s.param.grad.to(torch.float32) for s in slots]
                 if coef is not None:
                     torch._foreach_mul_(grads, coef)

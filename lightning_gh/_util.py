@@ -1,0 +1,56 @@
+"""Small helpers every part shares: warn once, format a byte count, read a package environment variable.
+
+One implementation each, so that a part never grows its own copy.
+
+Example::
+
+    >>> from lightning_gh._util import fmt_bytes
+    >>> fmt_bytes(3 * 2**30), fmt_bytes(1536 * 2**10), fmt_bytes(512)
+    ('3.00 GiB', '1.5 MiB', '512 B')
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+__all__ = ["ENV_PREFIX", "env", "fmt_bytes", "reset_warnings", "warn_once"]
+
+#: The one prefix of the package's environment variables (``LGH_PROFILE_START_STOP``, ``LGH_CACHE_DIR``, ...).
+ENV_PREFIX = "LGH_"
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str, category: type[Warning] = UserWarning, stacklevel: int = 3) -> None:
+    """``warnings.warn(message)`` the first time ``key`` is seen in this process, nothing after.
+
+    Keys are global to the package: prefix them with the part (``"nvtx:no-package"``).
+    """
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(message, category, stacklevel=stacklevel)
+
+
+def reset_warnings(prefix: str = "") -> None:
+    """Forget the keys that start with ``prefix`` (all of them by default), so that they warn again (tests)."""
+    for key in [k for k in _WARNED if k.startswith(prefix)]:
+        _WARNED.discard(key)
+
+
+def fmt_bytes(n: int | float) -> str:
+    """A byte count for people: ``1.50 GiB``, ``20.0 MiB``, ``3.0 KiB``, ``512 B``."""
+    n = float(n)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The package environment variable ``LGH_<name>`` (``name`` without the prefix), or ``default``."""
+    if name.startswith(ENV_PREFIX):
+        raise ValueError(f"env(name={name!r}): give the name without the {ENV_PREFIX!r} prefix.")
+    value = os.environ.get(ENV_PREFIX + name)
+    return default if value is None or value == "" else value

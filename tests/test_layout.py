@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "lightning_gh"
-# Old import paths kept for one release: they only forward to the new modules.
-DEPRECATED = ("lightning_gh.offload",)
 
 
 def _module_name(path: Path) -> str:
@@ -89,7 +87,6 @@ def test_no_import_cycles():
     pkgs = {m for m, p in mods.items() if p.name == "__init__.py"}
     # A package __init__ that only re-exports is an edge to its contents, not a participant.
     edges = {m: {d for d in ds if d not in pkgs} for m, ds in graph.items() if m not in pkgs}
-    edges = {m: {d for d in ds if not d.startswith(DEPRECATED)} for m, ds in edges.items() if not m.startswith(DEPRECATED)}
     cycles: list[list[str]] = []
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -118,7 +115,7 @@ def test_only_hardware_probes_the_machine():
     allowed = {"lightning_gh.hardware"}
     offenders = []
     for name, path in _modules().items():
-        if name in allowed or name.startswith(DEPRECATED):
+        if name in allowed:
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]

@@ -3,7 +3,7 @@
 Variants per preset (fp32 weights, bf16 autocast, fused AdamW, random tokens already on the GPU):
   eager step          forward + backward + optimizer step
   compiled step       the same with the decoder under torch.compile (default mode)
-  eager fwd+bwd       forward + backward only (what ../shared/gpu/README.md's activation anchors time)
+  eager fwd+bwd       forward + backward only (what the activation anchors time)
   compiled fwd+bwd    the same, compiled
   lightning bf16-mixed  a full step inside an ordinary Lightning Trainer(precision="bf16-mixed"), eager
 """
@@ -15,9 +15,9 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from common import BenchContext, Result, lightning_steps, peak_memory, random_batch, reset_memory, time_fn
-
 from lightning_gh.demo import Llama, LlamaLM, preset
+
+from common import BenchContext, Result, lightning_steps, peak_memory, random_batch, reset_memory, time_fn
 
 DEFAULT_PRESETS = ["small", "medium", "large"]
 
@@ -49,16 +49,16 @@ def run(ctx: BenchContext) -> list[Result]:
     for name in ctx.presets:
         cfg = preset(name)
         variants = [
-            ("eager step", lambda: _step_fn(cfg, ctx.device, False, True)),
-            ("compiled step", lambda: _step_fn(cfg, ctx.device, True, True)),
-            ("eager fwd+bwd", lambda: _step_fn(cfg, ctx.device, False, False)),
-            ("compiled fwd+bwd", lambda: _step_fn(cfg, ctx.device, True, False)),
+            ("eager step", False, True),
+            ("compiled step", True, True),
+            ("eager fwd+bwd", False, False),
+            ("compiled fwd+bwd", True, False),
         ]
-        for variant, make in variants:
+        for variant, compiled, with_optimizer in variants:
             reset_memory(ctx.device)
             r = Result(ctx.suite, name, variant, None, cfg.tokens_per_batch, cfg.train_flops_per_batch())
             try:
-                step = make()
+                step = _step_fn(cfg, ctx.device, compiled, with_optimizer)
                 r.timing = time_fn(step, ctx.device, ctx.warmup, ctx.iters)
                 r.peak_mem_bytes = peak_memory(ctx.device)
             except Exception as e:  # an OOM or compile failure is a result, not a crash of the suite

@@ -1,0 +1,346 @@
+"""The job the project exists for: a 7-8B Hugging Face decoder fully fine-tuned on ONE GPU, with default options.
+
+A plain ``LightningModule`` wraps ``transformers.LlamaForCausalLM`` (random init, SDPA attention), computes its own
+loss from the logits, and returns ``torch.optim.AdamW(fused=True)``; the Trainer clips gradients
+(``gradient_clip_val=1.0``). Each variant runs in a process of its own (a 7B job leaves host and GPU memory
+behind), one after the other, and the parent prints one table with every variant beside the anchors:
+
+==================  ==========================================================================================
+variant             what runs
+==================  ==========================================================================================
+gpu_bf16_ckpt       GPU-only ``precision="bf16-true"`` (bf16 weights and bf16 AdamW state: no fp32 master, lossy)
+                    + HF gradient checkpointing: the option users take when fp32 state does not fit
+superoffload        ``strategy="superoffload"``, ``precision="bf16-true"`` (fp32 master and moments in host
+                    memory), default options, HF gradient checkpointing
+superoffload_fp8    the same with ``plugins=[lgh.precision("fp8-ao-tensorwise")]`` instead of ``bf16-true``
+deepspeed_offload   Lightning ``strategy="deepspeed_stage_2_offload"`` + ``DeepSpeedCPUAdam``, ``bf16-mixed``,
+                    HF gradient checkpointing (DeepSpeed ZeRO-Offload, the anchor users know)
+torchao_offload     torchao's ``CPUOffloadOptimizer`` (fused AdamW on the CPU), ``bf16-mixed``, HF checkpointing
+==================  ==========================================================================================
+
+Model FLOPs are 6 x parameters x tokens per step (no attention term, no recompute), against the GPU's dense bf16
+peak (:func:`lightning_gh.hardware` datasheet figure where known, else ``--peak-tflops``).
+
+Usage (on the GPU machine)::
+
+    python benchmarks/one_gpu_job.py --variants gpu_bf16_ckpt superoffload --layers 32 --steps 12 --out $OUT
+    python benchmarks/one_gpu_job.py --variants superoffload --vocab 128256        # Llama-3.1-8B's shape
+    python benchmarks/one_gpu_job.py --check-loss --layers 4 --steps 50              # losses vs an fp32-master run
+
+A GH200 forecast is printed beside the measured figures, marked as a forecast (its assumptions are printed with
+it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+VARIANTS = ("gpu_bf16_ckpt", "superoffload", "superoffload_fp8", "deepspeed_offload", "torchao_offload",
+            "gpu_fp32master")
+
+#: Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from NVIDIA's datasheets, by a substring of the
+#: device name. MFU is reported against these.
+DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "GH200": 989.0}
+
+
+@dataclass
+class Job:
+    """One variant's job: the model shape and the run length."""
+
+    variant: str
+    layers: int = 32
+    hidden: int = 4096
+    ffn: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    vocab: int = 32000
+    batch: int = 4
+    seq: int = 4096
+    steps: int = 12
+    warmup: int = 4
+    clip: float = 1.0
+    lr: float = 1e-5
+    seed: int = 0
+    checkpointing: bool = True
+    record_losses: bool = False
+
+
+@dataclass
+class Outcome:
+    """What one variant measured (or why it did not run)."""
+
+    variant: str
+    params: int = 0
+    step_ms: float | None = None
+    step_ms_p10: float | None = None
+    step_ms_p90: float | None = None
+    tokens_per_s: float | None = None
+    model_tflops: float | None = None
+    mfu: float | None = None
+    peak_gpu_gib: float | None = None
+    host_rss_gib: float | None = None
+    host_used_gib: float | None = None
+    device: str = ""
+    error: str | None = None
+    losses: list[float] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def param_count(j: Job) -> int:
+    """Parameters of a Llama-shaped decoder (untied embeddings and head)."""
+    head_dim = j.hidden // j.heads
+    attn = j.hidden * j.hidden * 2 + 2 * j.hidden * j.kv_heads * head_dim
+    mlp = 3 * j.hidden * j.ffn
+    norms = 2 * j.hidden
+    return j.layers * (attn + mlp + norms) + 2 * j.vocab * j.hidden + j.hidden
+
+
+# ------------------------------------------------------------------------------------------------ the child
+
+
+def _host_used_bytes() -> int | None:
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        kib = lambda k: int(info[k].split()[0]) * 1024  # noqa: E731
+        return kib("MemTotal") - kib("MemAvailable")
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _child(job: Job, out_file: Path) -> None:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import Callback
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lightning_gh as lgh
+
+    torch.manual_seed(job.seed)
+    res = Outcome(job.variant, params=param_count(job), device=torch.cuda.get_device_name(0))
+    host_used = [0]
+
+    class LM(L.LightningModule):
+        """What users write: the model in configure_model, the loss from the logits, their own AdamW."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model: Any = None
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            cfg = LlamaConfig(hidden_size=job.hidden, intermediate_size=job.ffn, num_hidden_layers=job.layers,
+                              num_attention_heads=job.heads, num_key_value_heads=job.kv_heads,
+                              vocab_size=job.vocab, max_position_embeddings=job.seq, attn_implementation="sdpa",
+                              use_cache=False)
+            self.model = LlamaForCausalLM(cfg)
+            if job.checkpointing:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            ids = batch[0]
+            logits = self.model(input_ids=ids).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            if job.record_losses:
+                res.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            if job.variant == "deepspeed_offload":
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+                return DeepSpeedCPUAdam(self.parameters(), lr=job.lr)
+            if job.variant == "torchao_offload":
+                from torchao.optim import CPUOffloadOptimizer
+                return CPUOffloadOptimizer(self.parameters(), torch.optim.AdamW, lr=job.lr, fused=True)
+            return torch.optim.AdamW(self.parameters(), lr=job.lr, fused=True)
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if len(self.starts) == job.warmup:
+                torch.cuda.synchronize()
+            self.starts.append(time.perf_counter())
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            torch.cuda.synchronize()
+            self.starts.append(time.perf_counter())
+            host_used[0] = _host_used_bytes() or 0
+
+    g = torch.Generator().manual_seed(job.seed)
+    data = torch.randint(0, job.vocab, (job.steps * job.batch, job.seq), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=job.batch)
+
+    kw: dict[str, Any] = {}
+    if job.variant == "gpu_bf16_ckpt":
+        kw = {"precision": "bf16-true"}
+    elif job.variant == "gpu_fp32master":
+        kw = {"precision": "bf16-mixed"}
+    elif job.variant == "superoffload":
+        kw = {"precision": "bf16-true", "strategy": "superoffload"}
+    elif job.variant == "superoffload_fp8":
+        kw = {"plugins": [lgh.precision("fp8-ao-tensorwise")], "strategy": "superoffload"}
+    elif job.variant == "deepspeed_offload":
+        kw = {"precision": "bf16-mixed", "strategy": "deepspeed_stage_2_offload"}
+    elif job.variant == "torchao_offload":
+        kw = {"precision": "bf16-mixed"}
+    else:
+        raise SystemExit(f"unknown variant {job.variant!r}; expected one of {VARIANTS}")
+    clock = Clock()
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=job.steps, gradient_clip_val=job.clip,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[clock], **kw)
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.fit(LM(), loader)
+    except BaseException as e:  # report the failure of this variant, as a user would see it
+        res.error = f"{type(e).__name__}: {str(e)[:600]}"
+    if len(clock.starts) > job.warmup + 1:
+        timed = clock.starts[job.warmup:]
+        deltas = sorted((b - a) * 1e3 for a, b in zip(timed, timed[1:]))
+        res.step_ms = statistics.median(deltas)
+        res.step_ms_p10 = deltas[int(0.1 * (len(deltas) - 1))]
+        res.step_ms_p90 = deltas[int(0.9 * (len(deltas) - 1))]
+        tokens = job.batch * job.seq
+        res.tokens_per_s = tokens / (res.step_ms / 1e3)
+        res.model_tflops = 6 * res.params * tokens / (res.step_ms / 1e3) / 1e12
+        peak = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in res.device), None)
+        res.mfu = res.model_tflops / peak if peak else None
+    res.peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30
+    res.host_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    res.host_used_gib = host_used[0] / 2**30 if host_used[0] else None
+    opt = trainer.optimizers[0] if trainer.optimizers else None
+    stats = getattr(opt, "stats", None)
+    if isinstance(stats, dict):
+        res.notes["optimizer_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+    out_file.write_text(json.dumps(asdict(res)))
+
+
+# ------------------------------------------------------------------------------------------------ the parent
+
+
+def run_variant(job: Job, out: Path, timeout_s: float) -> Outcome:
+    out_file = out / f"{job.variant}-{job.layers}l-{job.vocab}v.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(asdict(job)), "--child-out",
+           str(out_file)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return Outcome(job.variant, params=param_count(job), error=f"timed out after {timeout_s:.0f} s")
+    log = out / f"{job.variant}-{job.layers}l-{job.vocab}v.log"
+    log.write_text(proc.stdout + proc.stderr)
+    if out_file.exists():
+        res = Outcome(**json.loads(out_file.read_text()))
+    else:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        res = Outcome(job.variant, params=param_count(job),
+                      error=f"exit code {proc.returncode} (killed by the OOM killer?): " + " | ".join(tail))
+    res.notes["wall_s"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def gh200_forecast(step_gpu_ms: float, params: int) -> dict[str, float]:
+    """A forecast, not a measurement: the step on one GH200 if the GPU part stays as measured here and the host
+    side runs at Grace's rates. Assumptions: the CPU AdamW is bound by host memory traffic (26 B per parameter
+    per update) at 400 GB/s of LPDDR5X; bf16 gradients down and bf16 weights up over NVLink-C2C at 450 GB/s each
+    way (published figures); the update overlaps backward as it does here."""
+    cpu_ms = params * 26 / 400e9 * 1e3
+    link_ms = params * 2 / 450e9 * 1e3
+    return {"gpu_ms": step_gpu_ms, "cpu_update_ms": cpu_ms, "link_ms_each_way": link_ms,
+            "step_ms": max(step_gpu_ms, cpu_ms, link_ms)}
+
+
+def table(rows: list[Outcome], anchor: str | None) -> str:
+    base = next((r for r in rows if r.variant == anchor and r.step_ms), None)
+    head = ("| variant | params (B) | step ms | tokens/s | MFU | vs anchor | peak GPU GiB | host used GiB | "
+            "result |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    lines = [head]
+    for r in rows:
+        ratio = f"{base.step_ms / r.step_ms:.2f}x" if base and r.step_ms else ""
+        f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
+        lines.append(f"| {r.variant} | {r.params / 1e9:.2f} | {f(r.step_ms, '.0f')} | {f(r.tokens_per_s, ',.0f')} | "
+                     f"{f(r.mfu and 100 * r.mfu, '.1f')}% | {ratio} | {f(r.peak_gpu_gib, '.1f')} | "
+                     f"{f(r.host_used_gib, '.1f')} | {r.error or 'ok'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=["gpu_bf16_ckpt", "superoffload"], choices=VARIANTS)
+    ap.add_argument("--layers", type=int, nargs="+", default=[32], help="decoder layers (one run per value)")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=14336)
+    ap.add_argument("--vocab", type=int, default=32000, help="32000: Mistral-7B's shape; 128256: Llama-3.1-8B's")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
+    ap.add_argument("--check-loss", action="store_true",
+                    help="record every step's loss of gpu_fp32master and superoffload (use a model that fits)")
+    ap.add_argument("--timeout", type=float, default=540.0, help="seconds per variant")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        _child(Job(**json.loads(args.child)), Path(args.child_out))
+        return 0
+    if args.steps <= args.warmup + 1:
+        ap.error(f"--steps={args.steps} must exceed --warmup={args.warmup} by at least 2")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = ["gpu_fp32master", "superoffload"] if args.check_loss else args.variants
+    rows: list[Outcome] = []
+    for layers in args.layers:
+        for v in variants:
+            job = Job(v, layers=layers, hidden=args.hidden, ffn=args.ffn, vocab=args.vocab, batch=args.batch,
+                      seq=args.seq, steps=args.steps, warmup=args.warmup,
+                      checkpointing=not args.no_checkpointing, record_losses=args.check_loss)
+            r = run_variant(job, out, args.timeout)
+            r.notes["layers"] = layers
+            rows.append(r)
+            print(f"{v} ({layers} layers): {r.step_ms and round(r.step_ms)} ms, error={r.error}", flush=True)
+    anchor = "gpu_fp32master" if args.check_loss else "gpu_bf16_ckpt"
+    report = table(rows, anchor)
+    if args.check_loss:
+        ref = next((r.losses for r in rows if r.variant == "gpu_fp32master"), [])
+        ours = next((r.losses for r in rows if r.variant == "superoffload"), [])
+        n = min(len(ref), len(ours))
+        if n:
+            rel = [abs(a - b) / abs(a) for a, b in zip(ref[:n], ours[:n])]
+            report += (f"\n\nlosses over {n} steps: max relative difference {max(rel):.2e}, mean {statistics.mean(rel):.2e}"
+                       f"; first {ref[0]:.4f} / {ours[0]:.4f}, last {ref[n - 1]:.4f} / {ours[n - 1]:.4f}")
+    ours = next((r for r in rows if r.variant == "superoffload" and r.step_ms), None)
+    gpu_only = next((r for r in rows if r.variant == "gpu_bf16_ckpt" and r.step_ms), None)
+    if ours is not None:
+        fc = gh200_forecast((gpu_only or ours).step_ms, ours.params)
+        report += ("\n\nFORECAST (not measured), one GH200, the superoffload row: GPU part as measured here "
+                   f"({'the GPU-only step' if gpu_only else 'our step, an upper bound'}) "
+                   f"{fc['gpu_ms']:.0f} ms; CPU update at Grace's memory rate {fc['cpu_update_ms']:.0f} ms; "
+                   f"NVLink-C2C {fc['link_ms_each_way']:.0f} ms each way; step ~{fc['step_ms']:.0f} ms "
+                   "(assumptions: gh200_forecast's docstring)")
+    print(report)
+    (out / "one_gpu_job.md").write_text(report + "\n")
+    (out / "one_gpu_job.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

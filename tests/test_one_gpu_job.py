@@ -1,0 +1,51 @@
+"""The one-GPU job's benchmark script: its arithmetic and its report, on the CPU (the runs themselves need a GPU)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "one_gpu_job.py"
+_spec = importlib.util.spec_from_file_location("one_gpu_job", _PATH)
+job = importlib.util.module_from_spec(_spec)
+sys.modules["one_gpu_job"] = job
+_spec.loader.exec_module(job)
+
+
+@pytest.mark.parametrize(
+    ("kw", "billions"),
+    [({}, 7.24), ({"vocab": 128256}, 8.03), ({"layers": 20}, 4.62), ({"layers": 46}, 10.29)],
+)
+def test_param_count_matches_the_published_shapes(kw, billions):
+    assert job.param_count(job.Job("superoffload", **kw)) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_param_count_equals_transformers_own_count():
+    transformers = pytest.importorskip("transformers")
+    j = job.Job("superoffload", layers=2, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=100)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert job.param_count(j) == sum(p.numel() for p in model.parameters())
+
+
+def test_table_reports_ratios_against_the_anchor_and_errors_verbatim():
+    rows = [job.Outcome("gpu_bf16_ckpt", params=7_240_000_000, step_ms=2000.0, tokens_per_s=8192.0, mfu=0.36),
+            job.Outcome("superoffload", params=7_240_000_000, step_ms=1600.0, tokens_per_s=10240.0, mfu=0.45),
+            job.Outcome("deepspeed_offload", params=7_240_000_000, error="exit code -9")]
+    text = job.table(rows, "gpu_bf16_ckpt")
+    assert "| superoffload | 7.24 | 1600 | 10,240 | 45.0% | 1.25x |" in text
+    assert "exit code -9" in text
+
+
+def test_forecast_is_bound_by_its_slowest_part():
+    fc = job.gh200_forecast(1000.0, 7_240_000_000)
+    assert fc["step_ms"] == max(fc["gpu_ms"], fc["cpu_update_ms"], fc["link_ms_each_way"])
+    assert fc["cpu_update_ms"] == pytest.approx(7.24e9 * 26 / 400e9 * 1e3)
+
+
+def test_bad_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        job.main(["--steps", "3", "--warmup", "4"])
+    assert "--steps=3" in capsys.readouterr().err

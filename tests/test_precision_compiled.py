@@ -1,4 +1,4 @@
-"""fp8 on a model the user compiled as a whole: SDPA keeps its causal path in HF decoders (issue 18).
+"""fp8 on a model the user compiled as a whole: SDPA keeps its causal path in HF decoders.
 
 Under ``torch.compile`` transformers builds an explicit causal mask for SDPA (eagerly it passes none and
 ``is_causal=True``), which keeps SDPA off its flash kernel. ``keep_causal_sdpa`` (applied by the fp8-ao plugins on a
@@ -15,9 +15,9 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_gh import _hf
+from lightning_gh._hf import hf_sdpa_decoders, keep_causal_sdpa
 from lightning_gh.precision import TorchAOFloat8Precision, precision
-from lightning_gh.precision import hf_sdpa
-from lightning_gh.precision.hf_sdpa import hf_sdpa_decoders, keep_causal_sdpa
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchao.float8")
@@ -132,16 +132,16 @@ def test_wrapper_declines_outside_compile_and_while_exporting(monkeypatch):
     keep_causal_sdpa(model)
     call = dict(config=model.config, q_length=SEQ, kv_length=SEQ, q_offset=0, kv_offset=0, attention_mask=None,
                 local_size=None, use_vmap=False)
-    monkeypatch.setattr(hf_sdpa._STATE, "plain", True)
-    assert not hf_sdpa._skip(call)  # eager: transformers decides (it returns None itself)
+    monkeypatch.setattr(_hf._STATE, "plain", True)
+    assert not _hf._skip(call)  # eager: transformers decides (it returns None itself)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert hf_sdpa._skip(call)
-    assert not hf_sdpa._skip({**call, "local_size": 8})  # a sliding window shorter than the sequence
-    assert hf_sdpa._skip({**call, "local_size": SEQ + 1})  # ... longer: plain causal, skipped as eagerly
-    assert not hf_sdpa._skip({**call, "use_vmap": True})  # the model's own or/and mask functions
-    assert not hf_sdpa._skip({**call, "kv_length": SEQ + 4, "kv_offset": 4})  # a cache with an offset
+    assert _hf._skip(call)
+    assert not _hf._skip({**call, "local_size": 8})  # a sliding window shorter than the sequence
+    assert _hf._skip({**call, "local_size": SEQ + 1})  # ... longer: plain causal, skipped as eagerly
+    assert not _hf._skip({**call, "use_vmap": True})  # the model's own or/and mask functions
+    assert not _hf._skip({**call, "kv_length": SEQ + 4, "kv_offset": 4})  # a cache with an offset
     monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True, raising=False)  # what torch.export sets
-    assert not hf_sdpa._skip(call)  # export: is_causal would be hard-coded for every later length
+    assert not _hf._skip(call)  # export: is_causal would be hard-coded for every later length
 
 
 class CompiledHFLM(L.LightningModule):

@@ -5,9 +5,9 @@ Modules: ``names`` (the names), ``checks`` (availability, hardware gating, setup
 ``options`` (``Float8Options``), ``base`` (``Float8PrecisionBase``), ``te`` / ``ao`` / ``auto`` (the fp8 plugins),
 ``master`` (fp32 master weights for bf16 modules, used by ``te``), ``fused_master`` (their one-pass Adam/AdamW
 update), ``regional`` (per-block ``torch.compile``, used by
-``ao`` and ``te``), ``hf_sdpa`` (SDPA's causal path for HF decoders under whole-model ``torch.compile``, used by
-``ao``), ``trial`` (``fp8-auto``'s setup-time timing of the candidates), ``registry`` (``precision()``: names to
-plugins), ``plugin`` (``Float8Precision`` for config files), ``export``.
+``ao`` and ``te``), ``trial`` (``fp8-auto``'s setup-time timing of the candidates), ``registry`` (``precision()``: names to
+plugins), ``plugin`` (``Float8Precision`` for config files), ``export``. SDPA's causal path for HF decoders under
+whole-model ``torch.compile`` (``keep_causal_sdpa``, used by ``ao``) lives in :mod:`lightning_gh._hf`.
 
 Nothing here imports Transformer Engine or torchao until a plugin that needs one is built.
 
@@ -24,12 +24,12 @@ import sys as _sys
 import types as _types
 from typing import Any as _Any
 
+from lightning_gh._hf import keep_causal_sdpa
 from lightning_gh.precision.ao import TorchAOFloat8Precision
 from lightning_gh.precision.auto import AutoFloat8Precision, Fp8Choice, choose_fp8
 from lightning_gh.precision.base import Float8PrecisionBase
 from lightning_gh.precision.checks import FP8UnavailableError, list_precisions
 from lightning_gh.precision.export import export_bf16_state_dict
-from lightning_gh.precision.hf_sdpa import keep_causal_sdpa
 from lightning_gh.precision.layer_filter import LayerDecision, LayerFilter, LayerPlan
 from lightning_gh.precision.fused_master import FusedMasterAdam, fused_adam_unsupported
 from lightning_gh.precision.master import MasterWeights, MasterWeightsMixin

@@ -38,10 +38,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_gh._hf import keep_causal_sdpa
 from lightning_gh._lightning import is_compiled, trainer_of
 from lightning_gh.precision.base import Float8PrecisionBase
 from lightning_gh.precision.checks import ao_missing_reason
-from lightning_gh.precision.hf_sdpa import keep_causal_sdpa
 from lightning_gh.precision.layer_filter import LayerPlan
 from lightning_gh.precision.options import Float8Options
 from lightning_gh.precision.regional import EAGER_COST_NOTE, compile_regions
@@ -84,7 +84,7 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
             warning) instead of training it in slow eager fp8.
         causal_sdpa: on a model you compiled, let the Hugging Face decoders in it (Llama, Mistral, Qwen2/3 with
             SDPA attention) keep SDPA's causal flash path, as they do eagerly, instead of the explicit causal mask
-            transformers builds under ``torch.compile`` (``hf_sdpa.keep_causal_sdpa``; applies to calls without
+            transformers builds under ``torch.compile`` (``lightning_gh._hf.keep_causal_sdpa``; applies to calls without
             ``attention_mask``, ``position_ids`` or cache, where the two are the same attention). ``True`` (default)
             or ``False``.
         emulate: emulate the fp8 matmuls in higher precision (torchao's ``emulate``) and skip the hardware check.

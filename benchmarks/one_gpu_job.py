@@ -16,6 +16,9 @@ superoffload_fp8    the same with ``plugins=[lgh.precision("fp8-ao-tensorwise")]
 deepspeed_offload   Lightning ``strategy="deepspeed_stage_2_offload"`` + ``DeepSpeedCPUAdam``, ``bf16-mixed``,
                     HF gradient checkpointing (DeepSpeed ZeRO-Offload, the anchor users know)
 torchao_offload     torchao's ``CPUOffloadOptimizer`` (fused AdamW on the CPU), ``bf16-mixed``, HF checkpointing
+                    (Lightning refuses it: it is not a ``torch.optim.Optimizer``; the row says so)
+gpu_fp32master      GPU-only ``bf16-mixed`` (fp32 weights and state on the GPU), ``AdamW(foreach=True)``: the
+                    reference of ``--check-loss`` on a model that fits
 ==================  ==========================================================================================
 
 Model FLOPs are 6 x parameters x tokens per step (no attention term, no recompute), against the GPU's dense bf16
@@ -165,7 +168,10 @@ def _child(job: Job, out_file: Path) -> None:
             if job.variant == "torchao_offload":
                 from torchao.optim import CPUOffloadOptimizer
                 return CPUOffloadOptimizer(self.parameters(), torch.optim.AdamW, lr=job.lr, fused=True)
-            return torch.optim.AdamW(self.parameters(), lr=job.lr, fused=True)
+            # Lightning refuses gradient clipping with a fused AdamW under bf16-mixed: the fp32-master GPU
+            # reference takes the foreach kernel (the same math).
+            fused = job.variant != "gpu_fp32master"
+            return torch.optim.AdamW(self.parameters(), lr=job.lr, fused=fused, foreach=not fused)
 
     class Clock(Callback):
         def __init__(self) -> None:
@@ -234,7 +240,7 @@ def _child(job: Job, out_file: Path) -> None:
 
 
 def run_variant(job: Job, out: Path, timeout_s: float) -> Outcome:
-    out_file = out / f"{job.variant}-{job.layers}l-{job.vocab}v.json"
+    out_file = out / f"child-{job.variant}-{job.layers}l-{job.vocab}v.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(asdict(job)), "--child-out",
            str(out_file)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -243,10 +249,12 @@ def run_variant(job: Job, out: Path, timeout_s: float) -> Outcome:
         proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
         return Outcome(job.variant, params=param_count(job), error=f"timed out after {timeout_s:.0f} s")
-    log = out / f"{job.variant}-{job.layers}l-{job.vocab}v.log"
-    log.write_text(proc.stdout + proc.stderr)
+    with open(out / "logs.txt", "a") as log:  # one file for every variant: the device returns few files
+        log.write(f"===== {job.variant} ({job.layers} layers, vocab {job.vocab}): exit code {proc.returncode}\n")
+        log.write("\n".join((proc.stdout + proc.stderr).splitlines()[-80:]) + "\n")
     if out_file.exists():
         res = Outcome(**json.loads(out_file.read_text()))
+        out_file.unlink()  # folded into one_gpu_job.json
     else:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         res = Outcome(job.variant, params=param_count(job),

@@ -1,5 +1,5 @@
-"""Host memory shared by the offloading parts: one error for "not enough host RAM", one room check, and
-exact-size page-locked buffers.
+"""Host memory shared by the offloading parts: one plan of host RAM, one error for "not enough host RAM", one
+room check, and exact-size page-locked buffers.
 
 ActivationOffload, SuperOffload and the KV-cache offload all keep data in host memory that the GPU's copy
 engines read and write. They size it against :func:`lightning_gh.hardware.available_host_bytes` with
@@ -8,9 +8,19 @@ change), and allocate DMA buffers as :class:`HostBuffer`: torch's own pinned all
 to a power of two, which can waste up to half of a multi-gigabyte buffer; registering an exact-size allocation
 with ``cudaHostRegister`` does not.
 
+One plan (:data:`PLAN`, a :class:`HostPlan`) holds every part's share of host RAM in this process: what each part
+holds (``claim``) and what it announced at setup and will take later (``declare``). A part's room is the plan's
+budget (``headroom`` of what the host had available before the parts took their shares) less what the other
+parts hold or announced, so the part that allocates first cannot take what another needs, and the error, when
+the sum cannot fit, names every part's share. See Note [One host-memory plan].
+
 Example::
 
-    >>> from lightning_gh._host import HostBuffer, check_host_room
+    >>> from lightning_gh._host import HostBuffer, HostPlan, check_host_room
+    >>> plan = HostPlan(available=lambda: 100 * 2**30)
+    >>> plan.declare("ActivationOffload", 10 * 2**30)
+    >>> plan.room("SuperOffload", headroom=0.9) // 2**30  # 90 GiB budget less the 10 GiB announced
+    80
     >>> buf = HostBuffer(1024, pin=False)
     >>> buf.tensor.numel(), buf.pinned
     (1024, False)
@@ -22,14 +32,16 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from lightning_gh import hardware
 
-__all__ = ["HostBuffer", "HostMemoryError", "check_host_room", "clear_cuda_error"]
+__all__ = ["PLAN", "HostBuffer", "HostMemoryError", "HostPlan", "HostShare", "check_host_room", "clear_cuda_error"]
 
 _GIB = 2**30
 
@@ -37,13 +49,141 @@ _GIB = 2**30
 class HostMemoryError(MemoryError, RuntimeError):
     """The host cannot hold what an offloading part would put there.
 
-    A ``MemoryError`` (what it is) and a ``RuntimeError`` (what ActivationOffload raised before 0.2).
+    A ``MemoryError`` (what it is) and a ``RuntimeError`` (so that ``except RuntimeError`` around a fit sees it).
     """
 
 
+# Note [One host-memory plan]
+# SuperOffload (master weights and moments), ActivationOffload (the pinned activation pool), the KV-cache offload
+# (its host pool) and ManagedOptimizerState draw on the same host RAM. Each part sizes itself through
+# ``PLAN.room(part)`` / ``PLAN.claim(part, nbytes)`` instead of taking a share of whatever is left when it
+# happens to allocate: the budget is ``headroom`` of the host memory available to this process's parts
+# (available now plus what the parts already hold), and a part's room is that budget less the other parts'
+# holdings and their announced (declared, not yet claimed) needs. A part that allocates lazily (the activation
+# pool grows during the first steps) declares its need at setup, before SuperOffload sizes its host state in
+# ``setup_optimizers``. ``claim`` replaces the part's previous claim (it is the part's total), and ``release``
+# returns it; parts release in ``teardown``/``close``.
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """One part's line in the host-memory plan.
+
+    Attributes:
+        part: the part (``"SuperOffload"``, ``"ActivationOffload"``, ``"KVCache"``, ...).
+        held_bytes: host bytes the part holds (claimed and allocated).
+        declared_bytes: host bytes the part announced at setup and will claim later (0 once it has claimed them).
+        what: what the bytes are for, for the plan's table and the errors.
+    """
+
+    part: str
+    held_bytes: int = 0
+    declared_bytes: int = 0
+    what: str = ""
+
+
+class HostPlan:
+    """The process's plan of host RAM across the offloading parts. See Note [One host-memory plan].
+
+    Args:
+        available: how many bytes a new host allocation may take now (default:
+            :func:`lightning_gh.hardware.available_host_bytes`, which reads ``MemAvailable``); ``None`` from it
+            means unknown, and then every claim passes.
+    """
+
+    def __init__(self, available: Callable[[], int | None] | None = None) -> None:
+        # Looked up at call time by default, so a test that replaces the hardware probe is seen here too.
+        self._available = available or (lambda: hardware.available_host_bytes())
+        self._shares: dict[str, HostShare] = {}
+        self._lock = threading.Lock()
+
+    def shares(self) -> list[HostShare]:
+        """Every part's share, in the order the parts first appeared."""
+        with self._lock:
+            return list(self._shares.values())
+
+    def declare(self, part: str, nbytes: int, what: str = "") -> None:
+        """Announce that ``part`` will claim about ``nbytes`` later; the other parts' room leaves it free."""
+        _check_bytes("nbytes", nbytes)
+        with self._lock:
+            old = self._shares.get(part, HostShare(part))
+            self._shares[part] = HostShare(part, old.held_bytes, max(0, nbytes - old.held_bytes), what or old.what)
+
+    def budget(self, headroom: float = 0.9) -> int | None:
+        """``headroom`` of the host memory the parts may use in all (available now plus what they hold)."""
+        avail = self._available()
+        if avail is None:
+            return None
+        held = sum(s.held_bytes for s in self.shares())
+        return int(headroom * (avail + held))
+
+    def room(self, part: str, headroom: float = 0.9) -> int | None:
+        """Bytes ``part`` may hold in all (its current holding included), or ``None`` where the host's memory
+        cannot be read."""
+        budget = self.budget(headroom)
+        if budget is None:
+            return None
+        others = sum(s.held_bytes + s.declared_bytes for s in self.shares() if s.part != part)
+        return max(0, budget - others)
+
+    def claim(self, part: str, nbytes: int, *, what: str, headroom: float = 0.9, tips: Sequence[str] = (),
+              opt_out: str | None = None) -> int | None:
+        """Record that ``part`` holds ``nbytes`` in all, or raise :class:`HostMemoryError` naming every share.
+
+        Returns:
+            The part's room the decision used, or ``None`` where the host's memory cannot be read.
+        """
+        _check_bytes("nbytes", nbytes)
+        room = self.room(part, headroom)
+        if room is not None and nbytes > room:
+            advice = f" To fit: {'; '.join(tips)}." if tips else ""
+            skip = f" Pass {opt_out} to skip this check." if opt_out else ""
+            others = [s for s in self.shares() if s.part != part and (s.held_bytes or s.declared_bytes)]
+            table = "".join(f"; {s.part} {_share_text(s)}" for s in others)
+            raise HostMemoryError(
+                f"{what} needs {nbytes / _GIB:.2f} GiB of host RAM, but its room in the host-memory plan is "
+                f"{room / _GIB:.2f} GiB: the plan's budget is {self.budget(headroom) / _GIB:.2f} GiB "
+                f"({headroom:.0%} of the host memory available to the offloading parts){table}.{advice}{skip}")
+        with self._lock:
+            old = self._shares.get(part, HostShare(part))
+            self._shares[part] = HostShare(part, nbytes, max(0, old.declared_bytes - (nbytes - old.held_bytes)),
+                                           what)
+        return room
+
+    def release(self, part: str) -> None:
+        """Forget ``part``'s holding and declaration (it freed its host memory)."""
+        with self._lock:
+            self._shares.pop(part, None)
+
+    def describe(self) -> str:
+        """The plan as one line per part (for logs and the memory plan)."""
+        lines = [f"{s.part}: {_share_text(s)}{f' ({s.what})' if s.what else ''}" for s in self.shares()]
+        return "\n".join(lines) if lines else "no host memory planned"
+
+
+def _share_text(s: HostShare) -> str:
+    held = f"holds {s.held_bytes / _GIB:.2f} GiB" if s.held_bytes else ""
+    declared = f"will take {s.declared_bytes / _GIB:.2f} GiB" if s.declared_bytes else ""
+    return ", ".join(x for x in (held, declared) if x) or "nothing"
+
+
+def _check_bytes(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int number of bytes.")
+    if value < 0:
+        raise ValueError(f"{name}={value!r} must be >= 0.")
+
+
+#: The process's one host-memory plan.
+PLAN = HostPlan()
+
+
 def check_host_room(needed_bytes: int, *, what: str, headroom: float = 0.9, held_bytes: int = 0,
-                    tips: Sequence[str] = (), opt_out: str | None = None) -> int | None:
+                    tips: Sequence[str] = (), opt_out: str | None = None, part: str | None = None) -> int | None:
     """Raise :class:`HostMemoryError` unless ``needed_bytes`` fit in ``headroom`` of the host's available memory.
+
+    With ``part``, the check is the host-memory plan's (:meth:`HostPlan.claim` on :data:`PLAN`): ``needed_bytes``
+    is the part's total, other parts' shares are left free, and the claim is recorded.
 
     Args:
         needed_bytes: what the part is about to allocate.
@@ -53,9 +193,13 @@ def check_host_room(needed_bytes: int, *, what: str, headroom: float = 0.9, held
         tips: ways to need less, for the message.
         opt_out: the option that skips this check, for the message.
 
+        part: the part making the claim in the host-memory plan, or ``None`` for a check outside the plan.
+
     Returns:
         The available bytes the decision used, or ``None`` where the host's memory cannot be read (then it passes).
     """
+    if part is not None:
+        return PLAN.claim(part, needed_bytes, what=what, headroom=headroom, tips=tips, opt_out=opt_out)
     avail = hardware.available_host_bytes()
     if avail is None:
         return None

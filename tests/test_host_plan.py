@@ -1,0 +1,105 @@
+"""The one host-memory plan the offloading parts share (see Note [One host-memory plan] in lightning_gh/_host.py)."""
+
+import pytest
+
+from lightning_gh import _host
+from lightning_gh._host import HostMemoryError, HostPlan
+
+GIB = 2**30
+
+
+class FakeHost:
+    """MemAvailable that drops as the parts allocate what they claimed."""
+
+    def __init__(self, avail_gib: float) -> None:
+        self.avail = int(avail_gib * GIB)
+
+    def __call__(self) -> int:
+        return self.avail
+
+
+def plan_with(avail_gib: float) -> HostPlan:
+    return HostPlan(available=FakeHost(avail_gib))
+
+
+def hold(plan: HostPlan, part: str, gib: float, **kw) -> None:
+    """``part`` claims ``gib`` and allocates it (the host's available memory drops by as much)."""
+    plan.claim(part, int(gib * GIB), what=part, **kw)
+    plan._available.avail -= int(gib * GIB)
+
+
+@pytest.mark.parametrize(
+    ("avail", "others", "part", "room"),
+    [
+        # available GiB, [(part, held GiB, declared GiB)], the asking part, its room in GiB (headroom 0.9)
+        (100, [], "SuperOffload", 90),
+        (100, [("ActivationOffload", 0, 10)], "SuperOffload", 80),
+        # SuperOffload holds 80 GiB, so 20 are left available: the budget is 0.9 x (20 + 80), not half of 20
+        (20, [("SuperOffload", 80, 0)], "ActivationOffload", 10),
+        (20, [("SuperOffload", 80, 0), ("KVCache", 0, 4)], "ActivationOffload", 6),
+        # a part's own holding counts in its room (room is its total)
+        (20, [("SuperOffload", 80, 0)], "SuperOffload", 90),
+        (10, [("SuperOffload", 100, 0)], "ActivationOffload", 0),
+    ],
+)
+def test_room_is_the_budget_less_the_other_parts_shares(avail, others, part, room):
+    plan = plan_with(avail + sum(held for _, held, _ in others))
+    for name, held, declared in others:
+        if held:
+            hold(plan, name, held, headroom=1.0)
+        if declared:
+            plan.declare(name, int(declared * GIB))
+    assert plan.room(part) == pytest.approx(room * GIB, abs=1)
+
+
+def test_a_claim_replaces_the_parts_total_and_uses_up_its_declaration():
+    plan = plan_with(100)
+    plan.declare("ActivationOffload", 10 * GIB)
+    plan.claim("ActivationOffload", 4 * GIB, what="pool")
+    (share,) = plan.shares()
+    assert (share.held_bytes, share.declared_bytes) == (4 * GIB, 6 * GIB)
+    plan.claim("ActivationOffload", 12 * GIB, what="pool")
+    (share,) = plan.shares()
+    assert (share.held_bytes, share.declared_bytes) == (12 * GIB, 0)
+    plan.release("ActivationOffload")
+    assert plan.shares() == []
+
+
+def test_the_error_names_every_parts_share_and_the_way_out():
+    plan = plan_with(120)
+    hold(plan, "SuperOffload", 90, headroom=1.0)
+    plan.declare("KVCache", 2 * GIB)
+    with pytest.raises(HostMemoryError) as err:
+        plan.claim("ActivationOffload", 20 * GIB, what="ActivationOffload's pool", tips=["a smaller budget"],
+                   opt_out="host_memory_check=False")
+    msg = str(err.value)
+    for text in ("ActivationOffload's pool needs 20.00 GiB", "SuperOffload holds 90.00 GiB",
+                 "KVCache will take 2.00 GiB", "budget is 108.00 GiB", "To fit: a smaller budget",
+                 "host_memory_check=False"):
+        assert text in msg
+    assert isinstance(err.value, MemoryError)
+
+
+def test_unknown_host_memory_passes_every_claim():
+    plan = HostPlan(available=lambda: None)
+    assert plan.room("SuperOffload") is None
+    assert plan.claim("SuperOffload", 10**15, what="x") is None
+
+
+@pytest.mark.parametrize(("value", "exc"), [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_sizes_are_refused(value, exc):
+    with pytest.raises(exc, match="nbytes="):
+        plan_with(10).claim("SuperOffload", value, what="x")
+
+
+def test_check_host_room_with_a_part_goes_through_the_process_plan(monkeypatch):
+    monkeypatch.setattr(_host.hardware, "available_host_bytes", lambda: 50 * GIB)
+    try:
+        _host.PLAN.declare("ActivationOffload", 20 * GIB)
+        with pytest.raises(HostMemoryError, match="ActivationOffload will take 20.00 GiB"):
+            _host.check_host_room(30 * GIB, what="HeterogeneousAdamW", part="SuperOffload")
+        _host.check_host_room(20 * GIB, what="HeterogeneousAdamW", part="SuperOffload")
+        assert {s.part for s in _host.PLAN.shares()} == {"ActivationOffload", "SuperOffload"}
+    finally:
+        _host.PLAN.release("ActivationOffload")
+        _host.PLAN.release("SuperOffload")

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from lightning_gh.graphs import CUDAGraphCapture, GraphCaptureError, GraphReport
     from lightning_gh.hardware import HardwareInfo
     from lightning_gh.kv import GenerationCallback, KVOffloadOptions, OffloadedKVCache
+    from lightning_gh.memory import MemoryReport, MemoryReportOptions
     from lightning_gh.precision import (Float8Options, Float8Precision, FP8UnavailableError, LayerFilter,
                                         export_bf16_state_dict, keep_causal_sdpa, list_precisions, precision)
     from lightning_gh.profiling.nvtx import NVTXRangeCallback
@@ -60,6 +61,8 @@ _WHERE: dict[str, str] = {
     "SuperOffloadOptions": "lightning_gh.superoffload",
     "SuperOffloadStrategy": "lightning_gh.superoffload",
     "HostMemoryError": "lightning_gh._host",
+    "MemoryReport": "lightning_gh.memory",
+    "MemoryReportOptions": "lightning_gh.memory",
     "GenerationCallback": "lightning_gh.kv",
     "KVOffloadOptions": "lightning_gh.kv",
     "OffloadedKVCache": "lightning_gh.kv",

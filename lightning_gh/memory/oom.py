@@ -1,0 +1,133 @@
+"""What to change after an out-of-memory error: the request and the free memory read from the error, the owners of
+the live memory, and the knob that would have made the step fit.
+
+:func:`parse_cuda_oom` reads PyTorch's message; :func:`suggest` is a pure function from what was measured to the
+knobs, tested as a table; :func:`report` writes both as text.
+
+Example::
+
+    >>> from lightning_gh.memory.oom import Shortfall, suggest
+    >>> gib = 2**30
+    >>> owners = {"weights": 14 * gib, "gradients": 0, "optimizer state": 0, "activations and temporaries": 60 * gib}
+    >>> suggest(owners, Shortfall(requested=4 * gib, free=1 * gib), tokens_per_step=16384)[0].knob
+    'ActivationOffload(budget="56GiB")'
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lightning_gh._util import fmt_bytes
+
+__all__ = ["Knob", "Shortfall", "parse_cuda_oom", "report", "suggest"]
+
+_GIB = 2**30
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+#: Extra room a suggested knob leaves beyond the shortfall, for the allocator's rounding and fragmentation.
+MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """What the failed allocation asked for and what was free then (bytes)."""
+
+    requested: int
+    free: int
+
+    @property
+    def missing(self) -> int:
+        """Bytes that were missing for the allocation."""
+        return max(0, self.requested - self.free)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One change that would have made the step fit.
+
+    Attributes:
+        knob: the setting, as the user writes it.
+        why: what it frees and why that is enough.
+    """
+
+    knob: str
+    why: str
+
+
+def _bytes(number: str, unit: str) -> int:
+    return int(float(number) * _UNITS[unit])
+
+
+def parse_cuda_oom(message: str) -> Shortfall | None:
+    """The request and the free memory of PyTorch's CUDA out-of-memory message, or ``None`` if it says neither."""
+    req = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", message)
+    free = re.search(r"of which ([\d.]+) (B|KiB|MiB|GiB|TiB) is free", message)
+    if req is None:
+        return None
+    return Shortfall(_bytes(*req.groups()), _bytes(*free.groups()) if free else 0)
+
+
+def _gib_ceil(nbytes: float) -> int:
+    return max(1, math.ceil(nbytes / _GIB))
+
+
+def suggest(owners: Mapping[str, int], shortfall: Shortfall | None, *, tokens_per_step: int | None = None,
+            superoffload: bool = False, activation_budget: int | None = None) -> list[Knob]:
+    """The knobs that free at least the missing bytes (plus :data:`MARGIN`), the most targeted first.
+
+    Args:
+        owners: live GPU bytes per owner (:func:`lightning_gh.memory.plan.attribute`).
+        shortfall: what the failed allocation missed, or ``None`` when unknown (then a quarter of the largest
+            owner is assumed missing).
+        tokens_per_step: tokens per optimizer step, to suggest fewer.
+        superoffload: whether the optimizer state is offloaded already.
+        activation_budget: the ActivationOffload budget in force, if any.
+    """
+    acts = owners.get("activations and temporaries", 0)
+    state = owners.get("optimizer state", 0)
+    need = (shortfall.missing if shortfall and shortfall.missing else 0.25 * max(owners.values(), default=0))
+    need *= 1 + MARGIN
+    knobs: list[Knob] = []
+    if acts > need:
+        budget = (activation_budget if activation_budget is not None else acts) - need
+        budget_gib = max(1, math.floor(budget / _GIB))
+        knobs.append(Knob(f'ActivationOffload(budget="{budget_gib}GiB")',
+                          f"activations and temporaries held {fmt_bytes(acts)}; a budget {fmt_bytes(need)} lower "
+                          "keeps the rest on the host or recomputes it"))
+    if state > need and not superoffload:
+        knobs.append(Knob('strategy="superoffload"',
+                          f"the optimizer state held {fmt_bytes(state)} of GPU memory; SuperOffload keeps it in host "
+                          "memory and updates it on the CPU"))
+    if state > need and superoffload:
+        knobs.append(Knob("SuperOffloadStrategy(max_gpu_fraction=...)",
+                          f"the GPU tail's optimizer state held {fmt_bytes(state)}; a lower cap keeps more of it on the "
+                          "host"))
+    if tokens_per_step and acts > 0:
+        keep = max(0.0, 1 - need / acts)
+        fewer = int(tokens_per_step * keep)
+        if fewer > 0:
+            knobs.append(Knob(f"at most {fewer:,} tokens per step (now {tokens_per_step:,})",
+                              "activations grow with the tokens of a step; fewer per micro-batch with "
+                              "accumulate_grad_batches keeps the batch"))
+    return knobs
+
+
+def report(owners: Mapping[str, int], shortfall: Shortfall | None, knobs: Sequence[Knob], *,
+           reserved: int | None = None, allocated: int | None = None, error: str = "") -> str:
+    """The out-of-memory report as markdown: the request, the owners, fragmentation, and the knobs."""
+    lines = ["# Out of GPU memory", ""]
+    if error:
+        lines += [f"Error: `{error.splitlines()[0][:300]}`", ""]
+    if shortfall is not None:
+        lines.append(f"The failed allocation asked for {fmt_bytes(shortfall.requested)} with "
+                     f"{fmt_bytes(shortfall.free)} free: {fmt_bytes(shortfall.missing)} missing.")
+    lines += ["", "| owner | live GPU memory |", "| --- | ---: |"]
+    lines += [f"| {k} | {fmt_bytes(v)} |" for k, v in sorted(owners.items(), key=lambda kv: -kv[1])]
+    if reserved is not None and allocated is not None:
+        lines.append(f"| allocator cache (reserved, not allocated: fragmentation) | {fmt_bytes(reserved - allocated)} |")
+    lines += ["", "## What would have fit", ""]
+    lines += [f"- `{k.knob}`: {k.why}" for k in knobs] or ["- no single knob frees enough: see the owners above"]
+    return "\n".join(lines) + "\n"

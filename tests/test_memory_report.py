@@ -1,0 +1,132 @@
+"""MemoryReport: the memory plan, the attribution of live memory to owners, and the out-of-memory report."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_gh import _host
+from lightning_gh.memory import MemoryReport, MemoryReportOptions, Shortfall, attribute, parse_cuda_oom, suggest
+from lightning_gh.memory import plan as plan_mod
+
+GIB = 2**30
+OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+       "512.00 MiB is free. Including non-PyTorch memory, this process has 78.67 GiB memory in use.")
+
+
+def owners(w=0, g=0, s=0, a=0):
+    return {"weights": w * GIB, "gradients": g * GIB, "optimizer state": s * GIB,
+            "activations and temporaries": a * GIB}
+
+
+def test_parse_reads_the_request_and_the_free_memory():
+    assert parse_cuda_oom(OOM) == Shortfall(requested=2 * GIB, free=512 * 2**20)
+    assert parse_cuda_oom("something else") is None
+
+
+@pytest.mark.parametrize(
+    ("live", "short", "kw", "first"),
+    [
+        # activations dominate: a budget lower by the missing bytes plus the margin
+        (owners(w=14, a=60), Shortfall(4 * GIB, 1 * GIB), {}, 'ActivationOffload(budget="56GiB")'),
+        # the optimizer state dominates and is on the GPU: offload it
+        (owners(w=14, g=14, s=56, a=2), Shortfall(8 * GIB, 0), {}, 'strategy="superoffload"'),
+        # already offloaded: the GPU tail is what to shrink
+        (owners(w=14, s=20, a=2), Shortfall(8 * GIB, 0), {"superoffload": True},
+         "SuperOffloadStrategy(max_gpu_fraction=...)"),
+        # a budget in force: the new one is lower than it
+        (owners(w=14, a=30), Shortfall(3 * GIB, 0), {"activation_budget": 24 * GIB},
+         'ActivationOffload(budget="20GiB")'),
+    ],
+)
+def test_suggest_names_the_knob_that_frees_the_missing_bytes(live, short, kw, first):
+    assert suggest(live, short, **kw)[0].knob == first
+
+
+def test_suggest_fewer_tokens_in_proportion_to_the_activations():
+    knobs = suggest(owners(w=14, a=40), Shortfall(12 * GIB, 2 * GIB), tokens_per_step=16384)
+    fewer = [k for k in knobs if "tokens per step" in k.knob]
+    assert fewer and fewer[0].knob.startswith("at most 11,878 tokens")  # 16384 x (1 - 11 GiB / 40 GiB)
+
+
+def test_attribute_counts_each_storage_once(monkeypatch):
+    # On the CPU, treat host tensors as if they were on the GPU.
+    monkeypatch.setattr(plan_mod, "storage_key",
+                        lambda t: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+    model = torch.nn.Linear(16, 16)  # 16x16 + 16 fp32 = 1088 B
+    model.weight.grad = torch.zeros_like(model.weight)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    got = attribute(model, [opt], allocated=100_000)
+    assert got["weights"] == 1088
+    assert got["gradients"] == 1088
+    assert got["optimizer state"] == 2 * 1088 + 2 * 4  # exp_avg, exp_avg_sq, two scalar steps
+    assert got["activations and temporaries"] == 100_000 - sum(v for k, v in got.items()
+                                                               if k != "activations and temporaries")
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, fail_at=None, error=None):
+        super().__init__()
+        self.layer = torch.nn.Embedding(32, 8)
+        self.fail_at, self.error = fail_at, error
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.fail_at:
+            raise self.error
+        return self.layer(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        ids = torch.randint(0, 32, (16, 8))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+
+
+def fit(tmp_path, model, **kw):
+    cb = MemoryReport(folder=str(tmp_path), **kw)
+    trainer = L.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(model)
+    return cb
+
+
+def test_the_plan_is_written_before_the_first_step(tmp_path):
+    cb = fit(tmp_path, Tiny(), measure_steps=2)
+    data = json.loads((tmp_path / "memory_plan.json").read_text())
+    assert set(data["gpu"]) >= {"weights", "gradients", "optimizer state"}
+    assert cb.plan is not None and "| GPU | weights |" in cb.plan.table()
+
+
+def test_a_cuda_oom_writes_the_report_and_the_error_is_reraised(tmp_path):
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fit(tmp_path, Tiny(fail_at=2, error=torch.cuda.OutOfMemoryError(OOM)))
+    text = (tmp_path / "oom_report.md").read_text()
+    assert "asked for 2.00 GiB with 512.0 MiB free" in text
+    assert "## What would have fit" in text and "| weights |" in text
+
+
+def test_a_host_memory_error_reports_the_host_plan(tmp_path):
+    _host.PLAN.declare("ActivationOffload", 3 * GIB)
+    try:
+        with pytest.raises(MemoryError):
+            fit(tmp_path, Tiny(fail_at=1, error=_host.HostMemoryError("no room")))
+    finally:
+        _host.PLAN.release("ActivationOffload")
+    text = (tmp_path / "oom_report.md").read_text()
+    assert "Out of host memory" in text and "ActivationOffload: will take 3.00 GiB" in text
+
+
+@pytest.mark.parametrize(("kw", "exc"), [({"measure_steps": 0}, ValueError), ({"plan": "yes"}, TypeError),
+                                         ({"folder": ""}, ValueError), ({"history_entries": 1.5}, TypeError)])
+def test_bad_options_are_refused_with_the_name(kw, exc):
+    with pytest.raises(exc, match=next(iter(kw))):
+        MemoryReport(**kw)
+
+
+def test_options_or_keywords_never_both():
+    with pytest.raises(TypeError, match="both"):
+        MemoryReport(options=MemoryReportOptions(), measure_steps=5)

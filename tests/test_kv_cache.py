@@ -1,4 +1,4 @@
-"""KV-cache offload (issue 14): options, plan, spec, the pool/ring/transport bookkeeping, the transformers Cache,
+"""KV-cache offload: options, plan, spec, the pool/ring/transport bookkeeping, the transformers Cache,
 the demo's generate, GenerationCallback in a Trainer (and under DDP), the benchmark suite, and GPU tests at the end.
 
 On the CPU the offload path runs with ``backend="host-copy"``: host pool, staging ring, prefetch, append-only
@@ -17,12 +17,13 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gh._util import reset_warnings
 from lightning_gh.demo import LlamaLM, MarkovDataModule, preset
 from lightning_gh.kv import (GenerationCallback, KVOffloadEngine, KVOffloadOptions, OffloadedKVCache, cache_kwarg,
                              kv_spec)
 from lightning_gh.kv.plan import make_plan, place
 from lightning_gh.kv.pool import HostKVPool, HostMemoryError, StagingRing
-from lightning_gh.kv.transport import HostCopyTransport, rows_geometry
+from lightning_gh.kv.transport import KVHostCopyTransport, rows_geometry
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = dict(backend="host-copy")
@@ -163,11 +164,17 @@ def test_batch_change_is_refused():
         eng.update(1, torch.zeros(3, 1, 1, 4), torch.zeros(3, 1, 1, 4))
 
 
-def test_options_and_overrides_are_checked_by_the_cache():
-    with pytest.raises(TypeError, match="options=dict must be a KVOffloadOptions"):
+def test_cache_takes_options_or_keywords_never_both():
+    with pytest.raises(TypeError, match=r"OffloadedKVCache\(options=...\) must be a KVOffloadOptions, got dict"):
         OffloadedKVCache(_demo(1), {"resident_layers": 1})
-    cache = OffloadedKVCache(_demo(1), KVOffloadOptions(num_slots=3), resident_layers=0)
-    assert cache.options.num_slots == 3 and cache.options.resident_layers == 0
+    with pytest.raises(TypeError, match="OffloadedKVCache got both options= and resident_layers=0: pass the options "
+                                        "in one place"):
+        OffloadedKVCache(_demo(1), KVOffloadOptions(num_slots=3), resident_layers=0)
+    with pytest.raises(TypeError, match=r"OffloadedKVCache got unknown option\(s\) \['slots'\]"):
+        OffloadedKVCache(_demo(1), slots=3)
+    opts = KVOffloadOptions(num_slots=3, resident_layers=0)
+    assert OffloadedKVCache(_demo(1), opts).options is opts
+    assert OffloadedKVCache(_demo(1), num_slots=3, resident_layers=0).options == opts
     with pytest.raises(ValueError, match="resident_layers=-2"):
         OffloadedKVCache(_demo(1), resident_layers=-2)
 
@@ -176,7 +183,7 @@ def test_options_and_overrides_are_checked_by_the_cache():
 
 
 def test_transport_copies_rows_of_the_valid_prefix_and_appended_ranges_only():
-    t = HostCopyTransport()
+    t = KVHostCopyTransport()
     host = torch.randn(2, 3, 10, 4)
     slot = torch.full((2, 3, 10, 4), float("nan"))
     t.fetch_prefix(slot, host, 6, layer=1, slot_index=0)
@@ -261,9 +268,7 @@ def test_addresses_stay_fixed_across_steps_and_reset():
 
 
 def test_buffers_grow_with_one_warning_when_max_length_is_left_open():
-    import lightning_gh.kv.engine as engine
-
-    engine._WARNED.discard("grow")
+    reset_warnings("kv:grow")
     eng = KVOffloadEngine(2, KVOffloadOptions(resident_layers=1, **HOST))
     ref = _drive(eng, 2, prompt=500)
     assert eng.max_length == 768  # prompt + 256, rounded up to 256
@@ -302,9 +307,7 @@ def test_host_pool_checks_free_ram_first(monkeypatch):
 
 
 def test_off_gpu_auto_runs_as_a_plain_cache_and_says_so_once():
-    import lightning_gh.kv.engine as engine
-
-    engine._WARNED.discard("plain-cpu")
+    reset_warnings("kv:plain-cpu")
     model = _demo(2)
     p = torch.randint(64, (2, 6))
     with pytest.warns(UserWarning, match="not a CUDA GPU, so nothing is offloaded: it runs as a plain preallocated"):
@@ -420,6 +423,8 @@ def test_callback_arguments_are_validated():
         GenerationCallback(["hello"])
     with pytest.raises(ValueError, match="must be token ids of shape"):
         GenerationCallback(torch.zeros(1, 2))
+    with pytest.raises(TypeError, match=r"GenerationCallback\(options=...\) must be a KVOffloadOptions, got dict"):
+        GenerationCallback(torch.zeros(1, 2, dtype=torch.long), options={"resident_layers": 1})
 
 
 def _fit(callbacks, tmp_path, steps=4, logger=True, sanity=1, val_every=2, **kw):
@@ -533,9 +538,9 @@ gpu = pytest.mark.gpu
 
 @gpu
 def test_gpu_transport_copies_match_torch():
-    from lightning_gh.kv.transport import CudaTransport
+    from lightning_gh.kv.transport import KVCudaTransport
 
-    t = CudaTransport(torch.device("cuda"))
+    t = KVCudaTransport(torch.device("cuda"))
     shape = (3, 2, 40, 16)
     host = torch.randn(shape, dtype=torch.bfloat16).pin_memory()
     slot = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")

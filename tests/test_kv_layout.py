@@ -1,7 +1,7 @@
-"""What attention and the GPU get from ``OffloadedKVCache`` with every layer resident (issue 14 follow-up).
+"""What attention and the GPU get from ``OffloadedKVCache`` with every layer resident.
 
-On 2026-11-24 the cache's all-resident decode was reported 1.8x slower than ``DynamicCache``'s. The checks behind
-the finding (docs/results/kv-2026-11-24.md, "Follow-up") are pinned here:
+The checks behind docs/kv_offload.md, "Decode with every layer resident" (where an all-resident decode measured
+slower than ``DynamicCache``'s), are pinned here:
 
 * transformers' sdpa path gets the same call from both caches: no mask in decode, ``enable_gqa`` (no
   ``repeat_kv``), the same ``is_causal`` and the same shapes and numbers; only the strides differ (views of

@@ -14,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_gh._util import reset_warnings
 from lightning_gh.demo import LlamaLM, preset
 from lightning_gh.kv import GenerationCallback, OffloadedKVCache, cache_kwarg
 
@@ -74,9 +75,7 @@ def test_chunked_prefill_logits_match_dynamic_cache_chunk_by_chunk():
 
 
 def test_cache_sized_at_first_use_grows_through_the_chunks_and_plans_again_within_its_budget():
-    import lightning_gh.kv.engine as engine
-
-    engine._WARNED.discard("grow")
+    reset_warnings("kv:grow")
     model = _hf("Llama", positions=1024)
     p = torch.randint(96, (1, 900))
     ref = _greedy(model, p, 5, prefill_chunk_size=300)

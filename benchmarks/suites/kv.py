@@ -25,19 +25,20 @@ and memory-efficient SDPA together (flash cannot take the mask of a chunk after 
 Tokens are compared bitwise, so on the GPU a probe runs first (8 new tokens): GPU-only twice, transformers' offloaded
 cache, ours; under torch's default SDPA choice, then forced SDPA backends (flash, efficient, cudnn), then
 `torch.use_deterministic_algorithms`. The variants run under the first setting where GPU-only repeats itself and ours
-matches it. (On the H200 with torch 2.11 the default choice did not repeat itself at this shape; forced flash did.)
+matches it (docs/kv_offload.md, "Bitwise equality and the attention backend", says where the default did not).
 
 Reported per variant: tokens/s (batch x new tokens / generate time), peak GiB (`max_memory_allocated`, weights
 included), KV bytes held on the GPU and their share of the GPU-only cache's, `tokens_equal` (bitwise against the
 GPU-only run), prefill ms, decode ms per token, and for ours the PCIe bound: the bytes one decode step must move
 (every offloaded layer's prefix in, new tokens out) over the measured link bandwidth.
 
-Anchor (../shared/gpu/README.md, H200, transformers 5.17): hidden 2048, 16 layers, 16/4 heads, bf16, batch 32,
-prompt 4096, 64 new tokens: GPU-only 461 tokens/s, 11.8 GiB peak; offloaded 141 tokens/s, 8.1 GiB peak.
-Goals: same tokens; >= 2.5x transformers' offloaded cache; >= 0.8x GPU-only holding <= 50% of its KV bytes.
+Anchor: the shape in ``ANCHOR`` (hidden 2048, 16 layers, 16/4 heads, bf16, batch 32, prompt 4096, 64 new tokens);
+its GPU-only and transformers-offloaded figures (``ANCHOR_*_TPS``, printed next to ours) are recorded in
+docs/benchmarks.md. Goals (``GOAL_*``): same tokens; a multiple of transformers' offloaded cache; a share of GPU-only
+holding at most half of its KV bytes.
 
     python benchmarks/run.py --suite kv --iters 3 --warmup 1                # anchor shape, on the GPU
-    python benchmarks/run.py --suite kv --iters 2 --warmup 1 --resident 0 --lean --cap-gib 5   # the 2026-11-24 run
+    python benchmarks/run.py --suite kv --iters 2 --warmup 1 --resident 0 --lean --cap-gib 5   # under a memory cap
     python benchmarks/run.py --suite kv --device cpu --iters 1 --warmup 0   # tiny functional run
     python benchmarks/run.py --suite kv --iters 5 --warmup 1 --attention flash --profile-decode
                     # all-resident decode, GPU-only vs ours: interleaved rounds, layouts, profiler last
@@ -119,7 +120,7 @@ def _link_gbps(device: torch.device) -> dict[str, float] | None:
     """Pinned host->GPU bandwidth, plain (256 MiB contiguous) and as our transport copies one layer prefix."""
     if device.type != "cuda":
         return None
-    from lightning_gh.kv.transport import CudaTransport
+    from lightning_gh.kv.transport import KVCudaTransport
 
     def median_gbps(fn: Callable[[], None], nbytes: int, stream) -> float:
         fn()
@@ -140,7 +141,7 @@ def _link_gbps(device: torch.device) -> dict[str, float] | None:
     with torch.cuda.stream(s):
         plain = median_gbps(lambda: dev.copy_(host, non_blocking=True), n, s)
     # A (32, 4, 4160, 128) bf16 layer, prefix of 4128 tokens: 128 rows at a 1 MiB pitch.
-    t = CudaTransport(device)
+    t = KVCudaTransport(device)
     shape = (32, 4, 4160, 128)
     hk = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
     dk = torch.empty(shape, dtype=torch.bfloat16, device=device)
@@ -257,8 +258,8 @@ def run(ctx: BenchContext) -> list[Result]:
         variants.append(("ours R=50% first", ours(resident_layers=layers // 2, placement="first"), False))
     if not lean:
         variants.append(("ours all resident", ours(resident_layers=layers), False))
-    # The decode step is bound by the host at the anchor, and the same DynamicCache decode measured 10.7 ms a token
-    # first in a process and 17.8 ms later in it (2026-11-24): this row shows that drift next to ours.
+    # The decode step is bound by the host at the anchor, and the same DynamicCache decode gets slower later in a
+    # process (docs/kv_offload.md): this row shows that drift next to ours.
     variants.append(("GPU-only DynamicCache, again", lambda max_new=new: generate(max_new), False))
 
     results: list[Result] = []
@@ -284,9 +285,9 @@ def run(ctx: BenchContext) -> list[Result]:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
         capped = f"{name}-cap{cap:g}GiB"
-        # On 2026-11-23, at an 11 GiB cap and with the prompt in one forward, ours ran out of memory in the prefill
-        # too (1.38 GiB MLP blocks; 8.3 GiB peak uncapped). Chunks bound those activations by design. Expandable
-        # segments (keeping reserved memory close to allocated) are only the fallback, and the row says when.
+        # With the prompt in one forward, the prefill's activations alone can exceed the cap (docs/kv_offload.md,
+        # "Long prompts under a memory cap"). Chunks bound those activations by design. Expandable segments
+        # (keeping reserved memory close to allocated) are only the fallback, and the row says when.
         set_alloc = getattr(torch.cuda.memory, "_set_allocator_settings", None)
         capped_variants: list[tuple[str, Callable[[], Callable[..., torch.Tensor]], bool]] = [
             ("GPU-only DynamicCache", lambda: chunked, False),
@@ -506,7 +507,7 @@ def _verdict(results: list[Result], name: str, shape: dict[str, int]) -> None:
             r.extra["vs_gpu_only"] = round(t / gpu, 3) if gpu else None
             r.extra["vs_hf_offloaded"] = round(t / hf, 3) if hf else None
     cap = next((r.extra["cap_gib"] for r in rows.values() if r.extra.get("cap_gib")), None)
-    print(f"\n[kv/{name}] anchor (H200): GPU-only {ANCHOR_GPU_ONLY_TPS} tokens/s, transformers offloaded "
+    print(f"\n[kv/{name}] anchor (docs/benchmarks.md): GPU-only {ANCHOR_GPU_ONLY_TPS} tokens/s, transformers offloaded "
           f"{ANCHOR_HF_OFFLOADED_TPS} tokens/s" + (f"; memory cap {cap:g} GiB" if cap else ""))
     for v, r in rows.items():
         t = tps.get(v)
@@ -544,11 +545,10 @@ def _verdict(results: list[Result], name: str, shape: dict[str, int]) -> None:
 
 # ------------------------------------------------------------------------------------ --profile-decode
 #
-# Lessons of the 2026-11-24 runs (docs/results/kv-2026-11-24.md): at the anchor a decode step is bound by the host
-# (the GPU is busy for 3-5 ms of a 10-20 ms step), and the same DynamicCache decode measured 10.7 ms a token first
-# in a process and 17.8 ms later in it. A torch.profiler session also leaves CUPTI loaded, which slows every later
-# launch (pytorch/pytorch#144455). So variants compared here run interleaved, round by round, and profiling comes
-# last.
+# At the anchor a decode step is bound by the host (the GPU idles for most of it), and the same DynamicCache decode
+# gets slower later in a process (docs/kv_offload.md, "Decode with every layer resident"). A torch.profiler session
+# also leaves CUPTI loaded, which slows every later launch (pytorch/pytorch#144455). So variants compared here run
+# interleaved, round by round, and profiling comes last.
 
 
 def _median_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters: int = 15) -> float:

@@ -1,4 +1,4 @@
-"""KV-cache offload for generation inside Lightning (issue 14).
+"""KV-cache offload for generation inside Lightning.
 
 ``OffloadedKVCache(model)`` is a transformers-compatible cache that keeps some layers' keys and values on the GPU
 and the rest in a pinned host pool, fetching each offloaded layer's valid prefix into a ring of GPU staging slots

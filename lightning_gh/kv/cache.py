@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gh._options import resolve
 from lightning_gh.kv.engine import KVOffloadEngine
 from lightning_gh.kv.options import KVOffloadOptions
 from lightning_gh.kv.spec import KVSpec, kv_spec
@@ -102,16 +103,30 @@ class OffloadedKVCache:
     Args:
         model: the model that will use the cache: a transformers causal LM, the demo ``Llama``/``LlamaLM``, or a
             LightningModule holding one. Only its layer count and layer kinds are read.
-        options: a :class:`~lightning_gh.kv.KVOffloadOptions`; keyword arguments override its fields.
-        **overrides: any :class:`~lightning_gh.kv.KVOffloadOptions` field (``resident_layers``, ``max_length``,
-            ``gpu_budget_bytes``, ``num_slots``, ``placement``, ``backend``, ...).
+        options: see :class:`~lightning_gh.kv.KVOffloadOptions`.
+        **kwargs: the fields of :class:`~lightning_gh.kv.KVOffloadOptions`, instead of ``options`` (one or the
+            other, never both: a ``TypeError``).
 
     Example::
 
         cache = OffloadedKVCache(model, max_length=4096 + 64, resident_layers="auto")
         tokens = model.generate(input_ids, max_new_tokens=64, do_sample=False, past_key_values=cache)
-        cache.describe()            # "6/16 layers resident [...], 10 offloaded to 2.6 GiB of pinned host memory, ..."
+        cache.describe()            # which layers stay on the GPU, the pinned host pool, the staging slots
         cache.reset()               # reuse the same buffers for the next batch of prompts
+
+    On the CPU (``backend="host-copy"`` runs the offload bookkeeping with synchronous copies)::
+
+        >>> import torch
+        >>> from lightning_gh.demo import LlamaLM
+        >>> model = LlamaLM.from_preset("tiny").eval()
+        >>> cache = OffloadedKVCache(model, resident_layers=1, max_length=16, backend="host-copy")
+        >>> ids = model.generate(torch.zeros(1, 4, dtype=torch.long), 3, past_key_values=cache)
+        >>> cache.plan.resident, cache.plan.offloaded, cache.get_seq_length()
+        ((1,), (0,), 6)
+        >>> OffloadedKVCache(model, KVOffloadOptions(num_slots=3), resident_layers=0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: OffloadedKVCache got both options= and resident_layers=0: pass the options in one place ...
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> OffloadedKVCache:
@@ -119,11 +134,8 @@ class OffloadedKVCache:
             cls = _with_transformers_base() or cls
         return object.__new__(cls)
 
-    def __init__(self, model: nn.Module, options: KVOffloadOptions | None = None, **overrides: Any) -> None:
-        if options is not None and not isinstance(options, KVOffloadOptions):
-            raise TypeError(f"options={type(options).__name__} must be a KVOffloadOptions (or pass its fields as "
-                            "keyword arguments).")
-        opts = (options or KVOffloadOptions()).replace(**overrides) if overrides else (options or KVOffloadOptions())
+    def __init__(self, model: nn.Module, options: KVOffloadOptions | None = None, **kwargs: Any) -> None:
+        opts = resolve(KVOffloadOptions, options, "OffloadedKVCache", **kwargs)
         self.spec: KVSpec = kv_spec(model)
         self.options = opts
         self.engine = KVOffloadEngine(self.spec.num_layers, opts, name="OffloadedKVCache")

@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gh import compat
+from lightning_gh._options import resolve
 from lightning_gh.kv.cache import OffloadedKVCache
 from lightning_gh.kv.options import KVOffloadOptions
 from lightning_gh.kv.spec import cache_kwarg, find_generator
@@ -60,8 +61,8 @@ class GenerationCallback(L.Callback):
         max_new_tokens: tokens to generate per prompt.
         cache: ``"offloaded"`` (:class:`~lightning_gh.kv.OffloadedKVCache`, sized to prompt + new tokens) or
             ``"dynamic"`` (the model's default cache; the reference to compare against).
-        options: :class:`~lightning_gh.kv.KVOffloadOptions` for the offloaded cache; ``max_length`` defaults to
-            prompt length + ``max_new_tokens``.
+        options: the offloaded cache's options, see :class:`~lightning_gh.kv.KVOffloadOptions`; ``max_length``
+            defaults here to prompt length + ``max_new_tokens``.
         tokenizer: turns string prompts into ids (padded, with an attention mask) and the new ids into texts.
         generate_fn: ``fn(pl_module, input_ids, cache, max_new_tokens) -> ids`` for models whose ``generate`` is
             neither transformers' nor ``generate(input_ids, max_new_tokens, past_key_values)``.
@@ -102,8 +103,6 @@ class GenerationCallback(L.Callback):
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
         if cache not in CACHES:
             raise ValueError(f"cache={cache!r} is not known; choose one of {list(CACHES)}.")
-        if options is not None and not isinstance(options, KVOffloadOptions):
-            raise TypeError(f"options={type(options).__name__} must be a KVOffloadOptions.")
         if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
                                                or isinstance(prefill_chunk_size, bool) or prefill_chunk_size < 1):
             raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be None or an int >= 1 (prompt tokens "
@@ -119,7 +118,7 @@ class GenerationCallback(L.Callback):
         self.every_n_steps = every_n_steps
         self.max_new_tokens = max_new_tokens
         self.cache = cache
-        self.options = options or KVOffloadOptions()
+        self.options = resolve(KVOffloadOptions, options, "GenerationCallback")
         self.tokenizer = tokenizer
         self.generate_fn = generate_fn
         self.filename = filename

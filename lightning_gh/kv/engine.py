@@ -47,27 +47,19 @@ Example::
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from lightning_gh import hardware
+from lightning_gh._util import warn_once
 from lightning_gh.kv.options import KVOffloadOptions
 from lightning_gh.kv.plan import KVPlan, make_plan
 from lightning_gh.kv.pool import HostKVPool, Slot, StagingRing
-from lightning_gh.kv.transport import CudaTransport, HostCopyTransport, Transport
+from lightning_gh.kv.transport import KVCudaTransport, KVHostCopyTransport, KVTransport
 
-__all__ = ["KVOffloadEngine", "KVStats", "warn_once"]
-
-_WARNED: set[str] = set()
-
-
-def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=stacklevel)
+__all__ = ["KVOffloadEngine", "KVStats"]
 
 
 @dataclass
@@ -113,7 +105,7 @@ class KVOffloadEngine:
         self.name = name
         self.lengths = [0] * num_layers
         self.plan: KVPlan | None = None
-        self.transport: Transport | None = None
+        self.transport: KVTransport | None = None
         self.ring: StagingRing | None = None
         self.pool: HostKVPool | None = None
         self.stats = KVStats()
@@ -163,8 +155,8 @@ class KVOffloadEngine:
         if b == "auto":
             if device.type == "cuda":
                 return "cuda"
-            warn_once(f"plain-{device.type}", f"{self.name}: the keys are on {device}, not a CUDA GPU, so nothing is "
-                      "offloaded: it runs as a plain preallocated cache (same tokens, no host pool).")
+            warn_once(f"kv:plain-{device.type}", f"{self.name}: the keys are on {device}, not a CUDA GPU, so nothing "
+                      "is offloaded: it runs as a plain preallocated cache (same tokens, no host pool).")
             return "plain"
         return b
 
@@ -211,7 +203,7 @@ class KVOffloadEngine:
         self._pos = {layer: p for p, layer in enumerate(self._order)}
         self._host_index = dict(self._pos)
         if plan.offloaded:
-            self.transport = CudaTransport(self.device) if plan.backend == "cuda" else HostCopyTransport()
+            self.transport = KVCudaTransport(self.device) if plan.backend == "cuda" else KVHostCopyTransport()
             self.pool = HostKVPool(len(plan.offloaded), shape, self.dtype, pin=plan.backend == "cuda",
                                    host_memory_fraction=self.options.host_memory_fraction)
             self.ring = StagingRing(plan.slots, shape, self.dtype, self.device)
@@ -232,7 +224,7 @@ class KVOffloadEngine:
                              "sequence. Allowed: max_length >= prompt length + new tokens.")
         old_len = self.max_length
         new_len = max(self._default_length(needed), 2 * old_len)
-        warn_once("grow", f"{self.name}: {needed} tokens do not fit the {old_len} allocated; reallocating for "
+        warn_once("kv:grow", f"{self.name}: {needed} tokens do not fit the {old_len} allocated; reallocating for "
                   f"{new_len} (buffers move: pass max_length=prompt+new tokens to allocate once).")
         self.synchronize()
         plan = self.plan

@@ -30,7 +30,11 @@ def _is_int(v: Any) -> bool:
 class KVOffloadOptions:
     """How an :class:`~lightning_gh.kv.OffloadedKVCache` splits the KV cache between the GPU and host memory.
 
-    Args:
+    The one place these options and their defaults are stated: the cache and
+    :class:`~lightning_gh.kv.GenerationCallback` take an instance as ``options=`` (the cache also its fields as
+    keyword arguments, never both).
+
+    Attributes:
         resident_layers: layers whose keys and values stay on the GPU for the whole generation. ``"auto"`` keeps
             every layer resident when ``gpu_budget_bytes`` (default: ``gpu_memory_fraction`` of the free GPU memory
             at first use) holds them all, else as many as the budget leaves after the staging ring; an int fixes it.

@@ -24,11 +24,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_gh._util import fmt_bytes
+from lightning_gh.kv.options import KVOffloadOptions
+
 __all__ = ["KVPlan", "make_plan", "place"]
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def place(num_layers: int, resident: int, placement: str) -> tuple[int, ...]:
@@ -94,12 +93,12 @@ class KVPlan:
 
     def describe(self) -> str:
         if not self.offloaded:
-            return (f"all {self.num_layers} layers on the GPU ({_size(self.gpu_kv_bytes)}, backend "
+            return (f"all {self.num_layers} layers on the GPU ({fmt_bytes(self.gpu_kv_bytes)}, backend "
                     f"{self.backend}; {self.reason})")
         host = "pinned host memory" if self.backend == "cuda" else "host memory"
         return (f"{len(self.resident)}/{self.num_layers} layers resident {list(self.resident)}, "
-                f"{len(self.offloaded)} offloaded to {_size(self.host_kv_bytes)} of {host}, "
-                f"{self.slots} staging slots; GPU KV {_size(self.gpu_kv_bytes)} = {self.gpu_fraction:.0%} of "
+                f"{len(self.offloaded)} offloaded to {fmt_bytes(self.host_kv_bytes)} of {host}, "
+                f"{self.slots} staging slots; GPU KV {fmt_bytes(self.gpu_kv_bytes)} = {self.gpu_fraction:.0%} of "
                 f"a GPU-only cache (batch {self.batch_size}, max_length {self.max_length}, backend {self.backend}; "
                 f"{self.reason})")
 
@@ -111,7 +110,8 @@ class KVPlan:
 
 def make_plan(*, num_layers: int, layer_bytes: int, batch_size: int, max_length: int, resident_layers: int | str,
               gpu_budget_bytes: int | None, num_slots: int, placement: str, backend: str,
-              free_bytes: int | None = None, gpu_memory_fraction: float = 0.5,
+              free_bytes: int | None = None,
+              gpu_memory_fraction: float = KVOffloadOptions.gpu_memory_fraction,
               budget_is_explicit: bool | None = None) -> KVPlan:
     """Decide the split.
 
@@ -152,7 +152,7 @@ def make_plan(*, num_layers: int, layer_bytes: int, batch_size: int, max_length:
         if budget is not None:
             if budget >= num_layers * layer_bytes:
                 count = num_layers
-                reason = f"auto: all layers fit the budget of {budget / 2**30:.2f} GiB"
+                reason = f"auto: all layers fit the budget of {fmt_bytes(budget)}"
             else:
                 ring = min(num_slots, num_layers)
                 if budget < ring * layer_bytes:
@@ -163,7 +163,7 @@ def make_plan(*, num_layers: int, layer_bytes: int, batch_size: int, max_length:
                                      f"{what}. Allowed: at least {ring * layer_bytes:,} bytes; or lower the batch or "
                                      "max_length.")
                 count = min(num_layers, budget // layer_bytes - ring)
-                reason = f"auto: budget {budget / 2**30:.2f} GiB = {count} resident + {ring} slots"
+                reason = f"auto: budget {fmt_bytes(budget)} = {count} resident + {ring} slots"
     resident = place(num_layers, count, placement)
     offloaded = tuple(i for i in range(num_layers) if i not in resident)
     slots = min(num_slots, len(offloaded)) if offloaded else 0

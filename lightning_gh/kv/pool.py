@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from lightning_gh._host import HostBuffer, HostMemoryError, check_host_room
+from lightning_gh.kv.options import KVOffloadOptions
 
 __all__ = ["HostKVPool", "HostMemoryError", "Slot", "StagingRing"]
 
@@ -45,7 +46,7 @@ class HostKVPool:
     """
 
     def __init__(self, num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, pin: bool,
-                 host_memory_fraction: float = 0.8) -> None:
+                 host_memory_fraction: float = KVOffloadOptions.host_memory_fraction) -> None:
         self.num_layers, self.shape, self.dtype = num_layers, tuple(shape), dtype
         per = 1
         for s in shape:

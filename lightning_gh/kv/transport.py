@@ -6,21 +6,24 @@ then ``batch * heads`` rows of ``(b - a) * head_dim`` elements, all at one pitch
 alike: a single ``cudaMemcpy2DAsync`` moves it, at full link speed for rows of a few hundred KiB. torch's own
 ``copy_`` cannot: for a strided pinned source it first makes a pageable, contiguous copy on the CPU.
 
-Two transports share one interface, so the engine's bookkeeping is the same on any device:
+Two transports share one interface, so the engine's bookkeeping is the same on any device. They are named
+``KV...`` because :mod:`lightning_gh.activation_offload.transport` has transports of its own with other semantics
+(whole saved tensors, two side streams); these move strided row ranges between a host pool and a ring of GPU slots
+on one side stream:
 
-* :class:`CudaTransport`: one side stream for all copies, in both directions. One stream orders a layer's
+* :class:`KVCudaTransport`: one side stream for all copies, in both directions. One stream orders a layer's
   append (device to host) before any later fetch of it (host to device) and a slot's last read before its
   refill, without extra events. Markers are CUDA events; the compute stream waits on the copy stream only
   where a slot is about to be read, and the copy stream waits on the compute stream only where it reads what
   compute wrote or overwrites what attention may still read.
-* :class:`HostCopyTransport`: synchronous copies between any tensors (CPU tensors in the tests), markers are
-  counters, and every copy is written to :attr:`HostCopyTransport.log` so that tests can check which bytes
+* :class:`KVHostCopyTransport`: synchronous copies between any tensors (CPU tensors in the tests), markers are
+  counters, and every copy is written to :attr:`KVHostCopyTransport.log` so that tests can check which bytes
   moved where.
 
 Example::
 
     >>> import torch
-    >>> t = HostCopyTransport()
+    >>> t = KVHostCopyTransport()
     >>> host, slot = torch.arange(2 * 3 * 8 * 4.0).view(2, 3, 8, 4), torch.zeros(2, 3, 8, 4)
     >>> t.fetch_prefix(slot, host, 5, layer=0, slot_index=1)
     >>> torch.equal(slot[:, :, :5], host[:, :, :5]) and slot[:, :, 5:].abs().sum().item() == 0
@@ -33,14 +36,15 @@ from __future__ import annotations
 
 import ctypes
 import os
-import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["CudaTransport", "HostCopyTransport", "Transport", "rows_geometry"]
+from lightning_gh._util import warn_once
+
+__all__ = ["KVCudaTransport", "KVHostCopyTransport", "KVTransport", "rows_geometry"]
 
 
 def rows_geometry(t: torch.Tensor, start: int, stop: int) -> tuple[int, int, int, int]:
@@ -54,7 +58,7 @@ def rows_geometry(t: torch.Tensor, start: int, stop: int) -> tuple[int, int, int
     return start * d * isz, (stop - start) * d * isz, m * d * isz, b * h
 
 
-class Transport:
+class KVTransport:
     """The interface the engine uses (see the module docstring)."""
 
     kind = "abstract"
@@ -90,7 +94,7 @@ class Transport:
         raise NotImplementedError
 
 
-class HostCopyTransport(Transport):
+class KVHostCopyTransport(KVTransport):
     """Synchronous copies on any device; markers are increasing integers; every copy is logged as
     ``(direction, layer, slot, start, stop)``."""
 
@@ -179,7 +183,7 @@ def _cuda_memcpy2d() -> Callable[..., int] | None:
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
 
 
-class CudaTransport(Transport):
+class KVCudaTransport(KVTransport):
     """Copies on one side stream of ``device`` with ``cudaMemcpy2DAsync``; markers are CUDA events.
 
     Where the runtime function cannot be found it falls back to torch's ``copy_`` (correct, but a strided
@@ -187,18 +191,16 @@ class CudaTransport(Transport):
     """
 
     kind = "cuda"
-    _warned = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
         self._memcpy2d = _cuda_memcpy2d()
-        if self._memcpy2d is None and not CudaTransport._warned:
-            CudaTransport._warned = True
-            warnings.warn("OffloadedKVCache: cudaMemcpy2DAsync was not found in the loaded CUDA runtime; KV copies "
-                          "fall back to torch copy_, which stages strided host reads through pageable memory "
-                          "(correct, but slower).", stacklevel=3)
+        if self._memcpy2d is None:
+            warn_once("kv:no-memcpy2d", "OffloadedKVCache: cudaMemcpy2DAsync was not found in the loaded CUDA "
+                      "runtime; KV copies fall back to torch copy_, which stages strided host reads through pageable "
+                      "memory (correct, but slower).")
 
     def _compute_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)

@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_s  # noqa: E402
-
-from lightning_gh import hardware  # noqa: E402
+from lightning_gh import _native, hardware  # noqa: E402
 from lightning_gh.superoffload import cpu_adamw  # noqa: E402
+
+from common import median_s  # noqa: E402
 
 
 def main() -> None:
@@ -63,25 +60,21 @@ def main() -> None:
         s = median_s(fn)
         rows.append({"variant": name, "one_call_ms": round(s * 1e3, 1), "gparams_s": round(n / s / 1e9, 2)})
 
-    src_path = Path(cpu_adamw.__file__).with_name("csrc") / "adamw.c"
-    isa = cpu_adamw._isa_flags()
-    avx512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+    isa = cpu_adamw.isa_flags(hardware.host_arch(), hardware.cpu_flags())
     variants = [("avx2 stream", isa, 1), ("avx2 store", isa, 0)]
-    if avx512:
+    if "avx512f" in hardware.cpu_flags():
         variants += [("avx512 stream", ["-mavx512f", "-mfma"], 1), ("avx512 store", ["-mavx512f", "-mfma"], 0)]
-    tmp = Path(tempfile.mkdtemp())
     for name, flags, stream in variants:
-        so = tmp / f"{name.replace(' ', '_')}.so"
-        cmd = ["gcc", *cpu_adamw._CFLAGS, *flags, f"-DLGH_STREAM={stream}", str(src_path), "-o", str(so), "-lm"]
-        subprocess.run(cmd, check=True)
+        so = _native.build_shared_library(cpu_adamw._SOURCE, "lgh_adamw_variant",
+                                          [*cpu_adamw._CFLAGS, *flags, f"-DLGH_STREAM={stream}"], link_flags=["-lm"])
         k = cpu_adamw.AdamWKernel(so, 2)
         exact = next((mode for mode in (2, 1, 0) if cpu_adamw._matches_torch(k, mode)), None)
         k.sq_mode = 2 if exact is None else exact
 
-        def one():
+        def one(k=k):
             cpu_adamw.update_spans(k, (p, m, v), g, dst, [n], 5.0, hp, None, nt)
 
-        def bucketed():
+        def bucketed(k=k):
             for lo in range(0, n, args.bucket):
                 hi = min(n, lo + args.bucket)
                 cpu_adamw.update_spans(k, (p[lo:hi], m[lo:hi], v[lo:hi]), g[lo:hi],
@@ -94,7 +87,7 @@ def main() -> None:
         if name == "avx2 stream":  # the build the optimizer uses: its other modes, in buckets
             for mode, grad, out in (("in place, fp32 grad", g, (p, m, v)), ("in place, bf16 grad", g_bf16, (p, m, v)),
                                     ("out of place, bf16 grad", g_bf16, dst)):
-                def run(grad=grad, out=out):
+                def run(grad=grad, out=out, k=k):
                     for lo in range(0, n, args.bucket):
                         hi = min(n, lo + args.bucket)
                         cpu_adamw.update_spans(k, (p[lo:hi], m[lo:hi], v[lo:hi]), grad[lo:hi],
@@ -102,7 +95,7 @@ def main() -> None:
                 s = median_s(run)
                 rows.append({"variant": f"ours {name}, {mode}", "bucketed_ms": round(s * 1e3, 1),
                              "bucketed_gparams_s": round(n / s / 1e9, 2)})
-    print(f"{n:,} fp32 parameters, {nt} threads, buckets of {args.bucket:,}; {os.cpu_count()} CPUs")
+    print(f"{n:,} fp32 parameters, {nt} threads, buckets of {args.bucket:,}; {hardware.cpus_available()} CPUs")
     for r in rows:
         print(r)
     if args.out:

@@ -31,8 +31,8 @@ import torch
 
 __all__ = [
     "HardwareInfo", "LinkBandwidth", "ManagedBandwidth", "available_host_bytes", "coherent_host_memory",
-    "managed_bandwidth", "managed_memory_attributes", "classify", "cpu_view", "cpus_available", "detect",
-    "gpu_memory_room", "link_bandwidth", "median_cuda_ms",
+    "managed_bandwidth", "managed_memory_attributes", "classify", "cpu_flags", "cpu_view", "cpus_available", "detect",
+    "gpu_memory_room", "gpu_name", "host_arch", "link_bandwidth", "median_cuda_ms",
 ]
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores.
@@ -54,7 +54,7 @@ class HardwareInfo:
         is_hopper: compute capability 9.x.
         is_grace_hopper: an aarch64 (Grace) host with a Hopper GPU, linked by NVLink-C2C.
         link: ``"nvlink-c2c"``, ``"pcie"`` or ``None`` without CUDA.
-        host_arch: ``platform.machine()``.
+        host_arch: :func:`host_arch`.
         cpu_count: CPUs this process may use.
         torch_version / cuda_version: the runtime versions.
         coherent_host_memory: the GPU reads host memory coherently through the host's page tables (Grace Hopper's
@@ -132,6 +132,26 @@ def cpus_available() -> int:
         return os.cpu_count() or 1
 
 
+def host_arch() -> str:
+    """The host's architecture as the OS names it (``platform.machine()``: ``"x86_64"``, ``"aarch64"``)."""
+    return platform.machine()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set features the host CPU reports (``/proc/cpuinfo``'s ``flags`` on x86, ``Features`` on
+    Arm: ``"avx2"``, ``"fma"``, ``"sve"``, ...), lower case; empty where the OS does not say. Cached."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key.strip().lower() in ("flags", "features"):
+                    return frozenset(rest.lower().split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def _meminfo() -> dict[str, int]:
     out: dict[str, int] = {}
     try:
@@ -182,6 +202,20 @@ def gpu_memory_room(device: torch.device | str) -> tuple[int, int] | None:
     return int(free), int(total)
 
 
+def gpu_name(device: torch.device | str | int | None = None) -> str | None:
+    """The CUDA device's name (``"NVIDIA H100 80GB HBM3"``), or ``None`` without CUDA or where it cannot be read.
+
+    Args:
+        device: the CUDA device (default: the current one).
+    """
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return torch.cuda.get_device_name(device)
+    except (RuntimeError, AssertionError, ValueError):
+        return None
+
+
 def detect(device_index: int | None = None) -> HardwareInfo:
     """Describe this machine and the current (or the given) CUDA device. Cached per device index.
 
@@ -194,7 +228,7 @@ def detect(device_index: int | None = None) -> HardwareInfo:
 
 @functools.lru_cache(maxsize=None)
 def _detect(device_index: int | None) -> HardwareInfo:
-    arch = platform.machine()
+    arch = host_arch()
     cuda = torch.cuda.is_available()
     name = cc = mem = None
     idx = None
@@ -279,7 +313,7 @@ def link_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> LinkBandwidth
 
     h2d = timed(lambda: dev.copy_(host, non_blocking=True))
     d2h = timed(lambda: host.copy_(dev, non_blocking=True))
-    del host, dev
+    host = dev = None  # the lambdas above are done with them
     # Give the buffers back to the driver: the callers (offload policies) run where memory is tight.
     torch.cuda.empty_cache()
     empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
@@ -435,10 +469,10 @@ def managed_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> ManagedBan
             read_gbps=gbps(lambda: buf.sum(), nbytes), write_gbps=gbps(lambda: buf.fill_(1.0), nbytes),
             rmw_gbps=gbps(lambda: buf.add_(1.0), 2 * nbytes), device_rmw_gbps=gbps(lambda: ref.add_(1.0), 2 * nbytes),
             nbytes=nbytes, coherent=coherent_host_memory(idx))
-        del buf
+        buf = None
     finally:
         torch.cuda.synchronize(device)
         free(ptr.value)
-    del ref
+    ref = None
     torch.cuda.empty_cache()
     return result

@@ -17,6 +17,31 @@ def test_detect_on_this_machine():
         assert hardware.link_bandwidth() is None
 
 
+def test_host_facts_on_this_machine(monkeypatch):
+    import platform
+
+    assert hardware.host_arch() == platform.machine() == hardware.detect().host_arch
+    flags = hardware.cpu_flags()
+    assert isinstance(flags, frozenset) and all(f == f.lower() for f in flags)
+    if not torch.cuda.is_available():
+        assert hardware.gpu_name() is None and hardware.managed_memory_attributes() is None
+        assert hardware.coherent_host_memory() is None
+
+
+def test_cpu_flags_read_the_first_flags_line(monkeypatch, tmp_path):
+    import builtins
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu SSE2 avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: real_open(cpuinfo if f == "/proc/cpuinfo" else f, *a, **k))
+    hardware.cpu_flags.cache_clear()
+    try:
+        assert hardware.cpu_flags() == {"fpu", "sse2", "avx2", "fma"}
+    finally:
+        hardware.cpu_flags.cache_clear()
+
+
 @pytest.mark.parametrize(
     "arch, cc, fp8, hopper, gh, link",
     [

@@ -18,7 +18,7 @@ needs_cc = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc")
 @pytest.fixture
 def fresh_cache(monkeypatch, tmp_path):
     """A private build directory and no kernel loaded yet in this process."""
-    monkeypatch.setenv("LIGHTNING_GH_CACHE", str(tmp_path))
+    monkeypatch.setenv("LGH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_adamw, "_loaded", {})
     yield tmp_path
 
@@ -98,8 +98,9 @@ def test_built_once_and_cached(fresh_cache):
     k = cpu_adamw.load()
     assert k is not None and k.path.parent == fresh_cache
     assert cpu_adamw.load() is k  # once per process
-    built = sorted(fresh_cache.glob("lgh_adamw_*.so"))
+    built = sorted(fresh_cache.glob("lgh_adamw-*.so"))
     assert built == [k.path]
+    assert not [p for p in fresh_cache.iterdir() if p.suffix == ".tmp"]  # built under a private name, renamed
 
 
 def test_steps_aside_without_a_working_compiler(fresh_cache, monkeypatch):
@@ -109,7 +110,7 @@ def test_steps_aside_without_a_working_compiler(fresh_cache, monkeypatch):
 
 
 def test_can_be_turned_off(fresh_cache, monkeypatch):
-    monkeypatch.setenv("LIGHTNING_GH_CPU_ADAMW", "0")
+    monkeypatch.setenv("LGH_CPU_ADAMW", "0")
     assert cpu_adamw.load() is None
 
 
@@ -117,11 +118,24 @@ def test_optimizer_falls_back_to_rollback_copies(fresh_cache, monkeypatch):
     monkeypatch.setenv("CC", "/bin/false")
     model = torch.nn.Linear(8, 8)
     opt = HeterogeneousAdamW(model.parameters(), max_grad_norm=1.0, module=model, bucket_size=16)
-    assert opt._kernel is None and all(b.alt_master is None for b in opt._buckets)
     model(torch.randn(2, 8)).square().mean().backward()
     opt.step()
     opt.synchronize()
+    layout = opt.layout
+    assert layout.buckets and layout.kernel is None and not layout.two_copies
+    assert all(b.alt_master is None for b in layout.buckets)
     opt.close()
+
+
+@pytest.mark.parametrize("arch, flags, want", [
+    ("x86_64", {"avx2", "fma", "sse4_2"}, ["-mavx2", "-mfma"]),
+    ("AMD64", {"avx2", "fma"}, ["-mavx2", "-mfma"]),
+    ("x86_64", {"avx2"}, []),
+    ("x86_64", set(), []),
+    ("aarch64", {"avx2", "fma"}, []),
+])
+def test_isa_flags(arch, flags, want):
+    assert cpu_adamw.isa_flags(arch, frozenset(flags)) == want
 
 
 def test_rollback_option_is_checked():

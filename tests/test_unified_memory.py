@@ -4,8 +4,8 @@ CPU: the API imports without building anything, degrades with one warning, valid
 arithmetic (Python, and the compiled C guard where a compiler and CUDA headers exist); the callback in a real CPU
 Trainer is a no-op whose losses equal the plain run; the benchmark suite runs with ``--device cpu``.
 
-GPU (skipped without CUDA; run on an H200 over PCIe, not coherent): the pool's pages are managed with the advice
-asked for; the guard refuses before allocating (tested with a huge headroom and a 1 MiB request, so a broken guard
+GPU (skipped without CUDA; written for a PCIe GPU, not coherent): the pool's pages are managed with the advice
+asked for; the guard refuses before allocating (tested with a huge headroom and a 24 MiB request, so a broken guard
 could never allocate much); Lightning runs with the state in managed memory give losses and parameters bitwise
 equal to the plain run (deterministic kernels, ``Trainer(deterministic="warn")``); GPU-resident memory drops by the
 state's size; resume from a checkpoint and CUDAGraphCapture compose. Every managed allocation here is < 2 GiB.
@@ -13,9 +13,11 @@ state's size; resume from a checkpoint and CUDAGraphCapture compose. Every manag
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -29,6 +31,7 @@ from torch import nn
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before the first handle
 
+from lightning_gh._util import reset_warnings  # noqa: E402
 from lightning_gh.demo import LlamaLM, MarkovDataModule, preset  # noqa: E402
 from lightning_gh.unified import (  # noqa: E402
     ManagedMemoryError,
@@ -36,11 +39,13 @@ from lightning_gh.unified import (  # noqa: E402
     ManagedMemoryUnavailable,
     ManagedOptimizerState,
     forecast_step_ms,
+    guard,
     managed_memory,
     pool_bytes_for,
     refusal_reason,
+    shim,
 )
-from lightning_gh.unified import guard, pool as pool_mod, shim  # noqa: E402
+from lightning_gh.unified import pool as pool_mod  # noqa: E402
 from lightning_gh.unified.forecast import GH200_RMW_GBPS, state_traffic_ms  # noqa: E402
 from lightning_gh.unified.state import creates_state_eagerly  # noqa: E402
 
@@ -57,12 +62,13 @@ def test_import_builds_nothing():
     assert shim._loaded is None and shim._load_error is None
     import lightning_gh.unified as u
 
-    assert "lgh_managed_malloc" in u.shim.SOURCE and "lgh_managed_free" in u.shim.SOURCE
+    assert "lgh_managed_malloc" in u.shim.source() and "lgh_managed_free" in u.shim.source()
+    assert u.shim.SOURCE_FILE.name == "managed.cpp" and u.shim.SOURCE_FILE.is_file()
 
 
 @pytest.mark.skipif(CUDA, reason="checks the no-CUDA path")
-def test_without_cuda_one_warning_and_a_plain_block(monkeypatch):
-    monkeypatch.setattr(pool_mod, "_warned_no_cuda", False)
+def test_without_cuda_one_warning_and_a_plain_block():
+    reset_warnings(pool_mod.NO_CUDA_WARNING)
     with pytest.warns(UserWarning, match="no CUDA GPU is available") as rec:
         with managed_memory("cpu") as pool:
             t = torch.zeros(4)
@@ -118,7 +124,7 @@ def test_options_are_frozen_and_describe_themselves():
     assert (o.preferred, o.accessed_by_gpu, o.allow_oversubscription, o.prefetch) == ("cpu", True, False, "none")
     assert o.location == "host" and o.replace(preferred="gpu").location == "device"
     assert o.pool_key() == ("cpu", True) and o.to_dict()["headroom_bytes"] == 512 * MIB
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         o.preferred = "gpu"  # type: ignore[misc]
 
 
@@ -186,8 +192,9 @@ def test_compiled_guard_equals_the_python_guard(tmp_path, monkeypatch):
     tc = _toolchain_or_skip()
     monkeypatch.setenv("LGH_CACHE_DIR", str(tmp_path))
     path = shim.build(tc)
-    assert path.is_file() and path.parent.parent == tmp_path and (path.parent / "build.log").is_file()
-    assert shim.build(tc) == path  # cached: no rebuild
+    assert path.is_file() and path.parent == tmp_path and path.with_suffix(".log").is_file()
+    stamp = path.stat().st_mtime_ns
+    assert shim.build(tc) == path and path.stat().st_mtime_ns == stamp  # cached: no rebuild
     lib = shim.Shim(path)
     assert lib.runtime_version()[0] == tc.cuda_version
     big = 2**63 - 1
@@ -214,7 +221,8 @@ def test_compiled_guard_equals_the_python_guard(tmp_path, monkeypatch):
 def test_missing_toolchain_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(shim, "_include_dirs", lambda: [])
     monkeypatch.setattr(shim, "_cuda_homes", lambda: [])
-    monkeypatch.setattr(shim.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ManagedMemoryUnavailable) as e:
         shim.find_toolchain()
     msg = str(e.value)
@@ -240,9 +248,14 @@ def test_allocator_settings_that_mempool_cannot_serve_are_refused(monkeypatch):
 def test_forecast_arithmetic():
     assert forecast_step_ms(100.0, 400.0, 50.0, 500.0) == pytest.approx(130.0)
     assert forecast_step_ms(100.0, 90.0, 50.0, 500.0) == 100.0  # never faster than the plain run
+    assert forecast_step_ms(100.0, 400.0, 50.0, 50.0) == pytest.approx(400.0)  # the same link: the same step
+    # a faster target link forecasts a shorter step, never below the plain run
     lo, hi = GH200_RMW_GBPS
-    assert 330 < lo < 332 and hi == 486.0
-    assert state_traffic_ms(10**9, 100.0) == pytest.approx(20.0)
+    assert 0 < lo < hi
+    at_lo, at_hi = (forecast_step_ms(100.0, 400.0, 50.0, t) for t in (lo, hi))
+    assert 100.0 < at_hi < at_lo < 400.0
+    assert state_traffic_ms(10**9, 100.0) == pytest.approx(20.0)  # 1 GB read and written at 100 GB/s
+    assert state_traffic_ms(0, 100.0) == 0.0
     with pytest.raises(ValueError, match="target_gbps=0"):
         forecast_step_ms(1.0, 2.0, 3.0, 0)
     with pytest.raises(ValueError, match="state_bytes=-1"):
@@ -383,7 +396,7 @@ def test_hardware_coherence_and_managed_bandwidth_on_the_gpu():
     assert attrs is not None and attrs["managed_memory"] and attrs["concurrent_managed_access"]
     hw = hardware.detect()
     assert hw.coherent_host_memory == attrs["pageable_uses_host_page_tables"]
-    assert hw.coherent_host_memory == shim.load().device_info(torch.cuda.current_device())["pageable_uses_host_page_tables"]
+    assert pool_mod.get_pool().coherent == hw.coherent_host_memory  # the pool asks hardware.py
     bw = hardware.managed_bandwidth(64 * MIB, 3)
     print(f"managed bandwidth (64 MiB): {bw}")
     assert bw.read_gbps > 1 and bw.write_gbps > 1 and bw.rmw_gbps > 1 and bw.device_rmw_gbps > bw.rmw_gbps
@@ -542,8 +555,6 @@ def deterministic_attention():
 @gpu
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_lightning_losses_bitwise_equal_to_the_plain_run(tmp_path, precision, deterministic_attention):
-    from lightning_gh.unified import is_managed, locations
-
     plain_model, _, plain = _gpu_fit([], tmp_path=tmp_path, precision=precision)
     again_model, _, again = _gpu_fit([], tmp_path=tmp_path, precision=precision)
     assert again == plain, "two plain runs differ: the comparison below would mean nothing"

@@ -48,14 +48,22 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from common import (BenchContext, Result, Timing, child_context, emit_child_result, lightning_steps,  # noqa: E402
-                    peak_memory, reset_memory, run_isolated)
-
 from lightning_gh import hardware  # noqa: E402
 from lightning_gh.demo import LlamaLM, preset  # noqa: E402
 from lightning_gh.unified import GH200_RMW_GBPS, ManagedOptimizerState, forecast_step_ms  # noqa: E402
 from lightning_gh.unified import pool as um_pool  # noqa: E402
 from lightning_gh.unified.forecast import state_traffic_ms  # noqa: E402
+
+from common import (  # noqa: E402
+    BenchContext,
+    Result,
+    child_context,
+    emit_child_result,
+    lightning_steps,
+    peak_memory,
+    reset_memory,
+    run_isolated,
+)
 
 DEFAULT_PRESETS = ["medium"]
 VARIANTS = ("plain", "plain again", "managed cpu", "managed gpu", "managed cpu prefetch=step", "superoffload")
@@ -221,7 +229,7 @@ def _run_variant(ctx: BenchContext, preset_name: str, name: str) -> Result:
         r.error = _err(e)
         traceback.print_exc()
     finally:
-        model = trainer = None
+        del model, trainer  # both bound (None before the try): drop them before the collection
         gc.collect()
         reset_memory(ctx.device)
     print(f"[unified] {name}: {r.median_ms} ms  "

@@ -1,17 +1,17 @@
 """An out-of-place CPU AdamW step, bitwise equal to torch's fused CPU AdamW, for SuperOffload's two-copy rollback.
 
 A speculative update must be undoable exactly. Copying the master weights and moments aside before each
-speculative update (and back on a rollback) moves 24 B per parameter on top of the update's own ~28 B; measured on
-the H200 machine it cost 25-35% of the worker's time at 32 layers (docs/superoffload.md). Writing the update into
-a second copy of the state instead, and flipping to it once the step is decided, costs nothing extra: the old copy
-is the rollback.
+speculative update (and back on a rollback) moves 24 B per parameter on top of the update's own ~28 B (what that
+costs is in docs/superoffload.md). Writing the update into a second copy of the state instead, and flipping to it
+once the step is decided, costs nothing extra: the old copy is the rollback.
 
 torch has no out-of-place fused AdamW, so this module builds a small C kernel (``csrc/adamw.c``, the arithmetic
 of torch's vectorised loop operation for operation, streaming stores, its own threads) with the system C compiler
-into a per-user cache, loads it with :mod:`ctypes` (which releases the GIL for the call: the training loop's thread
-keeps running), and checks on the running machine that its results equal ``torch._fused_adamw_`` bitwise before
-anything uses it. Where there is no compiler, the build fails, or the check finds a difference,
-:func:`load` returns ``None`` and SuperOffload keeps its copy-based rollback.
+(``$CC``, else ``gcc`` or ``cc``) into the package's build cache (:func:`lightning_gh._native.cache_dir`), loads it
+with :mod:`ctypes` (which releases the GIL for the call: the training loop's thread keeps running), and checks on
+the running machine that its results equal ``torch._fused_adamw_`` bitwise before anything uses it. Where there is
+no compiler, the build fails, or the check finds a difference, :func:`load` returns ``None`` and SuperOffload keeps
+its copy-based rollback.
 
 The same kernel also updates in place and reads bf16 gradients as they are (widened exactly, so the result equals
 torch's on the fp32 copy of the gradient): the host then receives 2 B/parameter of gradient instead of 4, and the
@@ -29,25 +29,22 @@ Example::
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["AdamWKernel", "cache_dir", "load", "step_constants", "update_spans"]
+from lightning_gh import _native, hardware
+from lightning_gh._util import env
+
+__all__ = ["AdamWKernel", "isa_flags", "load", "step_constants", "update_spans"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "adamw.c"
+_SOURCE = _native.package_source("lightning_gh.superoffload", "csrc/adamw.c")
 _CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # torch processes each tensor in 16-float (64-byte) units and runs the last `numel % vector width` elements of a
 # tensor through a scalar loop that its compiler may round differently; those tails go to torch itself.
@@ -57,23 +54,17 @@ _lock = threading.Lock()
 _loaded: dict[str, AdamWKernel | None] = {}
 
 
-def cache_dir() -> Path:
-    """Where built kernels are kept: ``$LIGHTNING_GH_CACHE``, else ``$XDG_CACHE_HOME/lightning_gh``, else
-    ``~/.cache/lightning_gh``."""
-    root = os.environ.get("LIGHTNING_GH_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_gh"
+def isa_flags(host_arch: str, cpu_flags: frozenset[str] | set[str]) -> list[str]:
+    """The instruction-set flags the kernel is compiled with on a host of ``host_arch`` whose CPU reports
+    ``cpu_flags`` (:func:`lightning_gh.hardware.host_arch`, :func:`lightning_gh.hardware.cpu_flags`): AVX2 and FMA
+    on an x86 CPU that has both, nothing else (the kernel's scalar path elsewhere).
 
-
-def _isa_flags() -> list[str]:
-    if platform.machine() not in ("x86_64", "AMD64"):
+    >>> isa_flags("x86_64", {"avx2", "fma", "sse2"}), isa_flags("x86_64", {"avx2"}), isa_flags("aarch64", {"fma"})
+    (['-mavx2', '-mfma'], [], [])
+    """
+    if host_arch not in ("x86_64", "AMD64"):
         return []
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
-        return []
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(cpu_flags) else []
 
 
 def step_constants(step: float, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float,
@@ -177,32 +168,14 @@ def update_spans(kernel: AdamWKernel, src: tuple[torch.Tensor, torch.Tensor, tor
             d[lo:hi].copy_(o)
 
 
-def _build(cc: str) -> Path | None:
-    flags = _CFLAGS + _isa_flags()
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    out_dir = cache_dir()
-    target = out_dir / f"lgh_adamw_{key}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Build under a private name and rename: several ranks may build at once.
-    fd, tmp = tempfile.mkstemp(prefix="lgh_adamw_", suffix=".so", dir=out_dir)
-    os.close(fd)
+def _build() -> Path | None:
+    """The built kernel's path, or ``None`` (logged) where it cannot be built."""
+    flags = _CFLAGS + isa_flags(hardware.host_arch(), hardware.cpu_flags())
     try:
-        res = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                             timeout=120)
-        if res.returncode != 0:
-            log.info("SuperOffload: building the CPU AdamW kernel failed (%s): %s", cc, res.stderr.strip()[-500:])
-            return None
-        os.replace(tmp, target)
-        return target
-    except (OSError, subprocess.SubprocessError) as e:
-        log.info("SuperOffload: building the CPU AdamW kernel failed (%s): %s", cc, e)
+        return _native.build_shared_library(_SOURCE, "lgh_adamw", flags, link_flags=["-lm"], timeout_s=120)
+    except _native.NativeBuildError as e:
+        log.info("SuperOffload: the CPU AdamW kernel is not used (rollback copies instead): %s", e)
         return None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _matches_torch(kernel: AdamWKernel, sq_mode: int) -> bool:
@@ -242,14 +215,13 @@ def _matches_torch(kernel: AdamWKernel, sq_mode: int) -> bool:
 
 def load() -> AdamWKernel | None:
     """The kernel, built and checked once per process, or ``None`` when it cannot be used here (no C compiler,
-    a failed build, or results that differ from torch's fused AdamW). ``LIGHTNING_GH_CPU_ADAMW=0`` turns it off."""
+    a failed build, or results that differ from torch's fused AdamW). ``LGH_CPU_ADAMW=0`` turns it off."""
     with _lock:
         if "k" in _loaded:
             return _loaded["k"]
         kernel = None
-        if os.environ.get("LIGHTNING_GH_CPU_ADAMW", "1") != "0":
-            cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-            path = _build(cc) if cc else None
+        if env("CPU_ADAMW", "1") != "0":
+            path = _build()
             if path is not None:
                 try:
                     probe = AdamWKernel(path, 0)

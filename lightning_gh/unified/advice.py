@@ -25,8 +25,9 @@ from typing import Union
 import torch
 
 from lightning_gh import hardware
+from lightning_gh._util import fmt_bytes
 from lightning_gh.unified import shim as _shim
-from lightning_gh.unified.guard import ManagedMemoryError, fmt_bytes
+from lightning_gh.unified.guard import ManagedMemoryError
 from lightning_gh.unified.options import DEFAULT_HEADROOM_BYTES, PREFERRED
 
 __all__ = ["advise", "is_managed", "locations", "managed_storages", "prefetch"]
@@ -157,7 +158,7 @@ def prefetch(tensors: Tensors, to: str, *, stream: torch.cuda.Stream | None = No
         for _, nbytes, dev in storages:
             by_dev[dev] = by_dev.get(dev, 0) + nbytes
         for dev, nbytes in by_dev.items():
-            if lib.device_info(dev)["pageable_uses_host_page_tables"]:
+            if hardware.coherent_host_memory(dev):
                 continue
             room = hardware.gpu_memory_room(torch.device("cuda", dev))
             if room is not None and nbytes + headroom_bytes > room[0]:

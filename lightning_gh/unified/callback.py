@@ -41,7 +41,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_gh import _lightning, compat
-from lightning_gh.unified.guard import ManagedMemoryUnavailable, fmt_bytes
+from lightning_gh._util import fmt_bytes
+from lightning_gh.unified.guard import ManagedMemoryUnavailable
 from lightning_gh.unified.options import DEFAULT_HEADROOM_BYTES, ManagedMemoryOptions
 from lightning_gh.unified.pool import get_pool, unavailable_reason
 from lightning_gh.unified.state import OptimizerStatePlacement, PlacementReport

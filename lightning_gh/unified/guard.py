@@ -1,6 +1,6 @@
 """The safety rule of the managed-memory pool, as pure arithmetic, and the two errors of the unified-memory part.
 
-Why a rule: on a GPU that does not read host memory coherently (every PCIe H100/H200), managed memory that the GPU
+Why a rule: on a GPU that does not read host memory coherently (every PCIe GPU), managed memory that the GPU
 touches migrates in and out of GPU memory on page faults. Holding more managed memory than the GPU has free can
 then hang the GPU itself, not just the process. So by default the pool refuses, *before* calling
 ``cudaMallocManaged``, any allocation after which
@@ -32,8 +32,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["ManagedMemoryError", "ManagedMemoryUnavailable", "fmt_bytes", "guard_refuses", "pool_bytes_for",
-           "refusal_reason", "segment_bytes"]
+from lightning_gh._util import fmt_bytes
+
+__all__ = ["ManagedMemoryError", "ManagedMemoryUnavailable", "guard_refuses", "pool_bytes_for", "refusal_reason",
+           "segment_bytes"]
 
 # PyTorch's CUDACachingAllocator constants (c10/cuda/CUDACachingAllocator.cpp, unchanged from torch 2.0 to 2.13).
 MIN_BLOCK = 512
@@ -54,15 +56,6 @@ class ManagedMemoryError(MemoryError, RuntimeError):
 class ManagedMemoryUnavailable(RuntimeError):
     """Managed memory cannot be used from PyTorch here: no MemPool in this torch, an allocator setting that
     MemPool does not support, or no compiler / CUDA headers to build the allocator shim. The message says which."""
-
-
-def fmt_bytes(n: int | float) -> str:
-    """``1.5 GiB``, ``20.0 MiB``, ``512 B``."""
-    n = float(n)
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _check_size(name: str, value: int) -> None:

@@ -32,7 +32,6 @@ import contextlib
 import os
 import re
 import threading
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +39,9 @@ from typing import Any
 import torch
 
 from lightning_gh import hardware
+from lightning_gh._util import fmt_bytes, warn_once
 from lightning_gh.unified import shim as _shim
-from lightning_gh.unified.guard import ManagedMemoryError, ManagedMemoryUnavailable, fmt_bytes, refusal_reason
+from lightning_gh.unified.guard import ManagedMemoryError, ManagedMemoryUnavailable, refusal_reason
 from lightning_gh.unified.options import DEFAULT_HEADROOM_BYTES, ManagedMemoryOptions
 
 __all__ = ["ManagedPool", "PoolStats", "check_device_arg", "expandable_segments_enabled", "get_pool", "managed_memory",
@@ -49,16 +49,16 @@ __all__ = ["ManagedPool", "PoolStats", "check_device_arg", "expandable_segments_
 
 _pools: dict[tuple[int, str, bool], ManagedPool] = {}
 _pools_lock = threading.Lock()
-_warned_no_cuda = False
 _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*true", re.IGNORECASE)
 
 
+#: The warn-once key of the no-CUDA warning (:func:`lightning_gh._util.reset_warnings` makes it warn again).
+NO_CUDA_WARNING = "unified:no-cuda"
+
+
 def _warn_no_cuda(what: str) -> None:
-    global _warned_no_cuda
-    if not _warned_no_cuda:
-        _warned_no_cuda = True
-        warnings.warn(f"lightning_gh {what}: no CUDA GPU is available, so there is no managed memory; tensors are "
-                      "allocated as usual (this is the only warning).", UserWarning, stacklevel=4)
+    warn_once(NO_CUDA_WARNING, f"lightning_gh {what}: no CUDA GPU is available, so there is no managed memory; "
+              "tensors are allocated as usual (this is the only warning).", stacklevel=5)
 
 
 def check_device_arg(device: Any) -> None:
@@ -199,7 +199,10 @@ class ManagedPool:
         self.preferred = preferred
         self.accessed_by_gpu = accessed_by_gpu
         self.shim = lib
-        info = lib.device_info(device.index)
+        info = hardware.managed_memory_attributes(device.index)
+        if info is None:
+            raise ManagedMemoryUnavailable(f"{self.describe_device()}: the CUDA driver cannot be asked for the "
+                                           "device's managed-memory attributes (libcuda.so.1 missing or cuInit failed).")
         self.device_info = info
         self.coherent = info["pageable_uses_host_page_tables"]
         if not info["managed_memory"]:
@@ -231,11 +234,7 @@ class ManagedPool:
             raise ManagedMemoryUnavailable(f"managed memory is not available: {reason}.")
 
     def describe_device(self) -> str:
-        try:
-            name = torch.cuda.get_device_name(self.device)
-        except Exception:
-            name = "GPU"
-        return f"{self.device} ({name})"
+        return f"{self.device} ({hardware.gpu_name(self.device) or 'GPU'})"
 
     def __repr__(self) -> str:
         return (f"ManagedPool(device={str(self.device)!r}, preferred={self.preferred!r}, "

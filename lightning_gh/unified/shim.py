@@ -8,25 +8,26 @@ int device, cudaStream_t stream)``. The shim's pair, ``lgh_managed_malloc`` / ``
 populates the pages at the preferred location, and runs the safety guard (:mod:`lightning_gh.unified.guard`)
 *before* ``cudaMallocManaged``. A refused or failed allocation returns NULL, which PyTorch turns into an
 out-of-memory error; the shim keeps the reason (per thread) so that :func:`~lightning_gh.unified.pool.managed_memory`
-can raise a :class:`~lightning_gh.unified.guard.ManagedMemoryError` that says what happened. Advice, prefetch,
-pointer queries and device attributes are exported for ``ctypes``.
+can raise a :class:`~lightning_gh.unified.guard.ManagedMemoryError` that says what happened. Advice, prefetch and
+pointer queries are exported for ``ctypes``; the device's managed-memory attributes come from
+:func:`lightning_gh.hardware.managed_memory_attributes`.
 
 CUDA 13 changed ``cudaMemAdvise`` and ``cudaMemPrefetchAsync`` to take a ``cudaMemLocation`` (and the prefetch a
 flags word); CUDA 12 took an int device with ``cudaCpuDeviceId`` for the host. The source handles both with
 ``#if CUDART_VERSION >= 13000``.
 
-Building: with a C++ compiler (``$CXX``, ``g++``, ``c++``, ``clang++``) against CUDA runtime headers and a
-``libcudart`` of the same major version, else with ``nvcc``. Headers are looked for under ``$LGH_CUDA_HOME``,
-``$CUDA_HOME``, ``$CUDA_PATH``, nvcc's toolkit, ``/usr/local/cuda*`` and PyTorch's ``nvidia`` runtime wheels; the
-library torch itself loaded is preferred, so there is one CUDA runtime in the process. The ``.so`` lands in
-``$LGH_CACHE_DIR`` (default ``~/.cache/lightning_gh``) under a hash of the source, the headers' version, the
-library and the architecture; concurrent builds (DDP ranks) each write a temporary file and rename it.
-Nothing here runs at import time.
+The source is ``csrc/managed.cpp`` (package data). Building: with a C++ compiler (``$CXX``, ``g++``, ``c++``,
+``clang++``) against CUDA runtime headers and a ``libcudart`` of the same major version, else with ``nvcc``.
+Headers are looked for under ``$LGH_CUDA_HOME``, ``$CUDA_HOME``, ``$CUDA_PATH``, nvcc's toolkit, ``/usr/local/cuda*``
+and PyTorch's ``nvidia`` runtime wheels; the library torch itself loaded is preferred, so there is one CUDA runtime
+in the process. :func:`lightning_gh._native.build_shared_library` compiles it into the package's build cache
+(``$LGH_CACHE_DIR``) under a hash of the source, the flags (headers and library included), the headers' version
+and the compiler. Nothing here runs at import time.
 
 Example::
 
     >>> from lightning_gh.unified import shim
-    >>> "lgh_managed_malloc" in shim.SOURCE
+    >>> "lgh_managed_malloc" in shim.source()
     True
     >>> lib = shim.load()          # doctest: +SKIP
     >>> lib.guard_refuses(8 << 30, 10 << 30, 4 << 30, 0, coherent=False, allow_oversubscription=False)  # doctest: +SKIP
@@ -37,308 +38,26 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import hashlib
 import os
-import platform
 import re
 import shutil
 import site
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_gh import _native
+from lightning_gh._util import env
 from lightning_gh.unified.guard import ManagedMemoryUnavailable
 
-__all__ = ["SOURCE", "Refusal", "Shim", "Toolchain", "build", "cache_dir", "find_toolchain", "load"]
+__all__ = ["SOURCE_FILE", "Refusal", "Shim", "Toolchain", "build", "find_toolchain", "load", "source"]
 
-SOURCE = r"""
-// lightning_gh managed-memory allocator shim (see lightning_gh/unified/shim.py).
-#include <cuda_runtime_api.h>
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <mutex>
-#include <sys/types.h>
+#: The shim's C++ source, shipped as package data.
+SOURCE_FILE = _native.package_source("lightning_gh.unified", "csrc/managed.cpp")
 
-#define LGH_API extern "C" __attribute__((visibility("default")))
-
-namespace {
-
-constexpr int kMaxDevices = 64;
-
-// What the calling thread's allocations get. Set from Python (lgh_set_config) when a managed_memory() scope is
-// entered: PyTorch's caching allocator calls the allocator on the thread that asked for the tensor.
-struct Config {
-  int prefer_host;                // 1: preferred location host memory, 0: the allocating GPU
-  int accessed_by;                // 1: cudaMemAdviseSetAccessedBy the allocating GPU
-  int allow_oversubscription;     // 1: lift the guard (honoured only where the GPU is coherent)
-  unsigned long long headroom;    // GPU bytes the guard keeps free beyond the managed bytes
-  int populate;                   // 1: prefetch new pages to the preferred location at once
-};
-
-// Why the calling thread's last allocation returned NULL.
-// kind: 1 guard refused, 2 cudaMallocManaged failed, 3 advice/prefetch failed, 4 cudaMemGetInfo failed, 5 bad args
-struct Refusal {
-  long long request, free_bytes, total_bytes, live, headroom;
-  int device, cuda_error, coherent, kind;
-};
-
-thread_local Config t_config = {1, 1, 0, 512ull << 20, 1};
-thread_local Refusal t_refusal = {};
-thread_local int t_has_refusal = 0;
-
-// One guard check + allocation at a time: two threads must not both pass the guard on the same free bytes.
-std::mutex g_mutex;
-unsigned long long g_live[kMaxDevices] = {};
-unsigned long long g_peak[kMaxDevices] = {};
-unsigned long long g_allocs[kMaxDevices] = {};
-unsigned long long g_frees[kMaxDevices] = {};
-unsigned long long g_refusals[kMaxDevices] = {};
-int g_coherent[kMaxDevices];
-std::once_flag g_init;
-
-void init_globals() { for (int i = 0; i < kMaxDevices; ++i) g_coherent[i] = -1; }
-
-int coherent_of(int device) {
-  std::call_once(g_init, init_globals);
-  if (g_coherent[device] < 0) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrPageableMemoryAccessUsesHostPageTables, device) != cudaSuccess) {
-      cudaGetLastError();
-      v = 0;  // unknown counts as not coherent: the safe side
-    }
-    g_coherent[device] = v ? 1 : 0;
-  }
-  return g_coherent[device];
-}
-
-// location < 0: host; otherwise a device ordinal.
-#if CUDART_VERSION >= 13000
-cudaMemLocation make_location(int location) {
-  cudaMemLocation loc;
-  if (location < 0) { loc.type = cudaMemLocationTypeHost; loc.id = 0; }
-  else { loc.type = cudaMemLocationTypeDevice; loc.id = location; }
-  return loc;
-}
-cudaError_t do_advise(const void* p, size_t n, cudaMemoryAdvise a, int location) {
-  return cudaMemAdvise(p, n, a, make_location(location));
-}
-cudaError_t do_prefetch(const void* p, size_t n, int location, cudaStream_t s) {
-  return cudaMemPrefetchAsync(p, n, make_location(location), 0, s);
-}
-#else
-cudaError_t do_advise(const void* p, size_t n, cudaMemoryAdvise a, int location) {
-  return cudaMemAdvise(p, n, a, location < 0 ? cudaCpuDeviceId : location);
-}
-cudaError_t do_prefetch(const void* p, size_t n, int location, cudaStream_t s) {
-  return cudaMemPrefetchAsync(p, n, location < 0 ? cudaCpuDeviceId : location, s);
-}
-#endif
-
-void refuse(int kind, long long request, int device, cudaError_t err, size_t free_b, size_t total_b,
-            unsigned long long live, unsigned long long headroom, int coherent) {
-  t_refusal.request = request;
-  t_refusal.free_bytes = (long long)free_b;
-  t_refusal.total_bytes = (long long)total_b;
-  t_refusal.live = (long long)live;
-  t_refusal.headroom = (long long)headroom;
-  t_refusal.device = device;
-  t_refusal.cuda_error = (int)err;
-  t_refusal.coherent = coherent;
-  t_refusal.kind = kind;
-  t_has_refusal = 1;
-}
-
-}  // namespace
-
-// The guard (lightning_gh.unified.guard.guard_refuses computes the same). Overflow-safe.
-LGH_API int lgh_guard_refuses(unsigned long long request, unsigned long long free_bytes, unsigned long long live,
-                              unsigned long long headroom, int coherent, int allow_oversubscription) {
-  if (allow_oversubscription && coherent) return 0;
-  if (request > free_bytes) return 1;
-  unsigned long long room = free_bytes - request;
-  if (live > room) return 1;
-  room -= live;
-  return headroom > room ? 1 : 0;
-}
-
-LGH_API void* lgh_managed_malloc(ssize_t size, int device, cudaStream_t stream) {
-  t_has_refusal = 0;
-  if (size <= 0 || device < 0 || device >= kMaxDevices) {
-    refuse(5, (long long)size, device, cudaErrorInvalidValue, 0, 0, 0, 0, 0);
-    return nullptr;
-  }
-  int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
-  if (previous != device) cudaSetDevice(device);
-  void* ptr = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    const Config c = t_config;
-    const int coherent = coherent_of(device);
-    const unsigned long long live = g_live[device];
-    size_t free_b = 0, total_b = 0;
-    cudaError_t err = cudaMemGetInfo(&free_b, &total_b);
-    if (err != cudaSuccess) {
-      refuse(4, (long long)size, device, err, 0, 0, live, c.headroom, coherent);
-    } else if (lgh_guard_refuses((unsigned long long)size, free_b, live, c.headroom, coherent,
-                                 c.allow_oversubscription)) {
-      // Refused before cudaMallocManaged: nothing was allocated.
-      g_refusals[device] += 1;
-      refuse(1, (long long)size, device, cudaSuccess, free_b, total_b, live, c.headroom, coherent);
-    } else {
-      err = cudaMallocManaged(&ptr, (size_t)size, cudaMemAttachGlobal);
-      if (err != cudaSuccess) {
-        ptr = nullptr;
-        refuse(2, (long long)size, device, err, free_b, total_b, live, c.headroom, coherent);
-      } else {
-        const int where = c.prefer_host ? -1 : device;
-        err = do_advise(ptr, (size_t)size, cudaMemAdviseSetPreferredLocation, where);
-        if (err == cudaSuccess && c.accessed_by)
-          err = do_advise(ptr, (size_t)size, cudaMemAdviseSetAccessedBy, device);
-        if (err == cudaSuccess && c.populate) {
-          // Touch nothing during a stream capture: a prefetch cannot be captured.
-          cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-          if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) { cudaGetLastError(); status = cudaStreamCaptureStatusNone; }
-          if (status == cudaStreamCaptureStatusNone) err = do_prefetch(ptr, (size_t)size, where, stream);
-        }
-        if (err != cudaSuccess) {
-          cudaFree(ptr);
-          ptr = nullptr;
-          refuse(3, (long long)size, device, err, free_b, total_b, live, c.headroom, coherent);
-        } else {
-          g_live[device] += (unsigned long long)size;
-          if (g_live[device] > g_peak[device]) g_peak[device] = g_live[device];
-          g_allocs[device] += 1;
-        }
-      }
-    }
-  }
-  // PyTorch checks cudaGetLastError() before its next allocation: leave no error of ours behind.
-  if (ptr == nullptr) cudaGetLastError();
-  if (previous >= 0 && previous != device) cudaSetDevice(previous);
-  return ptr;
-}
-
-LGH_API void lgh_managed_free(void* ptr, ssize_t size, int device, cudaStream_t stream) {
-  (void)stream;
-  if (ptr == nullptr) return;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  // cudaFree synchronises the device, so no kernel still reads the pages given back. At interpreter exit the
-  // runtime may already be gone; the error is dropped.
-  if (cudaFree(ptr) != cudaSuccess) cudaGetLastError();
-  if (device >= 0 && device < kMaxDevices) {
-    const unsigned long long n = size > 0 ? (unsigned long long)size : 0ull;
-    g_live[device] = g_live[device] > n ? g_live[device] - n : 0ull;
-    g_frees[device] += 1;
-  }
-}
-
-LGH_API void lgh_set_config(int prefer_host, int accessed_by, int allow_oversubscription,
-                            unsigned long long headroom, int populate) {
-  t_config.prefer_host = prefer_host ? 1 : 0;
-  t_config.accessed_by = accessed_by ? 1 : 0;
-  t_config.allow_oversubscription = allow_oversubscription ? 1 : 0;
-  t_config.headroom = headroom;
-  t_config.populate = populate ? 1 : 0;
-}
-
-LGH_API void lgh_get_config(long long* out) {
-  out[0] = t_config.prefer_host;
-  out[1] = t_config.accessed_by;
-  out[2] = t_config.allow_oversubscription;
-  out[3] = (long long)t_config.headroom;
-  out[4] = t_config.populate;
-}
-
-LGH_API int lgh_last_refusal(long long* out) {
-  out[0] = t_refusal.request; out[1] = t_refusal.free_bytes; out[2] = t_refusal.total_bytes;
-  out[3] = t_refusal.live; out[4] = t_refusal.headroom; out[5] = t_refusal.device;
-  out[6] = t_refusal.cuda_error; out[7] = t_refusal.coherent; out[8] = t_refusal.kind;
-  return t_has_refusal;
-}
-
-LGH_API void lgh_clear_refusal(void) { t_has_refusal = 0; }
-
-LGH_API int lgh_stats(int device, unsigned long long* out) {
-  if (device < 0 || device >= kMaxDevices) return -1;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  out[0] = g_live[device]; out[1] = g_peak[device]; out[2] = g_allocs[device];
-  out[3] = g_frees[device]; out[4] = g_refusals[device];
-  return 0;
-}
-
-LGH_API void lgh_reset_peak(int device) {
-  if (device < 0 || device >= kMaxDevices) return;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_peak[device] = g_live[device];
-}
-
-// advice: 0 set preferred location, 1 unset it, 2 set accessed-by, 3 unset it, 4 set read-mostly, 5 unset it.
-LGH_API int lgh_advise(void* ptr, unsigned long long size, int advice, int location) {
-  static const cudaMemoryAdvise table[6] = {
-      cudaMemAdviseSetPreferredLocation, cudaMemAdviseUnsetPreferredLocation, cudaMemAdviseSetAccessedBy,
-      cudaMemAdviseUnsetAccessedBy, cudaMemAdviseSetReadMostly, cudaMemAdviseUnsetReadMostly};
-  if (advice < 0 || advice > 5) return (int)cudaErrorInvalidValue;
-  cudaError_t err = do_advise(ptr, (size_t)size, table[advice], location);
-  if (err != cudaSuccess) cudaGetLastError();
-  return (int)err;
-}
-
-LGH_API int lgh_prefetch(void* ptr, unsigned long long size, int location, void* stream) {
-  cudaError_t err = do_prefetch(ptr, (size_t)size, location, (cudaStream_t)stream);
-  if (err != cudaSuccess) cudaGetLastError();
-  return (int)err;
-}
-
-// kind: 0 unregistered host memory, 1 pinned host, 2 device, 3 managed.
-LGH_API int lgh_pointer_kind(void* ptr, int* kind, int* device) {
-  cudaPointerAttributes a;
-  cudaError_t err = cudaPointerGetAttributes(&a, ptr);
-  if (err != cudaSuccess) { cudaGetLastError(); return (int)err; }
-  *kind = (int)a.type;
-  *device = a.device;
-  return 0;
-}
-
-// The preferred location (device ordinal, -1 host, -2 none or mixed) and the last prefetch location of a range.
-LGH_API int lgh_range_locations(void* ptr, unsigned long long size, int* preferred, int* last_prefetch) {
-  cudaError_t err = cudaMemRangeGetAttribute(preferred, sizeof(int), cudaMemRangeAttributePreferredLocation, ptr,
-                                             (size_t)size);
-  if (err == cudaSuccess)
-    err = cudaMemRangeGetAttribute(last_prefetch, sizeof(int), cudaMemRangeAttributeLastPrefetchLocation, ptr,
-                                   (size_t)size);
-  if (err != cudaSuccess) cudaGetLastError();
-  return (int)err;
-}
-
-// managed memory, concurrent managed access, pageable memory access, pageable access uses host page tables,
-// direct managed access from host.
-LGH_API int lgh_device_info(int device, int* out) {
-  const cudaDeviceAttr attrs[5] = {cudaDevAttrManagedMemory, cudaDevAttrConcurrentManagedAccess,
-                                   cudaDevAttrPageableMemoryAccess, cudaDevAttrPageableMemoryAccessUsesHostPageTables,
-                                   cudaDevAttrDirectManagedMemAccessFromHost};
-  for (int i = 0; i < 5; ++i) {
-    cudaError_t err = cudaDeviceGetAttribute(&out[i], attrs[i], device);
-    if (err != cudaSuccess) { cudaGetLastError(); return (int)err; }
-  }
-  return 0;
-}
-
-LGH_API int lgh_runtime_version(int* compiled, int* runtime) {
-  *compiled = CUDART_VERSION;
-  cudaError_t err = cudaRuntimeGetVersion(runtime);
-  if (err != cudaSuccess) cudaGetLastError();
-  return (int)err;
-}
-
-LGH_API const char* lgh_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
-"""
-
-_LIB_NAME = "liblgh_managed.so"
+_LIB_NAME = "lgh_managed"
 _lock = threading.Lock()
 _loaded: Shim | None = None
 _load_error: ManagedMemoryUnavailable | None = None
@@ -362,23 +81,10 @@ class Toolchain:
     cudart: str
     cuda_version: int
 
-    def key(self) -> str:
-        h = hashlib.sha256()
-        for part in (SOURCE, self.kind, self.compiler, self.include_dir, self.cudart, str(self.cuda_version),
-                     platform.machine(), sys.platform):
-            h.update(part.encode())
-            h.update(b"\0")
-        return h.hexdigest()[:16]
 
-
-def cache_dir() -> Path:
-    """Where built shims are kept: ``$LGH_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_gh``, else
-    ``~/.cache/lightning_gh``."""
-    env = os.environ.get("LGH_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lightning_gh"
+def source() -> str:
+    """The shim's C++ source text."""
+    return SOURCE_FILE.read_text()
 
 
 def _header_version(include_dir: str) -> int | None:
@@ -391,7 +97,7 @@ def _header_version(include_dir: str) -> int | None:
 
 
 def _cuda_homes() -> list[str]:
-    homes = [os.environ.get(k, "") for k in ("LGH_CUDA_HOME", "CUDA_HOME", "CUDA_PATH")]
+    homes = [env("CUDA_HOME") or "", os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", "")]
     nvcc = shutil.which("nvcc")
     if nvcc:
         homes.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
@@ -497,11 +203,10 @@ def find_toolchain() -> Toolchain:
     includes = _include_dirs()
     # Headers of the runtime's own major version first: the exported symbols are versioned per major.
     includes.sort(key=lambda d: 0 if want is not None and (_header_version(d) or 0) // 1000 == want else 1)
-    compilers = [c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c]
-    cxx = next((shutil.which(c) for c in compilers if shutil.which(c)), None)
+    cxx = _native.find_compiler("c++")
     problems: list[str] = []
     if cxx is None:
-        problems.append(f"no C++ compiler (looked for {', '.join(compilers)} on PATH)")
+        problems.append(f"no C++ compiler (looked for {', '.join(_native.compiler_candidates('c++'))} on PATH)")
     if not includes:
         problems.append("no CUDA runtime headers (cuda_runtime_api.h) under $LGH_CUDA_HOME, $CUDA_HOME, $CUDA_PATH, "
                         "nvcc's toolkit, /usr/local/cuda* or torch's nvidia-cuda-runtime wheel")
@@ -530,15 +235,14 @@ def find_toolchain() -> Toolchain:
         "with headers), or point $CUDA_HOME at a toolkit.")
 
 
-def _compile_command(tc: Toolchain, src: Path, out: Path) -> list[str]:
+def _flags(tc: Toolchain) -> tuple[list[str], list[str]]:
+    """The compiler flags and the link arguments for ``tc``."""
     if tc.kind == "nvcc":
-        return [tc.compiler, "-shared", "-O2", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "shared",
-                "-o", str(out), str(src)]
-    libdir = os.path.dirname(tc.cudart)
+        return ["-shared", "-O2", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "shared"], []
     # Link the very libcudart file (its soname, e.g. libcudart.so.13, becomes the dependency) and find it again at
     # load time through the rpath, in case its folder is not on the loader's path.
-    return [tc.compiler, "-shared", "-fPIC", "-O2", "-std=c++17", f"-I{tc.include_dir}", "-o", str(out), str(src),
-            tc.cudart, f"-Wl,-rpath,{libdir}"]
+    return (["-shared", "-fPIC", "-O2", "-std=c++17", f"-I{tc.include_dir}"],
+            [tc.cudart, f"-Wl,-rpath,{os.path.dirname(tc.cudart)}"])
 
 
 def build(toolchain: Toolchain | None = None, *, force: bool = False) -> Path:
@@ -549,38 +253,18 @@ def build(toolchain: Toolchain | None = None, *, force: bool = False) -> Path:
         force: rebuild even when the cache has it.
 
     Raises:
-        ManagedMemoryUnavailable: no toolchain, or the compiler failed (its output is in the message and in
-            ``build.log`` next to where the library would be).
+        ManagedMemoryUnavailable: no toolchain, or the compiler failed (its output is in the message and in the
+            build log next to where the library would be).
     """
     tc = toolchain or find_toolchain()
-    folder = cache_dir() / f"unified-{tc.key()}"
-    out = folder / _LIB_NAME
-    if out.is_file() and not force:
-        return out
+    flags, link = _flags(tc)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ManagedMemoryUnavailable(f"cannot create the shim cache folder {folder} ({e}); set $LGH_CACHE_DIR to a "
-                                       "writable folder") from None
-    src = folder / f"lgh_managed.{os.getpid()}.cpp"
-    tmp = folder / f".{_LIB_NAME}.{os.getpid()}.tmp"
-    src.write_text(SOURCE)
-    cmd = _compile_command(tc, src, tmp)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise ManagedMemoryUnavailable(f"building the managed-memory shim failed to run {cmd[0]}: {e}") from None
-    finally:
-        src.unlink(missing_ok=True)
-    log = f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-    (folder / "build.log").write_text(log)
-    if proc.returncode != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
+        return _native.build_shared_library(SOURCE_FILE, _LIB_NAME, flags, link_flags=link, compiler=tc.compiler,
+                                            key_extra=(tc.kind, str(tc.cuda_version)), force=force)
+    except _native.NativeBuildError as e:
         raise ManagedMemoryUnavailable(
-            f"building the managed-memory shim with {tc.kind} ({tc.compiler}, CUDA headers {tc.cuda_version} in "
-            f"{tc.include_dir or 'nvcc'}) failed with exit code {proc.returncode}:\n{proc.stderr[-2000:]}")
-    os.replace(tmp, out)  # atomic: a concurrent build (another rank) renames an identical file
-    return out
+            f"the managed-memory shim cannot be built with {tc.kind} (CUDA headers {tc.cuda_version} in "
+            f"{tc.include_dir or 'nvcc'}): {e}") from None
 
 
 @dataclass(frozen=True)
@@ -637,7 +321,6 @@ class Shim:
             "lgh_prefetch": (i32, [vp, u64, i32, vp]),
             "lgh_pointer_kind": (i32, [vp, ctypes.POINTER(i32), ctypes.POINTER(i32)]),
             "lgh_range_locations": (i32, [vp, u64, ctypes.POINTER(i32), ctypes.POINTER(i32)]),
-            "lgh_device_info": (i32, [i32, ctypes.POINTER(i32)]),
             "lgh_runtime_version": (i32, [ctypes.POINTER(i32), ctypes.POINTER(i32)]),
             "lgh_error_string": (ctypes.c_char_p, [i32]),
         }
@@ -724,16 +407,6 @@ class Shim:
         if err != 0:
             raise RuntimeError(f"cudaMemRangeGetAttribute failed: {self.error_text(err)}")
         return pref.value, last.value
-
-    def device_info(self, device: int) -> dict[str, bool]:
-        """The device's managed-memory attributes (``cudaDeviceGetAttribute``)."""
-        out = (ctypes.c_int * 5)()
-        err = self._lib.lgh_device_info(int(device), out)
-        if err != 0:
-            raise RuntimeError(f"cudaDeviceGetAttribute failed for device {device}: {self.error_text(err)}")
-        names = ("managed_memory", "concurrent_managed_access", "pageable_memory_access",
-                 "pageable_uses_host_page_tables", "direct_managed_access_from_host")
-        return {n: bool(v) for n, v in zip(names, out)}
 
 
 def load(*, force_build: bool = False) -> Shim:

@@ -54,8 +54,9 @@ import torch
 
 from lightning_gh import hardware
 from lightning_gh._host import check_host_room
+from lightning_gh._util import fmt_bytes
 from lightning_gh.unified import shim as _shim
-from lightning_gh.unified.guard import ManagedMemoryUnavailable, fmt_bytes, pool_bytes_for
+from lightning_gh.unified.guard import ManagedMemoryUnavailable, pool_bytes_for
 from lightning_gh.unified.options import ManagedMemoryOptions
 from lightning_gh.unified.pool import ManagedPool, get_pool
 

@@ -99,7 +99,7 @@ static void run_scalar(const job_t *j, int64_t lo, int64_t hi) {
  * so each combination gets its own branch-free loop. Streaming stores: the outputs of an out-of-place step are
  * not read again soon, and a streaming store skips reading each output cache line first, so an out-of-place
  * update moves no more memory than an in-place one. An in-place step uses ordinary stores: its output lines are
- * already in the cache (just read), and streaming stores to them measured 25-30% slower with bf16 gradients. */
+ * already in the cache (just read), where streaming stores are slower (benchmarks/cpu_adamw_kernel.py). */
 static inline __attribute__((always_inline)) int64_t vec_loop(const job_t *j, int64_t i, const int gbf,
                                                               const int stream) {
   const float *c = j->c;
@@ -185,8 +185,8 @@ static void *job_main(void *x) {
 
 #define MAX_THREADS 256
 
-/* A persistent pool: starting threads for every bucket (tens per step) cost ~1 ms per call on the 16-core GPU
- * machine, a fifth of a 16M-parameter bucket's update. Workers sleep on a condition variable between calls. */
+/* A persistent pool: starting threads for every bucket (tens per step) would cost a sizeable share of a bucket's
+ * update. Workers sleep on a condition variable between calls. */
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_start = PTHREAD_COND_INITIALIZER;

@@ -4,7 +4,6 @@ canary on the Lightning internals it uses. The capture itself is tested on a GPU
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 import subprocess
 import sys
@@ -18,18 +17,32 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_gh import hardware
-from lightning_gh.demo import LlamaLM, MarkovDataModule
-from lightning_gh.graphs import CUDAGraphCapture, GraphReport
 from lightning_gh._lightning import current_hook, in_hook, set_closure_result
+from lightning_gh.demo import LlamaLM, MarkovDataModule
+from lightning_gh.graphs import CUDAGraphCapture, GraphCaptureOptions, GraphReport, GraphState
 from lightning_gh.graphs.buffers import StaticInputs, UnsupportedBatch, batch_signature, signature_difference
 from lightning_gh.graphs.capture import _frozen_logs
-from lightning_gh.graphs.detect import (SYNC_WARNING, Finding, SyncMonitor, combine, dynamic_shape_finding,
-                                        scheduler_finding, setup_findings, sync_finding)
-from lightning_gh.graphs.detect import _precision_finding
+from lightning_gh.graphs.detect import (
+    SYNC_WARNING,
+    Finding,
+    SyncMonitor,
+    _precision_finding,
+    combine,
+    dynamic_shape_finding,
+    scheduler_finding,
+    setup_findings,
+    sync_finding,
+)
 from lightning_gh.graphs.logs import LogRecorder, detached, logged_value_problem
-from lightning_gh.graphs.optim import (CapturableOptimizer, OptimizerGuard, live_tensors, make_capturable,
-                                       move_lr_into_tensors, reassigned_lr_groups, unsupported_optimizer_reason)
+from lightning_gh.graphs.optim import (
+    CapturableOptimizer,
+    OptimizerGuard,
+    live_tensors,
+    make_capturable,
+    move_lr_into_tensors,
+    reassigned_lr_groups,
+    unsupported_optimizer_reason,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the machine-without-CUDA path")
@@ -39,19 +52,39 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the machin
 # arguments
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"warmup_steps": 1}, r"warmup_steps=1\): must be an int >= 2"),
-    ({"warmup_steps": 0}, r"warmup_steps=0\)"),
-    ({"warmup_steps": 2.5}, r"warmup_steps=2.5\)"),
-    ({"warmup_steps": True}, r"warmup_steps=True\)"),
-    ({"max_recaptures": -1}, r"max_recaptures=-1\): must be an int >= 0"),
-    ({"detect_syncs": "yes"}, r"detect_syncs='yes'\): must be True or False"),
-    ({"strict": 1}, r"strict=1\): must be True or False"),
-    ({"verbose": None}, r"verbose=None\): must be True or False"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"warmup_steps": 1}, ValueError, r"^CUDAGraphCapture\(warmup_steps=1\): expected an int >= 2"),
+    ({"warmup_steps": 0}, ValueError, r"^CUDAGraphCapture\(warmup_steps=0\): expected"),
+    ({"warmup_steps": 2.5}, TypeError, r"^CUDAGraphCapture\(warmup_steps=2.5\): expected"),
+    ({"warmup_steps": True}, TypeError, r"^CUDAGraphCapture\(warmup_steps=True\): expected"),
+    ({"max_recaptures": -1}, ValueError, r"^CUDAGraphCapture\(max_recaptures=-1\): expected an int >= 0"),
+    ({"detect_syncs": "yes"}, TypeError, r"^CUDAGraphCapture\(detect_syncs='yes'\): expected True or False"),
+    ({"strict": 1}, TypeError, r"^CUDAGraphCapture\(strict=1\): expected True or False"),
+    ({"verbose": None}, TypeError, r"^CUDAGraphCapture\(verbose=None\): expected True or False"),
 ])
-def test_arguments_are_validated(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_arguments_are_validated(kwargs, error, match):
+    with pytest.raises(error, match=match):
         CUDAGraphCapture(**kwargs)
+    with pytest.raises(error, match=match):  # the options alone say the same
+        GraphCaptureOptions(**kwargs)
+
+
+def test_options_or_keywords_never_both():
+    opts = GraphCaptureOptions(warmup_steps=4, strict=True)
+    cb = CUDAGraphCapture(options=opts)
+    assert cb.options is opts and (cb.warmup_steps, cb.strict) == (4, True)
+    assert CUDAGraphCapture(warmup_steps=4, strict=True).options == opts
+    with pytest.raises(TypeError, match="both options= and warmup_steps=5"):
+        CUDAGraphCapture(5, options=opts)
+    with pytest.raises(AttributeError):
+        cb.warmup_steps = 6  # the options are read-only after construction
+
+
+def test_states_are_an_enum_that_reads_as_text():
+    assert [s.value for s in GraphState] == ["off", "warming up", "rehearsed", "captured", "eager"]
+    report = GraphReport(state=GraphState.CAPTURED)
+    assert report.state == "captured" and f"{report.state}" == "captured"
+    assert report.to_dict()["state"] == "captured" and type(report.to_dict()["state"]) is str
 
 
 def test_defaults():
@@ -151,7 +184,7 @@ def test_dynamic_shape_finding_names_the_change():
 
 
 def _user_step_that_syncs():
-    warnings.warn(SYNC_WARNING)  # stands in for the warning CUDA's sync debug mode raises inside `.item()`
+    warnings.warn(SYNC_WARNING, stacklevel=1)  # stands in for the warning CUDA's sync debug mode raises inside `.item()`
     return 1
 
 
@@ -161,13 +194,13 @@ def test_sync_monitor_names_the_users_line():
         _user_step_that_syncs()
         with warnings.catch_warnings(record=True) as other:
             warnings.simplefilter("always")
-            warnings.warn("unrelated")
+            warnings.warn("unrelated", stacklevel=1)
     assert len(mon.events) == 2
     assert [str(w.message) for w in other] == ["unrelated"]  # other warnings pass through
     f = sync_finding(mon.events)
     line = inspect.getsourcelines(_user_step_that_syncs)[1] + 1
     assert f.cause == "cpu-sync"
-    assert f"test_graphs.py:{line} in _user_step_that_syncs: `warnings.warn(SYNC_WARNING)" in f.message
+    assert f"test_graphs.py:{line} in _user_step_that_syncs: `warnings.warn(SYNC_WARNING, stacklevel=1)" in f.message
     assert "other place" not in f.message  # the same line twice is one place
     assert ".item()" in f.message
 
@@ -176,7 +209,7 @@ def test_sync_monitor_ignores_other_threads_and_reports_library_frames():
     import threading
 
     with SyncMonitor(debug_mode=False) as mon:
-        t = threading.Thread(target=lambda: warnings.warn(SYNC_WARNING))  # e.g. the pin-memory thread
+        t = threading.Thread(target=lambda: warnings.warn(SYNC_WARNING, stacklevel=1))  # e.g. the pin-memory thread
         t.start()
         t.join()
     assert mon.events == []
@@ -531,7 +564,7 @@ def test_graphs_suite_runs_on_cpu(tmp_path):
 
 
 def test_replayed_and_eager_step_counts_reach_the_loggers(tmp_path, monkeypatch):
-    """Issue 17: the counts go through Lightning's loggers at the end of the fit (here a CSVLogger's metrics.csv).
+    """The counts go through Lightning's loggers at the end of the fit (here a CSVLogger's metrics.csv).
     On a CPU nothing is captured; a declined capture (any setup finding) still reports its counts."""
     import csv
 
@@ -559,10 +592,10 @@ def test_replayed_and_eager_step_counts_reach_the_loggers(tmp_path, monkeypatch)
 
 def test_capture_is_refused_next_to_activation_offload_at_setup(tmp_path):
     """Which parts combine is decided once (lightning_gh.compat), at setup, naming both parts."""
+    from lightning_gh.activation_offload import ActivationOffload
     from lightning_gh.compat import IncompatiblePartsError
 
-    offload = pytest.importorskip("lightning_gh.offload.callback")
     with pytest.raises(IncompatiblePartsError) as e:
-        _fit([CUDAGraphCapture(), offload.ActivationOffload()], 2, tmp_path)
+        _fit([CUDAGraphCapture(), ActivationOffload()], 2, tmp_path)
     assert "ActivationOffload" in str(e.value) and "CUDAGraphCapture" in str(e.value)
     assert CUDAGraphCapture.lgh_part == "CUDAGraphCapture"

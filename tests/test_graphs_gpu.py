@@ -410,7 +410,8 @@ def test_summary_reports_replays_and_pool(tmp_path):
 
 
 def test_composes_with_nvtx_ranges(tmp_path):
-    nvtx = pytest.importorskip("lightning_gh.profiling.nvtx")
+    from lightning_gh.profiling import nvtx
+
     ref, _, tr = fit(tmp_path, [CUDAGraphCapture()], steps=20)
     cb = CUDAGraphCapture()
     model, _, tm = fit(tmp_path, [nvtx.NVTXRangeCallback(module_ranges=True), cb], steps=20)
@@ -422,10 +423,10 @@ def test_activation_offload_combination_is_refused_clearly(tmp_path):
     """Activation offload orders host copies from Python hooks on every step; a replay would skip them. Whichever
     part reaches its setup first refuses the combination (lightning_gh.compat) with a message naming both, before
     any step runs (never a silent run)."""
+    from lightning_gh.activation_offload import ActivationOffload
     from lightning_gh.compat import IncompatiblePartsError
 
-    offload = pytest.importorskip("lightning_gh.offload.callback")
     cb = CUDAGraphCapture()
     with pytest.raises(IncompatiblePartsError) as e:
-        fit(tmp_path, [offload.ActivationOffload(), cb], steps=4)
+        fit(tmp_path, [ActivationOffload(), cb], steps=4)
     assert "ActivationOffload" in str(e.value) and "CUDAGraphCapture" in str(e.value)

@@ -1,4 +1,4 @@
-"""CUDAGraphCapture on Hugging Face transformers decoders (issue 17 item 11a), on the CPU with tiny random configs.
+"""CUDAGraphCapture on Hugging Face transformers decoders, on the CPU with tiny random configs.
 
 Training needs no KV cache: the callback finds every ``transformers.PreTrainedModel`` in the LightningModule and
 turns ``config.use_cache`` off for the training steps only (back for validation and after the fit), without changing
@@ -234,7 +234,7 @@ class _LossTrace(L.Callback):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["mistral", "llama", "qwen2"])
 def test_hf_decoders_are_captured_with_default_options(family):
-    """Issue 17 item 11a: with default config options (use_cache=True) the step of every family is captured, and
+    """With default config options (use_cache=True) the step of every family is captured, and
     the losses follow the eager run's. Tolerance 1e-2 relative (bf16-mixed): without a cache, the captured step takes
     transformers' explicit-causal-mask attention (its packed-sequence check is skipped under capture), the eager run
     the is_causal kernel, so the two differ by bf16 rounding, not bitwise."""

@@ -44,7 +44,6 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -55,17 +54,34 @@ from torch import Tensor
 
 from lightning_gh import compat
 from lightning_gh._lightning import current_hook, log_to_loggers, set_closure_result
+from lightning_gh._options import resolve
 from lightning_gh.graphs.buffers import StaticInputs, UnsupportedBatch, batch_signature
-from lightning_gh.graphs.detect import (Finding, SyncMonitor, is_library_file, combine, dynamic_shape_finding,
-                                        setup_findings, sync_finding)
+from lightning_gh.graphs.detect import (
+    Finding,
+    SyncMonitor,
+    combine,
+    dynamic_shape_finding,
+    is_library_file,
+    setup_findings,
+    sync_finding,
+)
 from lightning_gh.graphs.hf import TrainingKVCacheOff
 from lightning_gh.graphs.logs import LogRecorder, detached
-from lightning_gh.graphs.optim import (CapturableOptimizer, OptimizerGuard, live_tensors, make_capturable,
-                                       move_lr_into_tensors, reassigned_lr_groups)
+from lightning_gh.graphs.optim import (
+    CapturableOptimizer,
+    OptimizerGuard,
+    live_tensors,
+    make_capturable,
+    move_lr_into_tensors,
+    reassigned_lr_groups,
+)
+from lightning_gh.graphs.options import GraphCaptureOptions
+from lightning_gh.graphs.report import GraphReport, GraphState
 
-__all__ = ["CUDAGraphCapture", "GraphCaptureError", "GraphReport"]
+__all__ = ["CUDAGraphCapture", "GraphCaptureError", "GraphCaptureOptions", "GraphReport", "GraphState"]
 
-_WARMUP, _READY, _CAPTURED, _EAGER, _OFF = "warming up", "rehearsed", "captured", "eager", "off"
+_WARMUP, _READY, _CAPTURED, _EAGER, _OFF = (GraphState.WARMING_UP, GraphState.REHEARSED, GraphState.CAPTURED,
+                                            GraphState.EAGER, GraphState.OFF)
 # After warm-up, how many more steps may pass without two consecutive batches of one shape.
 _SHAPE_PATIENCE = 8
 _MISSING = object()
@@ -74,59 +90,6 @@ _NOTHING = object()
 
 class GraphCaptureError(RuntimeError):
     """Raised instead of falling back to eager when ``CUDAGraphCapture(strict=True)`` cannot capture."""
-
-
-@dataclass
-class GraphReport:
-    """What CUDAGraphCapture did in the last fit.
-
-    Attributes:
-        state: ``"off"`` (nothing attempted: no CUDA), ``"warming up"``, ``"rehearsed"``, ``"captured"`` or
-            ``"eager"`` (gave up; see ``reason``).
-        reason: why the run is (or went) eager, as told to the user.
-        warmup_steps: eager steps before the capture.
-        replayed_steps: steps run by replaying the graph (the capture step included).
-        eager_steps: steps that ran eagerly after the capture (fallbacks, or all steps after giving up).
-        fallbacks: eager steps after the capture, counted by reason.
-        captures: graphs captured (more than one after a recapture).
-        repairs: in-place repairs before a replay, counted by what was repaired.
-        pool_bytes: memory held by the graph's private pool (activations, gradients, outputs), in bytes.
-        capture_ms: wall time of the capture.
-    """
-
-    state: str = _OFF
-    reason: str | None = None
-    warmup_steps: int = 0
-    replayed_steps: int = 0
-    eager_steps: int = 0
-    fallbacks: dict[str, int] = field(default_factory=dict)
-    captures: int = 0
-    repairs: dict[str, int] = field(default_factory=dict)
-    pool_bytes: int | None = None
-    capture_ms: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def summary(self) -> str:
-        """One paragraph for the log."""
-        if self.state == _OFF:
-            return f"CUDAGraphCapture: off ({self.reason or 'not started'})."
-        parts = [f"CUDAGraphCapture: {self.state}"]
-        if self.captures:
-            pool = f"{self.pool_bytes / 2**20:.1f} MiB" if self.pool_bytes is not None else "unknown size"
-            parts.append(f"captured {self.captures}x after {self.warmup_steps} eager warm-up steps "
-                         f"(graph pool {pool}, capture {self.capture_ms or 0:.0f} ms)")
-        else:
-            parts.append(f"{self.warmup_steps} warm-up steps")
-        parts.append(f"replayed {self.replayed_steps} steps, {self.eager_steps} eager after capture")
-        if self.fallbacks:
-            parts.append("fallbacks: " + "; ".join(f"{n}x {why}" for why, n in self.fallbacks.items()))
-        if self.repairs:
-            parts.append("repaired in place: " + "; ".join(f"{n}x {what}" for what, n in self.repairs.items()))
-        if self.reason:
-            parts.append(f"reason: {self.reason}")
-        return "; ".join(parts) + "."
 
 
 @contextlib.contextmanager
@@ -228,15 +191,13 @@ class CUDAGraphCapture(Callback):
     CUDA GPU or after a decline too; it leaves the losses unchanged (:mod:`lightning_gh.graphs.hf`).
 
     Args:
-        warmup_steps: eager steps before the capture, at least 2: the first ones initialise the optimizer state
-            and CUDA libraries on a side stream, the last is the rehearsal that detects uncapturable work.
-        detect_syncs: run the rehearsal with CUDA's sync debug mode to name the line of a host sync. Without it a
-            sync is still caught, less precisely, when the capture itself fails.
-        max_recaptures: how many times a baked-in optimizer hyperparameter (betas, weight decay, eps) may change
-            after capture, each time re-capturing, before the run goes eager for good.
-        strict: raise :class:`GraphCaptureError` instead of continuing eagerly when the step cannot be captured
-            (never raised for a machine without CUDA).
-        verbose: log :meth:`GraphReport.summary` at the end of the fit.
+        warmup_steps, detect_syncs, max_recaptures, strict, verbose: the options, each documented once in
+            :class:`~lightning_gh.graphs.options.GraphCaptureOptions` (defaults there too).
+        options: the same options as one :class:`GraphCaptureOptions`, instead of the keywords (never both).
+
+    Raises:
+        TypeError: an argument of the wrong type; ``options`` together with a keyword that differs from its default.
+        ValueError: a value out of range (the message names the argument, the value and what is allowed).
 
     Example::
 
@@ -253,25 +214,25 @@ class CUDAGraphCapture(Callback):
 
     lgh_part = "CUDAGraphCapture"
 
-    def __init__(self, warmup_steps: int = 3, *, detect_syncs: bool = True, max_recaptures: int = 2,
-                 strict: bool = False, verbose: bool = True) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
-            raise ValueError(f"CUDAGraphCapture(warmup_steps={warmup_steps!r}): must be an int >= 2 (eager steps "
-                             "before the capture; the last one rehearses the capture).")
-        if isinstance(max_recaptures, bool) or not isinstance(max_recaptures, int) or max_recaptures < 0:
-            raise ValueError(f"CUDAGraphCapture(max_recaptures={max_recaptures!r}): must be an int >= 0.")
-        for name, value in (("detect_syncs", detect_syncs), ("strict", strict), ("verbose", verbose)):
-            if not isinstance(value, bool):
-                raise ValueError(f"CUDAGraphCapture({name}={value!r}): must be True or False.")
-        self.warmup_steps = warmup_steps
-        self.detect_syncs = detect_syncs
-        self.max_recaptures = max_recaptures
-        self.strict = strict
-        self.verbose = verbose
+    def __init__(self, warmup_steps: int = GraphCaptureOptions.warmup_steps, *,
+                 detect_syncs: bool = GraphCaptureOptions.detect_syncs,
+                 max_recaptures: int = GraphCaptureOptions.max_recaptures, strict: bool = GraphCaptureOptions.strict,
+                 verbose: bool = GraphCaptureOptions.verbose, options: GraphCaptureOptions | None = None) -> None:
+        self.options = resolve(GraphCaptureOptions, options, "CUDAGraphCapture", warmup_steps=warmup_steps,
+                               detect_syncs=detect_syncs, max_recaptures=max_recaptures, strict=strict,
+                               verbose=verbose)
         self.report = GraphReport()
         self._warned_no_cuda = False
         self._cache_off: TrainingKVCacheOff | None = None
         self._reset()
+
+    # The options, read-only (set them through the constructor or ``options=``).
+    warmup_steps = property(lambda self: self.options.warmup_steps, doc="See :attr:`GraphCaptureOptions.warmup_steps`.")
+    detect_syncs = property(lambda self: self.options.detect_syncs, doc="See :attr:`GraphCaptureOptions.detect_syncs`.")
+    max_recaptures = property(lambda self: self.options.max_recaptures,
+                              doc="See :attr:`GraphCaptureOptions.max_recaptures`.")
+    strict = property(lambda self: self.options.strict, doc="See :attr:`GraphCaptureOptions.strict`.")
+    verbose = property(lambda self: self.options.verbose, doc="See :attr:`GraphCaptureOptions.verbose`.")
 
     # ----------------------------------------------------------------------------------------------------------
     # per-fit state

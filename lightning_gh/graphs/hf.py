@@ -42,7 +42,7 @@ def transformers_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
     Example::
 
-        >>> transformers_models(torch.nn.Linear(2, 2))
+        >>> transformers_models(nn.Linear(2, 2))
         []
     """
     tf = sys.modules.get("transformers")

@@ -76,7 +76,7 @@ class CapturableOptimizer:
 
     def restore(self) -> None:
         """Back to Python-float learning rates and the original ``capturable`` flags (one host sync)."""
-        for group, lr_t, cap in zip(self.optimizer.param_groups, self.lr_tensors, self.original_capturable):
+        for group, _lr_t, cap in zip(self.optimizer.param_groups, self.lr_tensors, self.original_capturable):
             lr = group["lr"]
             group["lr"] = float(lr) if isinstance(lr, Tensor) else lr
             group["capturable"] = cap

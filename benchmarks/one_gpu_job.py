@@ -207,9 +207,10 @@ def _child(job: Job, out_file: Path) -> None:
     else:
         raise SystemExit(f"unknown variant {job.variant!r}; expected one of {VARIANTS}")
     clock = Clock()
+    memory = lgh.MemoryReport(folder=str(out_file.parent / f"memory-{job.variant}"), measure_steps=job.warmup)
     trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=job.steps, gradient_clip_val=job.clip,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[clock], **kw)
+                        enable_model_summary=False, callbacks=[clock, memory], **kw)
     torch.cuda.reset_peak_memory_stats()
     try:
         trainer.fit(LM(), loader)
@@ -233,7 +234,9 @@ def _child(job: Job, out_file: Path) -> None:
     stats = getattr(opt, "stats", None)
     if isinstance(stats, dict):
         res.notes["optimizer_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
-    out_file.write_text(json.dumps(asdict(res)))
+    if memory.plan is not None:
+        res.notes["memory_plan"] = memory.plan.as_dict()
+    out_file.write_text(json.dumps(asdict(res), default=str))
 
 
 # ------------------------------------------------------------------------------------------------ the parent
@@ -299,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--offload-steps", type=int, default=45,
+                    help="steps of the SuperOffload variants (its GPU tail settles over the first pipelined steps)")
+    ap.add_argument("--offload-warmup", type=int, default=35, help="untimed steps of the SuperOffload variants")
     ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
     ap.add_argument("--check-loss", action="store_true",
                     help="record every step's loss of gpu_fp32master and superoffload (use a model that fits)")
@@ -310,16 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(Job(**json.loads(args.child)), Path(args.child_out))
         return 0
-    if args.steps <= args.warmup + 1:
-        ap.error(f"--steps={args.steps} must exceed --warmup={args.warmup} by at least 2")
+    for steps, warmup, name in ((args.steps, args.warmup, ""), (args.offload_steps, args.offload_warmup, "offload-")):
+        if steps <= warmup + 1:
+            ap.error(f"--{name}steps={steps} must exceed --{name}warmup={warmup} by at least 2")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     variants = ["gpu_fp32master", "superoffload"] if args.check_loss else args.variants
     rows: list[Outcome] = []
     for layers in args.layers:
         for v in variants:
+            ours = v.startswith("superoffload") and not args.check_loss
             job = Job(v, layers=layers, hidden=args.hidden, ffn=args.ffn, vocab=args.vocab, batch=args.batch,
-                      seq=args.seq, steps=args.steps, warmup=args.warmup,
+                      seq=args.seq, steps=args.offload_steps if ours else args.steps,
+                      warmup=args.offload_warmup if ours else args.warmup,
                       checkpointing=not args.no_checkpointing, record_losses=args.check_loss)
             r = run_variant(job, out, args.timeout)
             r.notes["layers"] = layers

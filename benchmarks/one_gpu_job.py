@@ -207,7 +207,7 @@ def _child(job: Job, out_file: Path) -> None:
     else:
         raise SystemExit(f"unknown variant {job.variant!r}; expected one of {VARIANTS}")
     clock = Clock()
-    memory = lgh.MemoryReport(folder=str(out_file.parent / f"memory-{job.variant}"), measure_steps=job.warmup)
+    memory = lgh.MemoryReport(folder=f"/tmp/lgh-memory-{job.variant}", measure_steps=job.warmup)  # plan in notes
     trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=job.steps, gradient_clip_val=job.clip,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[clock, memory], **kw)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import warnings
 
 import lightning as L
 import pytest
@@ -12,9 +11,9 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import nn
 
-from lightning_gh.precision import LayerFilter, export_bf16_state_dict, list_precisions, precision, precision_names
 from lightning_gh import hardware
 from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule, preset
+from lightning_gh.precision import LayerFilter, export_bf16_state_dict, list_precisions, precision, precision_names
 from lightning_gh.precision.checks import ao_missing_reason, te_missing_reason
 from lightning_gh.precision.names import FP8_NAMES
 
@@ -329,7 +328,7 @@ def test_fp8_auto_options_are_checked_even_where_fp8_cannot_run():
 def test_float8_options_are_frozen_validated_and_shared():
     from dataclasses import FrozenInstanceError
 
-    from lightning_gh.precision import Float8Options, Float8PrecisionBase, TorchAOFloat8Precision
+    from lightning_gh.precision import Float8Options, Float8PrecisionBase, TEOptions, TorchAOFloat8Precision
 
     opts = Float8Options.build("tensorwise", exclude="*.wo", min_dim=0)
     assert opts.layer_filter == LayerFilter(exclude=("*.wo",), min_dim=0)
@@ -342,8 +341,15 @@ def test_float8_options_are_frozen_validated_and_shared():
         assert isinstance(plugin, Float8PrecisionBase) and plugin.fp8_options is opts
         assert plugin.recipe == "tensorwise" and plugin.name == "fp8-ao-tensorwise" and plugin.lgh_part == "fp8"
         assert repr(plugin) == "TorchAOFloat8Precision(name='fp8-ao-tensorwise', recipe='tensorwise')"
-        with pytest.raises(ValueError, match=r"replaces recipe, name and the layer filter arguments; got \['min_dim'\]"):
+        with pytest.raises(TypeError, match=r"got both options= and layer_filter=LayerFilter\(.*min_dim=0\)"):
             TorchAOFloat8Precision(options=opts, min_dim=0)
+        with pytest.raises(TypeError, match=r"got both options= and recipe='rowwise'"):
+            TorchAOFloat8Precision("rowwise", options=opts)
+        assert TorchAOFloat8Precision("tensorwise", options=opts, min_dim=1024).fp8_options is opts  # unchanged
+        with pytest.raises(TypeError, match=r"unknown option\(s\) \['bogus'\]"):
+            TorchAOFloat8Precision(bogus=1)
+        with pytest.raises(TypeError, match=r"te=TEOptions.*Transformer Engine plugin's options"):
+            TorchAOFloat8Precision(options=Float8Options("tensorwise", te=TEOptions(master_weights=False)))
         with pytest.raises(ValueError, match=r"TorchAOFloat8Precision\(recipe='delayed'\): expected one of"):
             TorchAOFloat8Precision("delayed")
 
@@ -374,25 +380,12 @@ def test_fp8_with_cuda_graph_capture_is_refused_by_the_parts_table():
 
 def test_precision_modules_import_without_a_cycle():
     # Each module imports on its own in a fresh interpreter, in an order where a cycle would fail.
-    mods = ["names", "checks", "options", "base", "master", "regional", "trial", "te", "ao", "auto", "registry",
+    mods = ["names", "checks", "options", "base", "fused_master", "master", "regional", "trial", "te", "ao", "auto",
+            "registry",
             "plugin", "export"]
     code = "; ".join(f"import lightning_gh.precision.{m}" for m in reversed(mods))
     for first in ("lightning_gh.precision.te", "lightning_gh.precision.auto", "lightning_gh.precision.registry"):
         subprocess.run([sys.executable, "-c", f"import {first}; {code}"], check=True)
-
-
-def test_old_registry_paths_still_work_with_a_deprecation_warning():
-    import importlib
-
-    from lightning_gh._lightning import is_compiled
-    from lightning_gh.precision import checks, names
-
-    # (lightning_gh.precision is also the function's name, so the module is looked up by its full name)
-    registry = importlib.import_module("lightning_gh.precision.registry")
-    for name, new in (("te_missing_reason", checks.te_missing_reason), ("FP8_NAMES", names.FP8_NAMES),
-                      ("is_compiled", is_compiled), ("export_bf16_state_dict", export_bf16_state_dict)):
-        with pytest.warns(DeprecationWarning, match=rf"registry.{name} moved to"):
-            assert getattr(registry, name) is new
 
 
 def test_lgh_precision_stays_callable_once_the_package_is_imported():

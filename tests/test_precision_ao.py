@@ -13,9 +13,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_gh.precision import FP8UnavailableError, TorchAOFloat8Precision, export_bf16_state_dict, precision
 from lightning_gh import hardware
 from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule
+from lightning_gh.precision import FP8UnavailableError, TorchAOFloat8Precision, export_bf16_state_dict, precision
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -168,7 +168,7 @@ class _RankCheck(Callback):
 
         flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
         # the plain collective: Lightning's all_gather goes through torch's deprecated autograd all_gather, and one
-        # CI run (2026-11-24) saw a rank abort at exit right after it ("terminate called without an active exception")
+        # CI run saw a rank abort at exit right after it ("terminate called without an active exception")
         gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]
         dist.all_gather(gathered, flat)
         assert torch.equal(gathered[0], gathered[1]), "DDP replicas diverged"

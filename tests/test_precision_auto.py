@@ -101,7 +101,7 @@ def test_hands_over_to_the_chosen_fp8_plugin(cpu_trainer_kwargs, monkeypatch):
     assert trainer2.global_step == 5 and trainer2.precision_plugin is built["plugin"]
 
 
-# ---- the setup trial (issue 18 item 3): the decision from injected timings; the measurement itself needs a GPU
+# ---- the setup trial: the decision from injected timings; the measurement itself needs a GPU
 
 
 def test_candidates_follow_the_rule_order():

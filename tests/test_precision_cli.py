@@ -10,9 +10,9 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 import lightning_gh
+from lightning_gh import hardware
 from lightning_gh.demo import LlamaLM, MarkovDataModule
 from lightning_gh.precision import Float8Precision, precision_names
-from lightning_gh import hardware
 
 # The top-level name is what users write; the package's own path is the same class.
 CLASS_PATH = ("lightning_gh.Float8Precision" if hasattr(lightning_gh, "Float8Precision")

@@ -1,5 +1,5 @@
 """fp8 on models users bring: HF transformers Llama / Mistral / Qwen2 decoders in a plain LightningModule, the demo
-model, models built from Transformer Engine modules; and regional compilation of the converted blocks (issue 18).
+model, models built from Transformer Engine modules; and regional compilation of the converted blocks.
 
 CPU only: fp8 matmuls are emulated (torchao's ``emulate=True``), ``fp8-auto`` falls back to bf16-mixed, and the
 blocks are compiled with the ``aot_eager`` backend (Inductor takes minutes on this CPU; the GPU figures use it).

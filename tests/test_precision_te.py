@@ -1,7 +1,7 @@
 """fp8 through Transformer Engine. The checkpoint-state helpers and argument checks run everywhere; tests that
 build TE layers skip where TE is not installed, and the training tests need an fp8 GPU.
 
-On the GPU machine, after installing TE (see ../shared/gpu/README.md):
+On a GPU machine with Transformer Engine installed (``pip install 'lightning-gh[te]'``):
     python3 -m pytest -q tests/test_precision_te.py
 """
 
@@ -16,11 +16,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_gh import hardware
+from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule
 from lightning_gh.precision import FP8UnavailableError, TEFloat8Precision, export_bf16_state_dict, precision
 from lightning_gh.precision.checks import te_missing_reason
 from lightning_gh.precision.te import fp8_meta_state_dict, load_fp8_meta_state_dict
-from lightning_gh import hardware
-from lightning_gh.demo import Llama, LlamaLM, MarkovDataModule
 
 TE_MISSING = te_missing_reason()
 needs_te = pytest.mark.skipif(TE_MISSING is not None, reason=f"{TE_MISSING}")
@@ -156,7 +156,7 @@ def plugin_without_te(monkeypatch):
     te_module = importlib.import_module("lightning_gh.precision.te")
     monkeypatch.setattr(te_module, "te_missing_reason", lambda: None)
     monkeypatch.setattr(te_module, "make_recipe", lambda recipe, **options: SimpleNamespace(amax_history_len=4))
-    return lambda recipe="delayed": TEFloat8Precision(recipe)
+    return lambda recipe="delayed", **options: TEFloat8Precision(recipe, **options)
 
 
 def test_plugin_checkpoint_restores_matching_layers_and_warns_about_the_rest(plugin_without_te):
@@ -184,10 +184,61 @@ def test_plugin_checkpoint_restores_matching_layers_and_warns_about_the_rest(plu
     assert torch.equal(meta(early._converted["a"], "scaling_bwd", "scale"),
                        ckpt["te_fp8_meta"]["a"]["scaling_bwd.scale"])
 
-    with pytest.warns(UserWarning, match="not loaded because unpickling can run arbitrary code"):
-        plugin_without_te().load_state_dict({"te_extra_state": {"a": torch.zeros(3, dtype=torch.uint8)}})
     with pytest.warns(UserWarning, match="which recipe 'current' does not use"):
         plugin_without_te("current").load_state_dict(ckpt)
+
+
+# ---- the options: TEOptions, taken as options= or as keywords, never both
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(master_weights="yes"), TypeError, r"TEOptions\(master_weights='yes'\): expected True or False"),
+    (dict(fused_master_update=1), TypeError, r"fused_master_update=1\): expected True or False"),
+    (dict(compile_te_layers=None), TypeError, r"compile_te_layers=None\): expected True or False"),
+    (dict(compile_blocks="yes"), ValueError, r"compile_blocks='yes'\): expected 'auto', True, False or a dict"),
+    (dict(compile_blocks=3), TypeError, r"compile_blocks=3\): expected 'auto', True, False or a dict"),
+    (dict(weights_dtype=torch.float16), ValueError, r"weights_dtype=torch.float16\): expected None"),
+    (dict(weights_dtype="bf16"), TypeError, r"weights_dtype='bf16'\): expected None"),
+    (dict(recipe_options=[16]), TypeError, r"recipe_options=\[16\]\): expected a dict or None"),
+])
+def test_te_options_refuse_bad_values_naming_them(kwargs, error, match):
+    from lightning_gh.precision import TEOptions
+
+    with pytest.raises(error, match=match):
+        TEOptions(**kwargs)
+
+
+@pytest.mark.parametrize("master_weights, weights_dtype, module_dtype", [
+    (True, None, torch.bfloat16),    # masters in the optimizer, bf16 module
+    (False, None, None),             # no masters: the model's own dtype
+    (False, torch.bfloat16, torch.bfloat16),
+    (True, torch.float32, torch.float32),
+])
+def test_te_options_module_dtype(master_weights, weights_dtype, module_dtype):
+    from lightning_gh.precision import TEOptions
+
+    assert TEOptions(master_weights=master_weights, weights_dtype=weights_dtype).module_dtype() == module_dtype
+
+
+def test_te_plugin_takes_options_or_keywords_never_both(plugin_without_te):
+    from lightning_gh.precision import Float8Options, TEOptions
+
+    opts = Float8Options("current", te=TEOptions(master_weights=False, compile_blocks=False))
+    plugin = TEFloat8Precision(options=opts)
+    assert plugin.fp8_options is opts and plugin.recipe == "current" and plugin.name == "fp8-te-current"
+    assert not plugin.master_weights and plugin.compile_blocks is False and plugin.weights_dtype is None
+    assert plugin_without_te("current", master_weights=False, compile_blocks=False).fp8_options == opts
+    default = plugin_without_te()
+    assert default.recipe == "delayed" and default.te_options == TEOptions() and default.fp8_options.te is None
+    with pytest.raises(TypeError, match=r"got both options= and te=TEOptions\(.*fused_master_update=False"):
+        TEFloat8Precision(options=opts, fused_master_update=False)
+    assert TEFloat8Precision(options=opts, master_weights=True).fp8_options is opts  # a default: not counted
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['master_weight'\]"):
+        plugin_without_te(master_weight=False)
+    with pytest.raises(ValueError, match=r"does not take option\(s\) \['master_weight'\].*'master_weights'"):
+        precision("fp8-te-current", master_weight=False)  # through the registry: the allowed names listed
+    with pytest.raises(AttributeError):
+        default.master_weights = False  # read-only: the options are frozen
 
 
 class _Block(torch.nn.Module):
@@ -218,8 +269,7 @@ def test_blocks_holding_te_layers_are_compiled_in_place_with_compile_blocks_true
         precision("fp8-te-current", compile_blocks="yes")
 
     model = _blocks_model()
-    plugin = plugin_without_te()
-    plugin.compile_blocks = True  # as TEFloat8Precision(compile_blocks=True) sets it
+    plugin = plugin_without_te(compile_blocks=True)
     note = _prepare(plugin, model)
     assert "compiled 3 blocks of 1 in place" in note and "TE layers running eagerly inside" in note
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model[1])
@@ -227,8 +277,7 @@ def test_blocks_holding_te_layers_are_compiled_in_place_with_compile_blocks_true
     assert all(k.startswith(("0.", "1.", "2.")) and "_orig_mod" not in k for k in model.state_dict())
 
     eager = _blocks_model()
-    plugin = plugin_without_te()
-    plugin.compile_blocks = False  # as TEFloat8Precision(compile_blocks=False) sets it
+    plugin = plugin_without_te(compile_blocks=False)
     assert _prepare(plugin, eager) == ""
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in eager[1])
 
@@ -484,13 +533,13 @@ def test_compile_blocks_auto_keeps_the_blocks_compiled_only_when_measured_faster
     note = _prepare(plugin, model)
     assert "compile_blocks='auto'" in note
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in model[1])  # eager at first
-    trial = plugin._block_trial
+    trial = plugin.block_trial
     clock, logged = _Clock(), []
     trial.clock, trial.log = clock, logged.append
     monkeypatch.setattr(MasterWeightsMixin, "optimizer_step", lambda self, *a, **k: "stepped")
     opt, other = object(), object()
-    for step in range(1, 30):
-        if trial._phase == "compiled":
+    for step in range(1, 30):  # noqa: B007 (read after the loop)
+        if trial.phase == "compiled":
             assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model[1])
             clock.period_ms = compiled_ms
         assert plugin.optimizer_step(opt, model, lambda: None) == "stepped"
@@ -524,7 +573,7 @@ def test_block_compile_trial_takes_the_agreed_decision_and_checks_its_arguments(
                               log=lambda line: None)
     for _ in range(3):
         trial.step()
-    assert trial._phase == "compiled"
+    assert trial.phase == "compiled"
     clock.period_ms = 5.0
     for _ in range(3):
         trial.step()

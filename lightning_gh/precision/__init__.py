@@ -2,7 +2,7 @@
 hardware gating, and Lightning's own precisions passed through.
 
 Modules: ``names`` (the names), ``checks`` (availability, hardware gating, setup-time checks), ``layer_filter``,
-``options`` (``Float8Options``), ``base`` (``Float8PrecisionBase``), ``te`` / ``ao`` / ``auto`` (the fp8 plugins),
+``options`` (``Float8Options`` and its ``TEOptions``), ``base`` (``Float8PrecisionBase``), ``te`` / ``ao`` / ``auto`` (the fp8 plugins),
 ``master`` (fp32 master weights for bf16 modules, used by ``te``), ``fused_master`` (their one-pass Adam/AdamW
 update), ``regional`` (per-block ``torch.compile``, used by
 ``ao`` and ``te``), ``trial`` (``fp8-auto``'s setup-time timing of the candidates), ``registry`` (``precision()``: names to
@@ -30,11 +30,11 @@ from lightning_gh.precision.auto import AutoFloat8Precision, Fp8Choice, choose_f
 from lightning_gh.precision.base import Float8PrecisionBase
 from lightning_gh.precision.checks import FP8UnavailableError, list_precisions
 from lightning_gh.precision.export import export_bf16_state_dict
-from lightning_gh.precision.layer_filter import LayerDecision, LayerFilter, LayerPlan
 from lightning_gh.precision.fused_master import FusedMasterAdam, fused_adam_unsupported
+from lightning_gh.precision.layer_filter import LayerDecision, LayerFilter, LayerPlan
 from lightning_gh.precision.master import MasterWeights, MasterWeightsMixin
 from lightning_gh.precision.names import precision_names
-from lightning_gh.precision.options import Float8Options
+from lightning_gh.precision.options import Float8Options, TEOptions
 from lightning_gh.precision.plugin import Float8Precision
 from lightning_gh.precision.registry import precision
 from lightning_gh.precision.te import TEFloat8Precision
@@ -55,6 +55,7 @@ __all__ = [
     "MasterWeights",
     "MasterWeightsMixin",
     "TEFloat8Precision",
+    "TEOptions",
     "TorchAOFloat8Precision",
     "export_bf16_state_dict",
     "keep_causal_sdpa",

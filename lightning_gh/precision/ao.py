@@ -71,7 +71,7 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
     """Train the large ``nn.Linear`` layers in float8 with torchao, the rest in bf16 autocast.
 
     Args:
-        recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
+        recipe: ``"tensorwise"`` (the default), ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
         fsdp_float8_all_gather: all-gather FSDP2-sharded weights in float8 and precompute their scales after
             each optimizer step. ``None`` (default): on when the recipe is tensorwise and the Trainer's strategy is
             ``ModelParallelStrategy`` (FSDP2). Only the tensorwise recipe supports it.
@@ -90,12 +90,13 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
         emulate: emulate the fp8 matmuls in higher precision (torchao's ``emulate``) and skip the hardware check.
             For functional tests on a CPU; never faster.
         config: a full ``torchao.float8.Float8LinearConfig`` instead of ``recipe`` (advanced).
-        options: a ready ``Float8Options`` instead of ``recipe``, ``name`` and the filter arguments.
-        **shared: what every fp8 plugin takes (see ``Float8PrecisionBase``): ``name``, ``layer_filter``,
-            ``include``, ``exclude``, ``skip_head``, ``skip_first``, ``min_dim``.
+        options: a ready ``Float8Options`` instead of ``recipe`` and the keyword arguments of ``**kwargs``.
+        **kwargs: what every fp8 plugin takes (``name``, ``layer_filter``, ``include``, ``exclude``, ``skip_head``,
+            ``skip_first``, ``min_dim``: see ``Float8Options``).
 
     Raises:
         ModuleNotFoundError: torchao is not installed (``pip install 'lightning-gh[ao]'``).
+        TypeError: an unknown option, or ``options`` together with keywords that change it.
         FP8UnavailableError: at setup, when the Trainer's device has no fp8 tensor cores.
 
     Example::
@@ -111,7 +112,7 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
 
     def __init__(
         self,
-        recipe: str = "tensorwise",
+        recipe: str | None = None,
         *,
         fsdp_float8_all_gather: bool | None = None,
         compile_blocks: bool | Mapping[str, Any] = True,
@@ -120,10 +121,9 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
         emulate: bool = False,
         config: Any = None,
         options: Float8Options | None = None,
-        **shared: Any,
+        **kwargs: Any,
     ) -> None:
-        Float8PrecisionBase.__init__(self, None if options is not None and recipe == "tensorwise" else recipe,
-                                     options=options, **shared)
+        Float8PrecisionBase.__init__(self, recipe, options=options, **kwargs)
         if fsdp_float8_all_gather and self.recipe != "tensorwise":
             raise ValueError(f"TorchAOFloat8Precision(fsdp_float8_all_gather=True) needs recipe='tensorwise', "
                              f"got recipe={self.recipe!r}.")

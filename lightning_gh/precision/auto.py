@@ -1,8 +1,8 @@
 """``fp8-auto``: the fp8 recipe that measured fastest for *this* run, chosen at setup.
 
 Which fp8 backend is fastest depends on things the Trainer only knows once the model is set up: whether the model
-is compiled, and which strategy shards it. Measured on an H200 on the ``large`` preset (full Lightning steps, fused
-AdamW, fp32 master weights, the default layer filter; the figures are in ``docs/precision.md``):
+is compiled, and which strategy shards it. The table below is the rule measured on full Lightning steps (fused AdamW,
+fp32 master weights, the default layer filter; the figures are in ``docs/precision.md``):
 
 =====================  ===============================  =============================================
 model                  fastest                          why not the other
@@ -11,19 +11,19 @@ compiled               ``fp8-ao-tensorwise``            Transformer Engine layer
 not compiled           ``fp8-te-delayed``               on a par once both compile their blocks
 =====================  ===============================  =============================================
 
-On the issue-18 HF Llama (d=4096, eager, H200) both plugins compile the transformer blocks in place and land within
-the step-to-step spread of each other (``fp8-te-delayed`` 81.0 ms, ``fp8-ao-tensorwise`` 80.3 ms), so the table
-keeps Transformer Engine for eager models and the setup trial breaks the tie on the GPU at hand.
+On a large eager HF Llama both plugins compile the transformer blocks in place and land within the step-to-step
+spread of each other, so the table keeps Transformer Engine for eager models and the setup trial breaks the tie on
+the GPU at hand.
 
 A model that is not compiled gets its blocks compiled in place when torchao is picked (regional compilation, see
-``regional``): on the issue-18 HF Llama (d=4096, H200) that ran 1.47x over ``bf16-mixed``.
+``regional``), which is what makes torchao fp8 faster than ``bf16-mixed`` on such a model.
 
 When more than one recipe can run on an uncompiled model (Transformer Engine and torchao both usable, one GPU or
 DDP), ``fp8-auto`` does not trust the table: at setup it times each candidate on this model's own GEMM shapes on
 this GPU (:mod:`lightning_gh.precision.trial`, ``trial=True``, the default) and picks the fastest, logging the
 figures. A compiled model gets ``fp8-ao-tensorwise`` whenever torchao is usable, without a trial: timing one layer at
 a time cannot see what decides there (Transformer Engine breaks the graph at every layer; torchao's casts fuse into
-it), and on the ``medium`` preset the trial ranked them the wrong way round (full steps: 74.2 against 44.4 ms).
+it), and on the ``medium`` preset it ranked them the wrong way round (figures in ``docs/precision.md``).
 ``trial=False`` applies the table as written; a callable ``trial(module, candidates, device) -> {name: ms}``
 replaces the measurement.
 
@@ -103,8 +103,8 @@ def auto_candidates(compiled: bool, strategy: str, te: str | None, ao: str | Non
     te_ok, ao_ok = te is None and not sharded, ao is None and (compiled or not sharded)
     if compiled:
         # Not timed against each other: the per-layer trial sees neither the graph break around every TE layer
-        # nor the casts torchao's layers fuse into the compiled graph. On the `medium` preset (H200) it put
-        # fp8-te-current ahead (74.5 against 76.7 ms) where full steps ran 74.2 against 44.4 ms.
+        # nor the casts torchao's layers fuse into the compiled graph, and ranks them the wrong way round (see the
+        # module docs).
         return ["fp8-ao-tensorwise"] if ao_ok else (["fp8-te-current"] if te_ok else [])
     return [n for n, ok in (("fp8-te-delayed", te_ok), ("fp8-te-current", te_ok), ("fp8-ao-tensorwise", ao_ok))
             if ok]

@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -32,11 +32,15 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_gh import _lightning, compat
+from lightning_gh._options import resolve
 from lightning_gh.precision.checks import require_fp8_device, token_check_hook, trainer_device
+from lightning_gh.precision.layer_filter import FIELDS as FILTER_FIELDS
 from lightning_gh.precision.layer_filter import LayerFilter, LayerPlan
-from lightning_gh.precision.options import Float8Options
+from lightning_gh.precision.options import Float8Options, TEOptions
 
 __all__ = ["Float8PrecisionBase", "te_native_modules"]
+
+log = logging.getLogger(__name__)
 
 
 def te_native_modules(model: nn.Module) -> list[str]:
@@ -52,22 +56,21 @@ def te_native_modules(model: nn.Module) -> list[str]:
             found.append(name)
     return found
 
-log = logging.getLogger(__name__)
-
 
 class Float8PrecisionBase(Precision):
     """What every fp8 plugin shares: options, layer filter, ``repr`` and the conversion sequence.
 
     Args:
-        recipe: the backend's recipe name (one of the subclass's ``recipes``).
-        name: the registry name shown in logs (set by ``lightning_gh.precision``).
-        layer_filter: a ``LayerFilter`` (or a dict of its fields); ``include``, ``exclude``, ``skip_head``,
-            ``skip_first`` and ``min_dim`` override single fields.
-        options: a ready ``Float8Options`` instead of ``recipe``, ``name`` and the filter arguments.
+        recipe: the backend's recipe name (one of the subclass's ``recipes``; default: the first of them).
+        options: a ready ``Float8Options`` instead of ``recipe`` and the keyword arguments.
+        **kwargs: the fields of ``Float8Options`` as keyword arguments: ``name``, ``layer_filter`` (a ``LayerFilter``
+            or a dict of its fields), its single fields ``include``, ``exclude``, ``skip_head``, ``skip_first``,
+            ``min_dim`` (override ``layer_filter``'s), and the backend's own options (``TEOptions``'s fields for the
+            Transformer Engine plugin). See ``Float8Options`` for each option and its default.
 
     Raises:
-        ValueError: a recipe the backend does not have, a bad filter field, or ``options`` mixed with the
-            arguments it replaces.
+        ValueError: a recipe the backend does not have, or a bad option value.
+        TypeError: an unknown option, or ``options`` together with a keyword that changes it.
 
     Example::
 
@@ -80,37 +83,49 @@ class Float8PrecisionBase(Precision):
     backend: ClassVar[str] = ""  # "te" or "ao", as in the registry's names
     backend_label: ClassVar[str] = ""  # shown in errors: "Transformer Engine", "torchao"
     recipes: ClassVar[tuple[str, ...]] = ()
+    backend_fields: ClassVar[tuple[str, ...]] = ()  # keyword arguments that build Float8Options.te (TE plugin only)
 
-    def __init__(
-        self,
-        recipe: str | None = None,
-        *,
-        name: str | None = None,
-        layer_filter: LayerFilter | Mapping[str, Any] | None = None,
-        include: Any = None,
-        exclude: Any = None,
-        skip_head: bool | None = None,
-        skip_first: bool | None = None,
-        min_dim: int | None = None,
-        options: Float8Options | None = None,
-    ) -> None:
-        fields = dict(name=name, layer_filter=layer_filter, include=include, exclude=exclude, skip_head=skip_head,
-                      skip_first=skip_first, min_dim=min_dim)
-        if options is not None:
-            if not isinstance(options, Float8Options):
-                raise ValueError(f"{type(self).__name__}(options={options!r}): expected a Float8Options.")
-            mixed = sorted(k for k, v in fields.items() if v is not None)
-            if mixed or (recipe is not None and recipe != options.recipe):
-                raise ValueError(f"{type(self).__name__}(options=...) replaces recipe, name and the layer filter "
-                                 f"arguments; got {mixed or ['recipe']} as well. Pass one or the other.")
-        else:
-            options = Float8Options.build(self.recipes[0] if recipe is None else recipe, **fields)
+    def __init__(self, recipe: str | None = None, *, options: Float8Options | None = None, **kwargs: Any) -> None:
+        options = self.resolve_options(recipe, options, **kwargs)
         if self.recipes and options.recipe not in self.recipes:
             raise ValueError(f"{type(self).__name__}(recipe={options.recipe!r}): expected one of {list(self.recipes)}.")
         self.fp8_options = options
         self.name = options.name or self.default_name(options.recipe)
         self.plan: LayerPlan | None = None
         self.native_te: list[str] = []  # Transformer Engine modules the model was built from (left as they are)
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The keyword arguments that build this plugin's ``Float8Options`` (besides ``recipe`` and ``options``)."""
+        return ("name", "layer_filter", *FILTER_FIELDS, *cls.backend_fields)
+
+    @classmethod
+    def resolve_options(cls, recipe: str | None, options: Float8Options | None, **kwargs: Any) -> Float8Options:
+        """``options``, or the ``Float8Options`` the keyword arguments build; both at once is a ``TypeError``
+        (``lightning_gh._options.resolve``: a keyword that leaves an option at its default does not count)."""
+        where = cls.__name__
+        unknown = sorted(set(kwargs) - set(cls.option_names()))
+        if unknown:
+            raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {list(cls.option_names())} "
+                            "(or options=Float8Options(...)).")
+        given: dict[str, Any] = {}
+        if recipe is not None and (options is None or recipe != options.recipe):
+            given["recipe"] = recipe
+        elif options is None:
+            given["recipe"] = cls.recipes[0] if cls.recipes else recipe
+        if kwargs.get("name") is not None:
+            given["name"] = kwargs["name"]
+        filter_fields = {k: kwargs[k] for k in FILTER_FIELDS if kwargs.get(k) is not None}
+        if filter_fields or kwargs.get("layer_filter") is not None:
+            given["layer_filter"] = LayerFilter.from_options(kwargs.get("layer_filter"), **filter_fields)
+        backend = {k: kwargs[k] for k in cls.backend_fields if k in kwargs}
+        if backend and TEOptions(**backend) != TEOptions():
+            given["te"] = TEOptions(**backend)
+        options = resolve(Float8Options, options, where, **given)
+        if options.te is not None and not cls.backend_fields:
+            raise TypeError(f"{where}(options=...) has te={options.te!r}: those are the Transformer Engine plugin's "
+                            "options (TEFloat8Precision); leave te=None here.")
+        return options
 
     @classmethod
     def default_name(cls, recipe: str) -> str:

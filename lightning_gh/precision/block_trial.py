@@ -2,9 +2,9 @@
 
 Compiling each block in place (``regional``) fuses the norms, rotary embeddings and activations between the
 Transformer Engine GEMMs, but the TE layers stay eager inside, so every block is cut into pieces by a graph break
-around each TE layer. Whether the fusion outweighs the breaks depends on the model: on the H200 the issue-18 HF
-Llama (d=4096) ran 93.3 -> 81.0 ms per step with its blocks compiled, the demo ``medium`` model (d=2048) 59.2 ->
-74.8 ms. So ``compile_blocks="auto"`` (the TE plugins' default) measures: it times a few steps with the blocks
+around each TE layer. Whether the fusion outweighs the breaks depends on the model: a large HF Llama gains, the demo
+``medium`` model loses (figures in ``docs/precision.md``). So ``compile_blocks="auto"`` (the TE plugins' default)
+measures: it times a few steps with the blocks
 eager, compiles them, times a few more once the compile is done, and keeps whichever ran faster, logging the
 figures in one line. The blocks are compiled in place (``nn.Module.compile``), so undoing it is dropping the
 compiled call; the weights, the optimizer and the state-dict keys are the same either way.
@@ -79,6 +79,11 @@ class BlockCompileTrial:
     @property
     def done(self) -> bool:
         return self.decision is not None
+
+    @property
+    def phase(self) -> str:
+        """``"eager"`` while the eager steps are timed, ``"compiled"`` once the blocks are compiled and timed."""
+        return self._phase
 
     def step(self) -> None:
         """Call once after every optimizer step."""

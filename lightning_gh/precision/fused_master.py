@@ -37,15 +37,21 @@ Example::
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # master.py imports this module when it builds the fused path
-    from lightning_gh.precision.master import MasterWeights
+__all__ = ["FusedMasterAdam", "MasterPairs", "fused_adam_unsupported"]
 
-__all__ = ["FusedMasterAdam", "fused_adam_unsupported"]
+
+class MasterPairs(Protocol):
+    """What :class:`FusedMasterAdam` reads of :class:`~lightning_gh.precision.master.MasterWeights`."""
+
+    optimizer: torch.optim.Optimizer
+    """The user's optimizer, whose ``param_groups`` hold the fp32 masters."""
+    pairs: list[tuple[Tensor, Tensor]]
+    """``(module weight, fp32 master)`` for every low-precision weight, in ``param_groups`` order."""
 
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
@@ -121,7 +127,8 @@ class FusedMasterAdam:
     """The Adam / AdamW step of an optimizer holding fp32 masters, fused with the gradient and weight casts.
 
     Args:
-        masters: the :class:`~lightning_gh.precision.master.MasterWeights` of a ``torch.optim.Adam`` / ``AdamW``.
+        masters: the :class:`~lightning_gh.precision.master.MasterWeights` (any :class:`MasterPairs`) of a
+            ``torch.optim.Adam`` / ``AdamW``.
         compile: ``True`` to run the update through ``torch.compile`` (one kernel per weight), ``False`` for the
             eager loop, a dict of ``torch.compile`` arguments, or ``None`` (default): compiled on CUDA, eager on
             the CPU.
@@ -136,7 +143,7 @@ class FusedMasterAdam:
         loss.backward(); fused.step(); fused.optimizer.step()   # the second call steps only non-master params
     """
 
-    def __init__(self, masters: MasterWeights, compile: bool | Mapping[str, Any] | None = None) -> None:
+    def __init__(self, masters: MasterPairs, compile: bool | Mapping[str, Any] | None = None) -> None:
         reason = fused_adam_unsupported(masters.optimizer)
         if reason is not None:
             raise ValueError(f"FusedMasterAdam(optimizer={type(masters.optimizer).__name__}): {reason}.")
@@ -199,7 +206,7 @@ class FusedMasterAdam:
                 pass
             else:
                 _adam_loop(*args, lr=float(group["lr"]), **kwargs)
-            for p, m in pairs:
+            for p, _ in pairs:
                 p.grad = None
             done += len(pairs)
         return done

@@ -18,8 +18,8 @@ A layer is converted when all of these hold:
 6. its GEMM is big enough to gain (``min_dim``): fp8 adds a cast (and, for the weight gradient, a
    transpose) of each operand, memory-bound work of order ``tokens*(in+out)``, against a saving
    proportional to ``tokens*in*out``. Below ``min(in, out) = min_dim`` the casts eat the gain. The default,
-   1024, is where fp8 stops losing on the H200 at 8192 tokens; ``benchmarks/suites/fp8.py --gemm``
-   measures the crossover (see ``docs/precision.md``).
+   1024, is the measured crossover at a typical tokens-per-step; ``benchmarks/suites/fp8.py --gemm``
+   measures it (figures in ``docs/precision.md``).
 
 Patterns are ``fnmatch`` globs on the module's qualified name, with ``torch.compile`` wrapper segments
 (``_orig_mod``) removed, e.g. ``"model.layers.*.mlp.*"``.
@@ -49,8 +49,8 @@ from torch import nn
 
 __all__ = ["LayerFilter", "LayerDecision", "LayerPlan", "clean_name", "DEFAULT_MIN_DIM"]
 
-# Provisional H200 crossover (min(in_features, out_features)) below which an fp8 GEMM is not faster than bf16
-# at ~8k tokens per step; re-measured by `benchmarks/run.py --suite fp8 --gemm`.
+# The crossover (min(in_features, out_features)) below which an fp8 GEMM is not faster than bf16 (see rule 6 in the
+# module docs); measured by `benchmarks/run.py --suite fp8 --gemm`.
 DEFAULT_MIN_DIM = 1024
 FP8_MULTIPLE = 16
 _WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")

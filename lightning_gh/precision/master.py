@@ -39,13 +39,12 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Mapping
 
-import torch
-from torch import Tensor, nn
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor, nn
 
 from lightning_gh._lightning import trainer_of, unwrap_optimizer
 

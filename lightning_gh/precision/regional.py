@@ -2,7 +2,7 @@
 
 torchao's ``Float8Linear`` casts each operand to float8 (an amax reduction, a scale, a cast, and for the weight
 gradient a transpose) in separate kernels. Eagerly those memory-bound kernels cost more than the fp8 GEMM saves
-(on the H200, a d=4096 Llama ran 1.6x *slower* than ``bf16-mixed``). Under ``torch.compile`` Inductor fuses them
+(eager fp8 is slower than ``bf16-mixed``; figures in ``docs/precision.md``). Under ``torch.compile`` Inductor fuses them
 into the neighbouring ops. Compiling the whole model is the user's choice; compiling each *block* in place is
 safe to do for them: the block boundary is a plain ``forward`` call, every block of one class reuses the same
 compiled code, the rest of the model (embedding, head, loss, the user's ``training_step``) stays eager, and
@@ -35,9 +35,9 @@ from lightning_gh._lightning import is_compiled
 
 __all__ = ["compile_regions", "find_fp8_blocks", "is_region_compiled", "EAGER_COST_NOTE"]
 
-# Said whenever torchao fp8 runs eagerly: what it costs and why (figures in docs/precision.md).
+# Said whenever torchao fp8 runs eagerly: what it costs and why (the figures are in docs/precision.md).
 EAGER_COST_NOTE = ("torchao fp8 without torch.compile is slower than bf16-mixed (its float8 casts run as separate "
-                   "memory-bound kernels; measured 1.6x slower on a d=4096 HF Llama on an H200)")
+                   "memory-bound kernels; see docs/precision.md)")
 
 
 def is_region_compiled(module: nn.Module) -> bool:

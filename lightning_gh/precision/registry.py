@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import warnings
 from typing import Any, Callable
@@ -24,10 +23,10 @@ from lightning.pytorch.plugins import precision as pl_precision
 
 from lightning_gh import hardware
 from lightning_gh.precision import checks as _checks
-from lightning_gh.precision.base import Float8PrecisionBase
-from lightning_gh.precision.auto import TRIAL_OPTIONS, AutoFloat8Precision, check_auto_options, check_trial_options
-from lightning_gh.precision.layer_filter import LayerFilter
 from lightning_gh.precision import names as _names
+from lightning_gh.precision.auto import TRIAL_OPTIONS, AutoFloat8Precision, check_auto_options, check_trial_options
+from lightning_gh.precision.base import Float8PrecisionBase
+from lightning_gh.precision.layer_filter import LayerFilter
 
 __all__ = ["precision"]
 
@@ -36,9 +35,10 @@ def _construct(_label: str, _cls: Callable[..., Any], *args: Any, _hidden: tuple
     """Call ``_cls(*args, **options)``, turning a wrong keyword into an error that lists the allowed ones."""
     params = dict(inspect.signature(_cls).parameters)
     if isinstance(_cls, type) and issubclass(_cls, Float8PrecisionBase):
-        # the fp8 plugins pass the shared options (**shared) on to the base class, whose signature names them
-        params.update((k, v) for k, v in inspect.signature(Float8PrecisionBase).parameters.items() if k not in params)
+        # the fp8 plugins take their Float8Options fields as **kwargs: name them
         params = {k: v for k, v in params.items() if v.kind is not inspect.Parameter.VAR_KEYWORD}
+        params.update((k, inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY)) for k in _cls.option_names()
+                      if k not in params)
     accepts_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     allowed = [p for p, v in params.items() if v.kind is not inspect.Parameter.VAR_KEYWORD][len(args):]
     unknown = sorted(set(options) - set(allowed))
@@ -130,31 +130,3 @@ def _auto(**options: Any):
         rest = {k: v for k, v in options.items() if k in _FALLBACK_OPTIONS}  # fp8-only options do not apply
         return precision("bf16-mixed", **rest)
     return AutoFloat8Precision(**fp8_options)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# old import paths (one release): these names moved out of this module
-
-
-_MOVED = {
-    **{n: "lightning_gh.precision.names" for n in ("FP8_NAMES", "LIGHTNING_NAMES", "LIGHTNING_ALIASES",
-                                                    "precision_names")},
-    **{n: "lightning_gh.precision.checks" for n in (
-        "FP8UnavailableError", "TE_EXTRA", "AO_EXTRA", "te_missing_reason", "ao_missing_reason",
-        "recipe_unsupported_reason", "unavailable_reason", "list_precisions", "trainer_device",
-        "require_fp8_device", "token_check_hook")},
-    "is_compiled": "lightning_gh._lightning",
-    "export_bf16_state_dict": "lightning_gh.precision.export",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name == "_canonical":
-        name, target = "canonical", "lightning_gh.precision.names"
-    elif name in _MOVED:
-        target = _MOVED[name]
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"lightning_gh.precision.registry.{name} moved to {target}.{name}; the old path is removed in the "
-                  "next release.", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(target), name)

@@ -5,8 +5,9 @@ weights), casts the module to bf16 as Lightning's ``TransformerEnginePrecision``
 bf16 gradients), and keeps an fp32 master copy of every weight on the optimizer side (``master_weights=True``, the
 default; see ``master``): the optimizer updates the fp32 masters, which are cast back into the module after each
 step (for Adam / AdamW in one fused pass per weight, ``fused_master_update=True``; see ``fused_master``), and
-checkpoints hold them. ``master_weights=False`` is the earlier behaviour (the module keeps the model's
-own dtype, fp32 weights under bf16 autocast, unless ``weights_dtype`` says otherwise). It runs each training,
+checkpoints hold them. With ``master_weights=False`` the module keeps the model's own dtype (fp32 weights under
+bf16 autocast) unless ``weights_dtype`` says otherwise. The options are ``Float8Options`` and its ``TEOptions``.
+It runs each training,
 validation and prediction step under bf16 autocast plus Transformer Engine's fp8 autocast with the chosen
 recipe. On a model that is not compiled it can compile each transformer block in place (regional compilation):
 the elementwise work between the TE GEMMs (norms, rotary embeddings, activations, residual adds) is fused, while
@@ -56,7 +57,7 @@ from lightning_gh.precision.block_trial import BlockCompileTrial
 from lightning_gh.precision.checks import FP8UnavailableError, te_missing_reason
 from lightning_gh.precision.layer_filter import LayerDecision, LayerPlan, clean_name
 from lightning_gh.precision.master import MasterWeightsMixin
-from lightning_gh.precision.options import Float8Options
+from lightning_gh.precision.options import TE_FIELDS, Float8Options, TEOptions
 from lightning_gh.precision.regional import compile_regions, is_region_compiled
 
 __all__ = ["TEFloat8Precision", "TE_RECIPES", "make_recipe", "te_autocast", "fp8_meta_state_dict",
@@ -283,100 +284,77 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
     """Train the large ``nn.Linear`` layers in fp8 with Transformer Engine, the rest under bf16 autocast.
 
     Args:
-        recipe: ``"delayed"``, ``"current"``, ``"block"`` (Hopper), ``"mxfp8"`` or ``"nvfp4"`` (Blackwell).
-        master_weights: keep an fp32 master copy of every bf16 weight on the optimizer side (default ``True``):
-            the module computes with bf16 weights (Lightning's ``"transformer-engine"`` speed) while updates are
-            applied in fp32 and checkpointed. ``False``: no masters (the earlier behaviour).
-        fused_master_update: with master weights and a ``torch.optim.Adam`` / ``AdamW`` optimizer, update each
-            fp32 master, its moments and the module's bf16 weight in one pass that reads the bf16 gradient (see
-            ``fused_master``), instead of copying the gradient to fp32, stepping the optimizer and copying the
-            weight back. Steps where gradient clipping or an ``on_before_optimizer_step`` hook may read the
-            gradients, and other optimizers, keep the plain path. Default ``True``; ``False`` is the plain path
-            on every step.
-        weights_dtype: the module's weight dtype. ``None`` (default): ``torch.bfloat16`` with master weights, else
-            the model's own dtype (fp32 weights under bf16 autocast, as ``bf16-mixed``). ``torch.bfloat16`` without
-            master weights trains bf16 weights directly, like Lightning's plugin (small updates are rounded away).
-        compile_te_layers: let ``torch.compile`` trace into the TE layers (needs a TE release that supports it, and
-            a recipe other than ``delayed``). By default TE layers run eagerly between compiled regions.
-        compile_blocks: on a model that is not compiled, ``torch.compile`` each transformer block holding converted
-            layers in place (regional compilation, see ``regional``), so the norms, rotary embeddings,
-            activations and residual adds between the TE GEMMs are fused; the TE layers themselves still run
-            eagerly inside (a graph break around each, unless ``compile_te_layers=True``). ``"auto"`` (default):
-            time 5 steps eager, compile the blocks, time 5 steps compiled and keep them compiled only if that is
-            at least 2% faster (one log line with the figures; decided by the 16th step; under DDP rank 0's
-            measurement decides for all); on the H200 the blocks won 1.15x on a d=4096 HF Llama and lost 1.26x on
-            the d=2048 demo model. ``True`` compiles them at setup, ``False`` leaves everything eager (Lightning's
-            ``"transformer-engine"`` way), a dict of ``torch.compile`` arguments compiles with those. A model
-            compiled by the user, or one built from Transformer Engine modules, is left alone.
-        recipe_options: extra fields for the TE recipe dataclass, e.g. ``{"amax_history_len": 16}``.
-        options: a ready ``Float8Options`` instead of ``recipe``, ``name`` and the filter arguments.
-        **shared: what every fp8 plugin takes (see ``Float8PrecisionBase``): ``name``, ``layer_filter``,
-            ``include``, ``exclude``, ``skip_head``, ``skip_first``, ``min_dim``.
+        recipe: ``"delayed"`` (the default), ``"current"``, ``"block"`` (Hopper), ``"mxfp8"`` or ``"nvfp4"``
+            (Blackwell).
+        options: a ready ``Float8Options`` (with its ``te`` field) instead of ``recipe`` and the keyword arguments.
+        **kwargs: the options as keyword arguments: the Transformer Engine ones (``master_weights``,
+            ``fused_master_update``, ``weights_dtype``, ``compile_te_layers``, ``compile_blocks``,
+            ``recipe_options``: see ``TEOptions``) and what every fp8 plugin takes (``name``, ``layer_filter``,
+            ``include``, ``exclude``, ``skip_head``, ``skip_first``, ``min_dim``: see ``Float8Options``).
 
     Raises:
         ModuleNotFoundError: Transformer Engine is not installed (``pip install 'lightning-gh[te]'``).
+        ValueError: a recipe or option value that is not allowed (see ``TEOptions``).
+        TypeError: an unknown option, an option of the wrong type, or ``options`` together with keywords.
         FP8UnavailableError: at setup, when the Trainer's device cannot run the recipe.
 
     Example::
 
         trainer = L.Trainer(plugins=[TEFloat8Precision("current")])   # bf16 module, fp32 masters in the optimizer
+        TEFloat8Precision(options=Float8Options("current", te=TEOptions(compile_blocks=False)))   # the same, eager
     """
 
     precision: Literal["bf16-mixed"] = "bf16-mixed"
     backend = "te"
     backend_label = "Transformer Engine"
     recipes = TE_RECIPES
+    backend_fields = TE_FIELDS
 
-    def __init__(
-        self,
-        recipe: str = "delayed",
-        *,
-        master_weights: bool = True,
-        fused_master_update: bool = True,
-        weights_dtype: torch.dtype | None = None,
-        compile_te_layers: bool = False,
-        compile_blocks: bool | str | Mapping[str, Any] = "auto",
-        recipe_options: Mapping[str, Any] | None = None,
-        options: Float8Options | None = None,
-        **shared: Any,
-    ) -> None:
-        super().__init__(None if options is not None and recipe == "delayed" else recipe, options=options, **shared)
-        recipe = self.recipe
-        if weights_dtype not in (None, torch.float32, torch.bfloat16):
-            raise ValueError(f"TEFloat8Precision(weights_dtype={weights_dtype!r}): expected None (keep the model's), "
-                             "torch.float32 or torch.bfloat16.")
-        if not isinstance(master_weights, bool):
-            raise ValueError(f"TEFloat8Precision(master_weights={master_weights!r}): expected True or False.")
-        if not isinstance(fused_master_update, bool):
-            raise ValueError(f"TEFloat8Precision(fused_master_update={fused_master_update!r}): expected True or False.")
-        if not isinstance(compile_te_layers, bool):
-            raise ValueError(f"TEFloat8Precision(compile_te_layers={compile_te_layers!r}): expected True or False.")
-        if compile_te_layers and recipe == "delayed":
-            raise ValueError("TEFloat8Precision(recipe='delayed', compile_te_layers=True): DelayedScaling cannot be "
-                             "traced by torch.compile. Use recipe 'current' (fp8-te-current) to compile the TE layers, "
-                             "or leave compile_te_layers=False (TE layers then run eagerly between compiled regions).")
-        if not (isinstance(compile_blocks, (bool, Mapping)) or compile_blocks == "auto"):
-            raise ValueError(f"TEFloat8Precision(compile_blocks={compile_blocks!r}): expected 'auto', True, False or "
-                             "a dict of torch.compile arguments.")
-        if recipe_options is not None and not isinstance(recipe_options, Mapping):
-            raise ValueError(f"TEFloat8Precision(recipe_options={recipe_options!r}): expected a dict.")
+    def __init__(self, recipe: str | None = None, *, options: Float8Options | None = None, **kwargs: Any) -> None:
+        super().__init__(recipe, options=options, **kwargs)
         missing = te_missing_reason()
         if missing:
             raise ModuleNotFoundError(f"precision {self.name!r} needs Transformer Engine. {missing}")
-        self.te_recipe = make_recipe(recipe, **dict(recipe_options or {}))
-        self.master_weights = master_weights
-        self.fused_master_update = fused_master_update
-        if weights_dtype is None and master_weights:
-            weights_dtype = torch.bfloat16  # the module computes in bf16; the fp32 masters live in the optimizer
-        self.weights_dtype = weights_dtype
-        self.compile_te_layers = compile_te_layers
-        self.compile_blocks = compile_blocks
+        self.te_recipe = make_recipe(self.recipe, **dict(self.te_options.recipe_options or {}))
         self._regional = False  # set at setup: compile the blocks after conversion
         self._block_trial: BlockCompileTrial | None = None  # compile_blocks="auto": decides over the first steps
         self._trial_optimizer: Any = None
         self._converted: dict[str, nn.Module] = {}
         self._pending_fp8_meta: dict[str, Any] | None = None
         self._amax_group: Any = None
+
+    # ---- the options (read-only: see TEOptions)
+
+    @property
+    def te_options(self) -> TEOptions:
+        """This plugin's Transformer Engine options (``fp8_options.te``, or the defaults)."""
+        return self.fp8_options.te or TEOptions()
+
+    @property
+    def master_weights(self) -> bool:  # type: ignore[override]
+        return self.te_options.master_weights
+
+    @property
+    def fused_master_update(self) -> bool:  # type: ignore[override]
+        return self.te_options.fused_master_update
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        """The module's weight dtype after conversion (``None``: the model's own); see ``TEOptions.module_dtype``."""
+        return self.te_options.module_dtype()
+
+    @property
+    def compile_te_layers(self) -> bool:
+        return self.te_options.compile_te_layers
+
+    @property
+    def compile_blocks(self) -> bool | str | Mapping[str, Any]:
+        return self.te_options.compile_blocks
+
+    @property
+    def block_trial(self) -> BlockCompileTrial | None:
+        """The ``compile_blocks="auto"`` trial once set up (``None`` before, or with another ``compile_blocks``)."""
+        return self._block_trial
 
     # ---- conversion
 
@@ -519,12 +497,6 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         super().load_state_dict(state_dict)  # the fp32 masters (MasterWeightsMixin)
-        if "te_extra_state" in state_dict:
-            warnings.warn(f"precision {self.name!r}: this checkpoint keeps the fp8 amax histories as pickled "
-                          "Transformer Engine extra state (an older lightning-gh), which is not loaded because "
-                          "unpickling can run arbitrary code; the histories start fresh. Weights and optimizer state "
-                          "are restored.",
-                          UserWarning, stacklevel=2)
         entry = state_dict.get("te_fp8_meta")
         if not entry:
             return

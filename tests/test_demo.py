@@ -1,4 +1,5 @@
-"""The main job, as `make demo` runs it, end to end on the CPU."""
+"""The main job, as `make demo` runs it: end to end on the CPU once in a subprocess (the real command line), its
+argument and machine checks in process."""
 
 import dataclasses
 import json
@@ -7,9 +8,11 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_gh import hardware
+from lightning_gh.demo import run as demo_run
 
 NO_FP8 = hardware.detect().fp8_unsupported_reason() is not None
 
@@ -32,11 +35,47 @@ def test_demo_runs_and_reports(tmp_path):
     assert summary["outputs"]["profile"].endswith(".summary.md") and "profile " in proc.stdout
 
 
-def test_demo_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "lightning_gh", "demo", "--steps", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "--steps=0 must be a positive number" in proc.stderr
+def _exit_status(argv, capsys):
+    """``demo_run.main(argv)``'s exit status and stderr, whether it returns or exits through argparse."""
+    try:
+        rc = demo_run.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps=0 must be a positive number"),
+    (["--num-workers", "-1"], "--num-workers=-1 must be >= 0"),
+    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--accelerator", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_demo_rejects_bad_arguments(argv, message, capsys):
+    rc, err = _exit_status(argv, capsys)
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_gpu_asked_for_without_a_gpu_is_one_line(capsys, monkeypatch, tmp_path):
+    detect = hardware.detect
+    monkeypatch.setattr(hardware, "detect", lambda *a, **k: hardware.cpu_view(detect(*a, **k)))
+    rc, err = _exit_status(["--accelerator", "gpu", "--steps", "2", "--out", str(tmp_path / "run")], capsys)
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err == ("python -m lightning_gh demo: error: --accelerator=gpu but no CUDA GPU is visible; use "
+                   "--accelerator auto or cpu.\n")
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_demo_config_is_frozen_and_resolves_its_defaults(tmp_path):
+    from lightning_gh.demo.config import DEFAULT_STEPS, DemoConfig
+
+    cfg = DemoConfig(preset="small")
+    assert cfg.steps == DEFAULT_STEPS["small"] and cfg.out.parent == Path("runs") and not cfg.wants_gpu
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.steps = 3  # type: ignore[misc]
+    assert dataclasses.replace(cfg, accelerator="gpu").wants_gpu
+    with pytest.raises(ValueError, match=r"--accelerator='tpu' is not known; choose one of \['auto', 'cpu', 'gpu', "
+                                         r"'cuda'\]"):
+        DemoConfig(accelerator="tpu", out=tmp_path)
 
 
 def test_conflicting_parts_leave_the_first_on():
@@ -52,8 +91,8 @@ def test_conflicting_parts_leave_the_first_on():
 
 def test_demo_on_cpu_lists_every_part():
     from lightning_gh import hardware
+    from lightning_gh.demo.config import DemoConfig
     from lightning_gh.demo.parts import PARTS, resolve_conflicts
-    from lightning_gh.demo.run import DemoConfig
 
     cfg = DemoConfig(preset="tiny", steps=30)
     parts = resolve_conflicts([f(cfg, hardware.detect(), cfg.out) for f in PARTS])
@@ -68,7 +107,7 @@ def test_demo_on_cpu_lists_every_part():
 
 def test_nvtx_part():
     from lightning_gh import hardware
-    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.demo.config import DemoConfig
     from lightning_gh.demo.parts import nvtx_part as demo_part
     from lightning_gh.profiling.nvtx import NVTXRangeCallback
 
@@ -79,7 +118,7 @@ def test_nvtx_part():
 
 
 def test_demo_part_says_why_fp8_is_off(tmp_path):
-    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.demo.config import DemoConfig
     from lightning_gh.demo.parts import fp8_part as demo_part
 
     part = demo_part(DemoConfig(preset="tiny", out=tmp_path), hardware.detect(), tmp_path)
@@ -99,7 +138,7 @@ def test_demo_part_is_off_without_cuda_and_carries_the_strategy_with_it():
     import dataclasses
 
     from lightning_gh import hardware
-    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.demo.config import DemoConfig
     from lightning_gh.demo.parts import superoffload_part
     from lightning_gh.superoffload import SuperOffloadStrategy
 
@@ -112,8 +151,8 @@ def test_demo_part_is_off_without_cuda_and_carries_the_strategy_with_it():
 
 
 def test_graphs_part():
+    from lightning_gh.demo.config import DemoConfig
     from lightning_gh.demo.parts import graphs_part as demo_part
-    from lightning_gh.demo.run import DemoConfig
     from lightning_gh.graphs import CUDAGraphCapture
 
     cfg = DemoConfig(preset="tiny", out=Path("unused"))
@@ -127,7 +166,7 @@ def test_graphs_part():
 
 
 def test_profiler_part(tmp_path, monkeypatch):
-    from lightning_gh.demo.run import DemoConfig
+    from lightning_gh.demo.config import DemoConfig
     from lightning_gh.demo.parts import profiler_part as demo_part
     from lightning_gh.profiling import DataStallDetector
     from lightning_gh.profiling.profiler import ENV_VAR
@@ -145,7 +184,8 @@ def test_profiler_part(tmp_path, monkeypatch):
 def test_short_run_writes_valid_json_and_one_copy_per_checkpoint(tmp_path):
     """A run shorter than the logging interval: no NaN in summary.json, 'n/a' in the report, and last.ckpt is a
     link to the step checkpoint rather than a second copy of it."""
-    from lightning_gh.demo.run import DemoConfig, _report, run_demo
+    from lightning_gh.demo.config import DemoConfig
+    from lightning_gh.demo.run import _report, run_demo
 
     cfg = DemoConfig(preset="tiny", steps=2, out=tmp_path / "run", accelerator="cpu")
     summary = run_demo(cfg)
@@ -156,9 +196,8 @@ def test_short_run_writes_valid_json_and_one_copy_per_checkpoint(tmp_path):
     assert "nan" not in _report(summary, cfg.out)
 
 
-def test_out_that_is_a_file_is_a_clear_error(tmp_path):
+def test_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "lightning_gh", "demo", "--out", str(f)], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and "is a file; give a folder" in proc.stderr and "Traceback" not in proc.stderr
+    rc, err = _exit_status(["--out", str(f)], capsys)
+    assert rc == 2 and "is a file; give a folder" in err and "Traceback" not in err

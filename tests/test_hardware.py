@@ -73,8 +73,8 @@ def test_gpu_fields_and_bandwidth():
 
 
 def test_cpu_view_hides_the_gpu_from_the_parts():
+    from lightning_gh.demo.config import DemoConfig
     from lightning_gh.demo.parts import PARTS
-    from lightning_gh.demo.run import DemoConfig
 
     h200 = hardware.HardwareInfo(True, 0, "NVIDIA H200", (9, 0), 140 * 2**30, 1, True, True, False, "pcie",
                                  "x86_64", 16, "2.11", "13.0")

@@ -10,7 +10,7 @@ Example::
     >>> from pathlib import Path
     >>> from lightning_gh import hardware
     >>> from lightning_gh.demo.parts import PARTS, resolve_conflicts
-    >>> from lightning_gh.demo.run import DemoConfig
+    >>> from lightning_gh.demo.config import DemoConfig
     >>> cfg = DemoConfig(preset="tiny", out=Path("/tmp/lgh-doc"))
     >>> parts = resolve_conflicts([f(cfg, hardware.cpu_view(hardware.detect()), cfg.out) for f in PARTS])
     >>> [p.name for p in parts][:2]
@@ -22,15 +22,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from lightning_gh import compat, hardware
+from lightning_gh.demo.config import DemoConfig
 from lightning_gh.demo.model import PRESETS, Llama, preset
-
-if TYPE_CHECKING:
-    from lightning_gh.demo.run import DemoConfig
 
 __all__ = ["Part", "PARTS", "resolve_conflicts"]
 

@@ -11,8 +11,8 @@ import argparse
 import csv
 import json
 import math
+import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +22,27 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gh import hardware
+from lightning_gh.demo.config import DemoConfig
 from lightning_gh.demo.data import MarkovDataModule
 from lightning_gh.demo.model import PRESETS, LlamaLM
 from lightning_gh.demo.parts import PARTS, resolve_conflicts
 
-__all__ = ["DemoConfig", "run_demo", "main"]
-
-DEFAULT_STEPS = {"tiny": 300, "small": 200, "medium": 100, "large": 50}
+__all__ = ["DemoConfig", "accelerator_problem", "main", "run_demo"]
 
 
-@dataclass
-class DemoConfig:
-    preset: str = "tiny"
-    steps: int | None = None
-    out: Path | None = None
-    accelerator: str = "auto"
-    num_workers: int = 0
-    seed: int = 0
-    val_every: int = 100
+def accelerator_problem(cfg: DemoConfig, hw: hardware.HardwareInfo) -> str | None:
+    """Why the demo cannot train where ``cfg`` asks on the machine ``hw`` describes, or ``None``.
 
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"--preset={self.preset!r} is not known; choose one of {sorted(PRESETS)}.")
-        if self.steps is not None and self.steps <= 0:
-            raise ValueError(f"--steps={self.steps!r} must be a positive number of optimizer steps.")
-        if self.num_workers < 0:
-            raise ValueError(f"--num-workers={self.num_workers!r} must be >= 0.")
-        self.steps = self.steps or DEFAULT_STEPS[self.preset]
-        if self.out is None:
-            self.out = Path("runs") / f"demo-{self.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.out = Path(self.out)
-        if self.out.exists() and not self.out.is_dir():
-            raise ValueError(f"--out={str(self.out)!r} is a file; give a folder for the run (it is created if missing).")
+    >>> from pathlib import Path
+    >>> hw = hardware.cpu_view(hardware.detect())
+    >>> accelerator_problem(DemoConfig(accelerator="gpu", out=Path("/tmp/x")), hw)
+    '--accelerator=gpu but no CUDA GPU is visible; use --accelerator auto or cpu.'
+    >>> accelerator_problem(DemoConfig(accelerator="auto", out=Path("/tmp/x")), hw) is None
+    True
+    """
+    if cfg.wants_gpu and not hw.cuda_available:
+        return f"--accelerator={cfg.accelerator} but no CUDA GPU is visible; use --accelerator auto or cpu."
+    return None
 
 
 def _read_metrics(log_dir: Path) -> list[dict[str, str]]:
@@ -95,8 +84,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Train, write the run folder, and return the summary that was written to ``summary.json``."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     hw = hardware.detect()
-    if cfg.accelerator == "gpu" and not hw.cuda_available:
-        raise ValueError("--accelerator=gpu but no CUDA GPU is visible; use --accelerator auto or cpu.")
+    problem = accelerator_problem(cfg, hw)
+    if problem is not None:
+        raise ValueError(problem)
     use_cuda = hw.cuda_available and cfg.accelerator in ("auto", "gpu", "cuda")
     if not use_cuda:
         # The parts decide from `hw`: on a GPU machine told to train on the CPU they must see a CPU machine.
@@ -213,6 +203,8 @@ def _report(summary: dict[str, Any], out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: parse, check, train, print the report. Returns the exit status (argument errors exit 2
+    through argparse; a machine that cannot do what was asked prints one line and returns 1)."""
     ap = argparse.ArgumentParser(prog="python -m lightning_gh demo", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size (default: tiny)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: depends on the preset)")
@@ -226,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                          num_workers=args.num_workers, seed=args.seed)
     except ValueError as e:
         ap.error(str(e))
+    problem = accelerator_problem(cfg, hardware.detect())
+    if problem is not None:
+        print(f"{ap.prog}: error: {problem}", file=sys.stderr)
+        return 1
     torch.set_float32_matmul_precision("high")
     summary = run_demo(cfg)
     print(_report(summary, cfg.out))

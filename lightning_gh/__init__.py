@@ -18,21 +18,39 @@ __version__ = "0.1.0.dev0"
 if TYPE_CHECKING:
     from lightning_gh import compat, hardware, unified
     from lightning_gh._host import HostMemoryError
-    from lightning_gh.activation_offload import (ActivationOffload, ActivationOffloadOptions, LeanLoss,
-                                                 lean_causal_lm_loss, offload_activations)
+    from lightning_gh.activation_offload import (
+        ActivationOffload,
+        ActivationOffloadOptions,
+        LeanLoss,
+        lean_causal_lm_loss,
+        offload_activations,
+    )
     from lightning_gh.graphs import CUDAGraphCapture, GraphCaptureError, GraphReport
     from lightning_gh.hardware import HardwareInfo
     from lightning_gh.kv import GenerationCallback, KVOffloadOptions, OffloadedKVCache
     from lightning_gh.memory import MemoryReport, MemoryReportOptions
-    from lightning_gh.precision import (Float8Options, Float8Precision, FP8UnavailableError, LayerFilter,
-                                        export_bf16_state_dict, keep_causal_sdpa, list_precisions, precision)
+    from lightning_gh.precision import (
+        Float8Options,
+        Float8Precision,
+        FP8UnavailableError,
+        LayerFilter,
+        export_bf16_state_dict,
+        keep_causal_sdpa,
+        list_precisions,
+        precision,
+    )
     from lightning_gh.profiling.nvtx import NVTXRangeCallback
     from lightning_gh.profiling.profiler import SelectiveProfiler
     from lightning_gh.profiling.stall import DataStallDetector
     from lightning_gh.profiling.summary import summarize_trace
     from lightning_gh.superoffload import HeterogeneousAdamW, SuperOffloadOptions, SuperOffloadStrategy
-    from lightning_gh.unified import (ManagedMemoryError, ManagedMemoryOptions, ManagedMemoryUnavailable,
-                                      ManagedOptimizerState, managed_memory)
+    from lightning_gh.unified import (
+        ManagedMemoryError,
+        ManagedMemoryOptions,
+        ManagedMemoryUnavailable,
+        ManagedOptimizerState,
+        managed_memory,
+    )
 
 # public name -> the module that defines it (a module itself where the name is the module)
 _WHERE: dict[str, str] = {

@@ -19,7 +19,6 @@ from typing import Any
 
 import lightning
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.loops.optimization.closure import AbstractClosure

@@ -3,7 +3,7 @@
 ``detect()`` is cheap (no GPU work) and cached per device; it reads the device's properties, which initialises
 CUDA in this process: with Lightning's fork-based launchers (``ddp_notebook``, ``ddp_fork``) call it in the
 workers, not before the Trainer starts them. ``link_bandwidth()`` measures pinned host<->device copy
-bandwidth once per process (a few hundred milliseconds on a GPU) and caches it; offload policies use it
+bandwidth once per process (a few copies of 256 MiB each way) and caches it; offload policies use it
 to decide how much traffic the link can hide under compute.
 
 Example::

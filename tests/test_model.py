@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_gh.demo import PRESETS, Llama, LlamaConfig, LlamaLM, MarkovDataModule, preset
+from lightning_gh.demo import PRESETS, Llama, LlamaLM, MarkovDataModule, preset
 from lightning_gh.demo.model import apply_rotary, rotary_tables
 
 
-def test_presets_match_the_issue():
+def test_presets_have_their_documented_shapes():
     s, m, g = PRESETS["small"], PRESETS["medium"], PRESETS["large"]
     assert (s.dim, s.n_layers, s.n_heads, s.ffn_dim, s.vocab_size, s.batch_size, s.seq_len) == (512, 6, 8, 1408, 8192, 4, 128)
     assert (m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.vocab_size, m.batch_size, m.seq_len) == (2048, 8, 16, 5632, 32000, 4, 2048)
@@ -93,7 +93,7 @@ def test_unknown_preset_lists_the_choices():
 
 
 def test_tiny_learns_in_100_cpu_steps(cpu_trainer_kwargs):
-    """100 optimizer steps on the CPU must lower the loss clearly (the issue's acceptance test)."""
+    """100 optimizer steps on the CPU must lower the loss clearly: the model and the data can be learned."""
     L.seed_everything(0, verbose=False)
     model = LlamaLM.from_preset("tiny", lr=3e-3)
     dm = MarkovDataModule.for_model(model)

@@ -7,10 +7,11 @@ pool refuses to hold more managed memory than the GPU has free (:mod:`lightning_
 
 Importing this package compiles nothing and needs no GPU: the allocator shim is built on first use.
 
-Modules: ``options`` (one frozen options dataclass), ``guard`` (the safety rule and the errors), ``shim`` (the
-C++ allocator, built and cached), ``pool`` (MemPool, ``managed_memory()``), ``advice`` (advise / prefetch
-tensors), ``state`` (optimizer state placement), ``callback`` (the Lightning callback), ``forecast`` (the GH200
-forecast from measured step times; the bandwidth itself is measured by ``hardware.managed_bandwidth``).
+Modules: ``options`` (one frozen options dataclass), ``guard`` (the safety rule and the errors), ``shim`` (loads the
+C++ allocator of ``csrc/managed.cpp``, built at first use by :mod:`lightning_gh._native`), ``pool`` (MemPool,
+``managed_memory()``), ``advice`` (advise / prefetch tensors), ``state`` (optimizer state placement), ``callback``
+(the Lightning callback), ``forecast`` (the GH200 forecast from measured step times; the bandwidth itself is
+measured by ``hardware.managed_bandwidth``).
 """
 
 from lightning_gh.unified.advice import advise, is_managed, locations, prefetch

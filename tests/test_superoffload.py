@@ -18,6 +18,9 @@ from torch import nn
 from lightning_gh import hardware
 from lightning_gh.superoffload import memory as superoffload_memory
 from lightning_gh.superoffload import HeterogeneousAdamW
+from lightning_gh.superoffload import tail_mover
+from lightning_gh.superoffload.layout import HostLayout
+from lightning_gh.superoffload.tail_mover import tail_bytes
 
 STEPS = 24
 CLIP = 0.5
@@ -112,14 +115,14 @@ def train_ours(steps: int = STEPS, clip: float | None = CLIP, model: nn.Module |
             for g in opt.param_groups:
                 g["lr"] = g["initial_lr"] / (1 + 0.3 * step)
         backward_micro_batches(model, opt, step)
-        if force_speculation and opt.speculative and not opt._last_redo:
-            opt._queue.join()
+        if force_speculation and opt.updater.will_speculate:
+            opt.updater.join()
         opt.step()
         opt.zero_grad()
         if sched is not None:
             sched.step()
         if force_speculation:
-            opt.synchronize()  # so `_last_redo` is settled before the next step
+            opt.synchronize()  # so whether the next step speculates is settled
     opt.synchronize()
     return model, opt
 
@@ -146,9 +149,9 @@ def test_matches_torch_adamw_bitwise(speculative, rollback, gpu_fraction):
                             rollback=rollback)
     # two-copy rollback runs only when speculative updates must be undoable, and needs a C compiler
     two_copies = speculative and rollback == "auto" and HAVE_CC
-    assert (opt._kernel is not None) == (rollback == "auto" and HAVE_CC)  # it then makes every CPU update
-    assert opt._two_copies == two_copies
-    assert all((b.alt_master is not None) == two_copies for b in opt._buckets)
+    assert (opt.layout.kernel is not None) == (rollback == "auto" and HAVE_CC)  # it then makes every CPU update
+    assert opt.layout.two_copies == two_copies
+    assert all((b.alt_master is not None) == two_copies for b in opt.layout.buckets)
     assert 0 < clipped < STEPS - 1  # the clip triggered on some steps only
     assert opt.stats["skipped_steps"] == 1  # the injected inf
     assert_same(ref_model, ref_opt, model, opt)
@@ -189,7 +192,7 @@ def test_learning_rate_changed_after_backward_is_applied_exactly():
             if kind == "ours" and step == 0:
                 # let the worker finish its speculative updates before the LR changes (deterministic test);
                 # after that redo the optimizer stops speculating, so later steps wait for step() anyway
-                opt._queue.join()
+                opt.updater.join()
             for g in opt.param_groups:  # after backward: the speculative CPU update used the old value
                 g["lr"] = 1e-2 * (step + 2)
             opt.step()
@@ -290,22 +293,22 @@ def test_bf16_gradients_on_the_host_equal_the_fp32_path(gpu_fraction):
                                     force_speculation=True)
     model, opt = train_ours(model=make_model(torch.bfloat16), rollback="auto", gpu_fraction=gpu_fraction,
                             force_speculation=True)
-    assert opt._kernel is not None and opt._two_copies
-    assert opt._buckets and all(b.grad_buf.tensor.dtype == torch.bfloat16 for b in opt._buckets)
-    assert all(b.grad_buf.tensor.dtype == torch.float32 for b in ref_opt._buckets)
+    assert opt.layout.kernel is not None and opt.layout.two_copies
+    assert opt.layout.buckets and all(b.grad_buf.tensor.dtype == torch.bfloat16 for b in opt.layout.buckets)
+    assert all(b.grad_buf.tensor.dtype == torch.float32 for b in ref_opt.layout.buckets)
     assert opt.stats["rollbacks"] > 0 and opt.stats["skipped_steps"] == 1 and opt.stats["clipped_steps"] > 0
     assert_same(ref_model, ref_opt, model, opt)
     sa, sb = ref_opt.state_dict()["state"], opt.state_dict()["state"]
     assert all(torch.equal(sa[k]["master"], sb[k]["master"]) for k in sa)
     # decided (in-place) updates ran too: not every bucket of every step was speculative
-    assert opt.stats["speculative_buckets"] < (STEPS - 1) * len(opt._buckets)
+    assert opt.stats["speculative_buckets"] < (STEPS - 1) * len(opt.layout.buckets)
     ref_opt.close()
     opt.close()
 
 
 def test_fp32_parameters_keep_fp32_host_gradients():
     model, opt = train_ours(steps=2)
-    assert all(b.grad_buf.tensor.dtype == torch.float32 for b in opt._buckets)
+    assert all(b.grad_buf.tensor.dtype == torch.float32 for b in opt.layout.buckets)
     opt.close()
 
 
@@ -391,8 +394,8 @@ def test_stats_report_where_state_lives():
     # whole parameters from the last-arriving end (the first layers) until at least half is on the "GPU"
     assert 0.5 <= opt.device_numel / n < 1.0
     first = next(model.parameters())
-    assert opt._slot_of[id(first)].residency == "device"
-    assert opt._slot_of[id(list(model.parameters())[-1])].residency == "host"
+    assert opt.layout.slot_of[id(first)].residency == "device"
+    assert opt.layout.slot_of[id(list(model.parameters())[-1])].residency == "host"
     opt.close()
 
 
@@ -404,16 +407,15 @@ def test_moving_buckets_between_host_and_gpu_tail_keeps_the_math():
     opt = HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=CLIP, module=model,
                              bucket_size=600, gpu_fraction=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
-    n_buckets = len(opt._buckets)
+    n_buckets = len(opt.layout.buckets)
     for step in range(14):
         if step == 4:
-            opt._move_bucket_to_device(opt._buckets[-1])
-            opt._move_bucket_to_device(opt._buckets[-1])
-            assert len(opt._buckets) == n_buckets - 2 and opt.device_numel > 0
+            opt.layout.to_device(opt.layout.buckets[-1])
+            opt.layout.to_device(opt.layout.buckets[-1])
+            assert len(opt.layout.buckets) == n_buckets - 2 and opt.device_numel > 0
         if step == 9:
-            device = [opt._slots[i] for i in opt._order if opt._slots[i].residency == "device"]
-            opt._move_slots_to_host(device[: len(device) // 2])
-            assert opt.stats["tail_moves_back"] == 1
+            device = opt.layout.device_slots()
+            opt.layout.to_host(device[: len(device) // 2])
         offload_step(model, opt, sched, step)
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
@@ -423,27 +425,25 @@ def test_auto_tail_growth_is_bounded_by_free_gpu_memory_and_survives_oom(monkeyp
     """The auto tail grows only into free GPU memory minus the headroom, and a move that runs out of memory leaves
     the bucket on the host. The memory query is replaced to simulate a small GPU; the run still equals the
     reference bitwise, so state that stayed, moved or failed to move is intact."""
-    from lightning_gh.superoffload import tail as so
-
     ref_model, ref_opt, _ = train_reference(steps=12)
     model = make_model()
     opt = HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=CLIP, module=model,
                              bucket_size=600)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
-    headroom = so._TAIL_HEADROOM_MIN_BYTES
-    n_buckets = len(opt._buckets)
+    headroom = tail_mover.TAIL_HEADROOM_MIN_BYTES
+    n_buckets = len(opt.layout.buckets)
     for step in range(12):
         if step == 3:  # room for exactly the last bucket beyond the 1 GiB headroom
-            one = opt._tail_bytes(opt._buckets[-1].slots)
+            one = tail_bytes(opt.layout.buckets[-1].slots)
             monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (headroom + one + 1, 2**30))
-            assert opt._grow_tail(float("inf")) == 1
-            assert len(opt._buckets) == n_buckets - 1 and opt.device_numel > 0
+            assert opt.tail.grow(float("inf")) == 1
+            assert len(opt.layout.buckets) == n_buckets - 1 and opt.device_numel > 0
             assert opt.stats["tail_limited"] == 1
-            assert "MiB of GPU memory" in opt.stats["tail_limit_detail"]
-            assert opt._tail_limit.startswith("limited by GPU memory")
+            assert "of GPU memory and only" in opt.stats["tail_limit_detail"]
+            assert opt.tail.limit.startswith("limited by GPU memory")
         if step == 6:  # plenty of memory, but the allocator fails on the second parameter of the bucket
             monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (2**40, 2**41))
-            real, calls = HeterogeneousAdamW._device_state, []
+            real, calls = HostLayout.device_state, []
 
             def flaky(self, s, host_state):
                 calls.append(s.index)
@@ -451,17 +451,17 @@ def test_auto_tail_growth_is_bounded_by_free_gpu_memory_and_survives_oom(monkeyp
                     raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
                 return real(self, s, host_state)
 
-            monkeypatch.setattr(HeterogeneousAdamW, "_device_state", flaky)
+            monkeypatch.setattr(HostLayout, "device_state", flaky)
             before = opt.device_numel
             with warnings.catch_warnings(record=True) as rec:  # the limit is reported by the decision, not warned
                 warnings.simplefilter("always")
-                assert opt._grow_tail(float("inf")) == 0
+                assert opt.tail.grow(float("inf")) == 0
             assert not [w for w in rec if "tail" in str(w.message)]
-            assert len(calls) == 2 and opt.device_numel == before and len(opt._buckets) == n_buckets - 1
-            assert all(opt._slots[i].residency == "host" for i in calls)
-            assert opt.stats["tail_move_failures"] == 1 and opt._tail_blocked
-            monkeypatch.setattr(HeterogeneousAdamW, "_device_state", real)
-            assert opt._grow_tail(float("inf")) == 0  # blocked after an OOM
+            assert len(calls) == 2 and opt.device_numel == before and len(opt.layout.buckets) == n_buckets - 1
+            assert all(opt.layout.slots[i].residency == "host" for i in calls)
+            assert opt.stats["tail_move_failures"] == 1 and opt.tail.blocked
+            monkeypatch.setattr(HostLayout, "device_state", real)
+            assert opt.tail.grow(float("inf")) == 0  # blocked after an OOM
         offload_step(model, opt, sched, step)
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
@@ -473,11 +473,11 @@ def test_auto_tail_respects_max_gpu_fraction():
     opt = HeterogeneousAdamW(model.parameters(), module=model, bucket_size=300, max_gpu_fraction=0.3)
     # off CUDA the memory query answers None: only the cap bounds the growth
     assert superoffload_memory.device_memory_room(torch.device("cpu")) is None
-    moved = opt._grow_tail(float("inf"))
-    assert "max_gpu_fraction=0.3" in opt._tail_limit
+    moved = opt.tail.grow(float("inf"))
+    assert "max_gpu_fraction=0.3" in opt.tail.limit
     assert moved >= 1 and 0 < opt.device_numel <= 0.3 * n
     # the next bucket would have crossed the cap
-    assert opt.device_numel + opt._buckets[-1].numel > 0.3 * n
+    assert opt.device_numel + opt.layout.buckets[-1].numel > 0.3 * n
     opt.close()
 
 
@@ -515,7 +515,6 @@ def test_optimizer_takes_options_or_keywords_not_both():
     b = HeterogeneousAdamW(make_model().parameters(), gpu_fraction=0.5, speculative=False, bucket_size=300,
                            host_memory_check=False)
     assert a.options == b.options == opts
-    assert (a.gpu_fraction, a.speculative, a.bucket_size, a.host_memory_check) == (0.5, False, 300, False)
     a.close(), b.close()
     with pytest.raises(TypeError, match=r"both options= and bucket_size=7"):
         HeterogeneousAdamW(make_model().parameters(), options=opts, bucket_size=7)
@@ -563,21 +562,21 @@ def test_worker_runs_final_updates_in_forward_order():
     first); before it, and across steps or a "finish" task, the queue keeps its order."""
     from types import SimpleNamespace
 
-    from lightning_gh.superoffload.worker import _next_task
+    from lightning_gh.superoffload.worker import next_task
 
     def bucket(*indexes):
         return SimpleNamespace(slots=[SimpleNamespace(index=i) for i in indexes])
 
-    known, unknown = object(), object()
-    opt = SimpleNamespace(_poll_decision=lambda ctx, block: "decision" if ctx is known else None)
+    known = SimpleNamespace(poll=lambda block: "decision")
+    unknown = SimpleNamespace(poll=lambda block: None)
     late, mid, early = bucket(9, 10), bucket(5, 6), bucket(1, 2)  # arrival order: last layer first
     pending = [("bucket", late, known), ("bucket", mid, known), ("bucket", early, known), ("finish", None, known)]
-    assert _next_task(opt, pending) == 2
-    assert _next_task(opt, [("bucket", late, unknown), ("bucket", early, unknown)]) == 0  # speculative: FIFO
-    assert _next_task(opt, [("bucket", late, known), ("finish", None, known), ("bucket", early, known)]) == 0
-    assert _next_task(opt, [("bucket", late, known), ("bucket", early, unknown)]) == 0
-    assert _next_task(opt, [("finish", None, known), ("bucket", early, known)]) == 0
-    assert _next_task(opt, [None]) == 0
+    assert next_task(pending) == 2
+    assert next_task([("bucket", late, unknown), ("bucket", early, unknown)]) == 0  # speculative: FIFO
+    assert next_task([("bucket", late, known), ("finish", None, known), ("bucket", early, known)]) == 0
+    assert next_task([("bucket", late, known), ("bucket", early, unknown)]) == 0
+    assert next_task([("finish", None, known), ("bucket", early, known)]) == 0
+    assert next_task([None]) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -602,7 +601,7 @@ def test_gradient_norms_are_taken_per_bucket_not_per_parameter(monkeypatch, dtyp
     monkeypatch.setattr(torch, "_foreach_norm", counting)
     before = dict(opt.stats["loop_phases_ms"])
     loss_fn(model, x).backward()
-    host_buckets = len(opt._buckets)
+    host_buckets = len(opt.layout.buckets)
     assert host_buckets >= 2 and len(calls) == host_buckets  # one call per complete bucket, during backward
     opt.step()
     assert len(calls) == host_buckets + 1  # the GPU tail's norms, in step()
@@ -620,10 +619,8 @@ def test_tail_update_casts_bf16_gradients_a_chunk_at_a_time(monkeypatch):
     bitwise. On the CPU the tail runs in ``step()`` with the same math."""
     import threading
 
-    from lightning_gh.superoffload import optimizer as so_opt
-
     def run(chunk: int, dtype: torch.dtype = torch.bfloat16):
-        monkeypatch.setattr(so_opt, "TAIL_UPDATE_CHUNK", chunk)
+        monkeypatch.setattr(tail_mover, "TAIL_UPDATE_CHUNK", chunk)
         main, calls = threading.get_ident(), []
         real = torch._fused_adamw_
 
@@ -639,15 +636,15 @@ def test_tail_update_casts_bf16_gradients_a_chunk_at_a_time(monkeypatch):
 
     whole_model, whole_opt, whole_calls = run(1 << 40)
     chunk_model, chunk_opt, chunk_calls = run(1)
-    n_tail = sum(1 for s in chunk_opt._slots if s.residency == "device")
+    n_tail = sum(1 for s in chunk_opt.layout.slots if s.residency == "device")
     assert n_tail >= 2
     # one call per group and step in one piece; one per tail parameter in chunks of one element
     assert max(whole_calls) > 1 and set(chunk_calls) == {1}
     assert len(chunk_calls) == sum(whole_calls)
     assert_same(whole_model, whole_opt, chunk_model, chunk_opt)
     # the per-parameter GPU cost the auto tail budgets: moments 8 B + fp32 master 4 B + the bf16 gradient 2 B
-    slot = next(s for s in chunk_opt._slots if s.residency == "device")
-    assert chunk_opt._tail_bytes([slot]) == 14 * slot.numel
+    slot = next(s for s in chunk_opt.layout.slots if s.residency == "device")
+    assert tail_bytes([slot]) == 14 * slot.numel
     whole_opt.close()
     chunk_opt.close()
     # fp32 weights: nothing is cast, so the tail's update stays one call per group and step whatever the chunk
@@ -660,8 +657,6 @@ def test_tail_budget_holds_back_one_cast_chunk(monkeypatch):
     """Before the first move, the auto tail's memory budget holds back one chunk of fp32 gradient copies for bf16
     weights (none for fp32 weights, whose gradients the update reads as they are); once a tail exists, the measured
     peak of a step holds it and nothing more is held back."""
-    from lightning_gh.superoffload import tail as so
-
     room = (10 * 2**30, 2**40)
     monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: room)
     budgets = {}
@@ -671,17 +666,18 @@ def test_tail_budget_holds_back_one_cast_chunk(monkeypatch):
         loss_fn(model, batches(0)[0]).backward()
         opt.step()
         opt.synchronize()
-        budgets[dtype] = opt._tail_budget()[0]
-        largest = max(s.numel for s in opt._slots)
-        expect = 0 if dtype == torch.float32 else 4 * (so.TAIL_UPDATE_CHUNK + largest)
-        assert opt._cast_chunk_bytes() == expect
+        budgets[dtype] = opt.tail.budget()[0]
+        largest = max(s.numel for s in opt.layout.slots)
+        expect = 0 if dtype == torch.float32 else 4 * (tail_mover.TAIL_UPDATE_CHUNK + largest)
+        assert opt.tail.cast_chunk_bytes() == expect
         opt.close()
-    assert budgets[torch.float32] - budgets[torch.bfloat16] == 4 * (so.TAIL_UPDATE_CHUNK + largest)
+    assert budgets[torch.float32] - budgets[torch.bfloat16] == 4 * (tail_mover.TAIL_UPDATE_CHUNK + largest)
     model = make_model(torch.bfloat16)
     opt = HeterogeneousAdamW(model.parameters(), lr=1e-2, module=model, skip_nonfinite=False, bucket_size=600,
                              gpu_fraction=0.5)
     loss_fn(model, batches(0)[0]).backward()
     opt.step()
     opt.synchronize()
-    assert opt.device_numel > 0 and opt._tail_budget()[0] == budgets[torch.float32]
+    mover = tail_mover.TailMover(opt.layout, None, opt.stats)  # a fixed tail has none of its own
+    assert opt.device_numel > 0 and mover.budget()[0] == budgets[torch.float32]
     opt.close()

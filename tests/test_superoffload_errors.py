@@ -65,11 +65,11 @@ def test_process_group_of_several_ranks_shards_instead_of_refusing(monkeypatch):
     monkeypatch.setattr("lightning_gh.superoffload.optimizer.current_group", zero.current_group)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     opt = HeterogeneousAdamW(model.parameters(), module=model, bucket_size=64 * 64)
-    owned = [b for b in opt._buckets if b.owner == 1]
-    assert owned and len(owned) < len(opt._buckets)  # rank 1 holds state for its share only
+    owned = [b for b in opt.layout.buckets if b.owner == 1]
+    assert owned and len(owned) < len(opt.layout.buckets)  # rank 1 holds state for its share only
     assert opt.host_numel == sum(b.numel for b in owned)
-    assert opt.gpu_fraction == "auto" and opt.stats["tail_decision"] is None  # decided with the other ranks later
-    opt._closed = True  # nothing to synchronize with the (fake) other rank
+    assert opt.options.gpu_fraction == "auto" and opt.stats["tail_decision"] is None  # decided with the other ranks later
+    opt.updater.close()  # nothing to synchronize with the (fake) other rank: no close()
 
 
 def test_unsupported_optimizers_name_the_alternative():

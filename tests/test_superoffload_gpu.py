@@ -112,14 +112,14 @@ def test_gradients_leave_the_gpu_and_buffers_are_pinned():
     opt = HeterogeneousAdamW(model.parameters(), lr=1e-2, module=model, gpu_fraction=0.3, bucket_size=40_000)
     before = [p.detach().clone() for p in model.parameters()]  # the worker may update during backward
     loss_fn(model, batch(1, 0)).backward()
-    host = [p for p in model.parameters() if opt._slot_of[id(p)].residency == "host"]
-    tail = [p for p in model.parameters() if opt._slot_of[id(p)].residency == "device"]
+    host = [p for p in model.parameters() if opt.layout.slot_of[id(p)].residency == "host"]
+    tail = [p for p in model.parameters() if opt.layout.slot_of[id(p)].residency == "device"]
     assert host and tail
     assert all(p.grad is None for p in host) and all(p.grad is not None for p in tail)
     opt.step()
     opt.synchronize()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert all(b.master_buf.pinned and b.grad_buf.pinned for b in opt._buckets)
+    assert all(b.master_buf.pinned and b.grad_buf.pinned for b in opt.layout.buckets)
     opt.close()
 
 

@@ -1,41 +1,132 @@
-"""The automatic GPU tail's decisions (``gpu_fraction="auto"``), driven by hand with simulated measurements.
+"""The automatic GPU tail (``gpu_fraction="auto"``): the pure policy as a table of (measurements -> action), and
+the mover that applies it, through its public interface (``optimizer.tail``), on the CPU.
 
-On CUDA ``HeterogeneousAdamW`` calls ``_auto_tail`` after every step with the measured step period, the time the
-next forward waited for the CPU (stall) and the allocator's retry count. Here the measurements are written into the
-optimizer and the policy is called directly, on the CPU (its "GPU" tail then lives on the CPU: the same code
-paths, the same state moves). The training math after the moves is checked bitwise against the reference in
-``test_superoffload.py``. No timings are asserted: the periods are made up.
+See Note [Tail growth trial] in ``lightning_gh/superoffload/tail.py``. On the CPU the "GPU" tail lives on the CPU:
+the same code paths, the same state moves; the training math after the moves is checked bitwise against the
+reference of ``test_superoffload.py``. No timings are asserted: the periods are made up.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 import pytest
 import torch
 
-from lightning_gh.superoffload import HeterogeneousAdamW
+from lightning_gh.superoffload import HeterogeneousAdamW, memory, tail_mover
 from lightning_gh.superoffload import tail as tail_mod
+from lightning_gh.superoffload.tail import (
+    StepTimes,
+    TailAction,
+    TailActionKind,
+    TailStage,
+    TailWindow,
+    Trial,
+    decide,
+)
 
 from test_superoffload import CLIP, assert_same, groups, make_model, offload_step, train_reference
 
+K = TailActionKind
 
-def _auto_opt(model: torch.nn.Module) -> HeterogeneousAdamW:
+
+def W(**kw) -> TailWindow:
+    """A window of three 100 ms steps without stall, 4 steps after the layout, 1000 host parameters (30 ms)."""
+    base = dict(steps=4, periods=(100.0,) * 3, stalls=(0.0,) * 3, cpu_ms=30.0, host_numel=1000)
+    if "period" in kw:
+        base["periods"] = (kw.pop("period"),) * 3
+    if "stall" in kw:
+        base["stalls"] = (kw.pop("stall"),) * 3
+    base.update(kw)
+    return TailWindow(**base)
+
+
+def T(period=100.0, on_stall=True, retries=0) -> Trial:
+    return Trial(period=period, retries=retries, slots=(3, 4), numel=500, on_stall=on_stall)
+
+
+# (window, expected action): the whole policy, one row per rule
+TABLE = [
+    ("too early", W(steps=3, stall=50.0), TailAction(K.KEEP)),
+    ("too few steps measured", W(periods=(100.0, 100.0), stalls=(50.0, 50.0)), TailAction(K.KEEP)),
+    ("no stall: no tail", W(), TailAction(K.FINAL, why="the CPU update hides under forward+backward")),
+    ("a stall grows the tail by 85% of it", W(stall=8.0), TailAction(K.GROW, need_ms=0.85 * 8.0, on_stall=True)),
+    ("a stall under 3% of the period is none", W(stall=2.0),
+     TailAction(K.FINAL, why="the CPU update hides under forward+backward")),
+    ("everything fits: one all-in trial", W(all_fits=True), TailAction(K.GROW, need_ms=math.inf)),
+    ("the all-in trial only once", W(all_fits=True, all_in_tried=True),
+     TailAction(K.FINAL, why="the CPU update hides under forward+backward")),
+    ("a stall trial 1% slower is noise: kept, grows on",
+     W(period=101.0, stall=8.0, trial=T(100.0), device_numel=500),
+     TailAction(K.GROW, need_ms=0.85 * 8.0, on_stall=True, judged_trial=True)),
+    ("a stall trial 3.5% slower is undone", W(period=104.5, stall=8.0, trial=T(101.0), device_numel=500),
+     TailAction(K.UNDO, judged_trial=True, why="growing it by 500 parameters was undone: the step took 104 ms "
+                                               "instead of 101 ms; the tail stops there")),
+    ("one slow step in the window does not undo", W(periods=(80.0, 130.0, 80.0), trial=T(), device_numel=500,
+                                                    host_numel=0),
+     TailAction(K.FINAL, judged_trial=True,
+                why="all of the state fits on the GPU and the step was faster with it there")),
+    ("two slow steps do", W(periods=(130.0, 80.0, 130.0), trial=T(), device_numel=500),
+     TailAction(K.UNDO, judged_trial=True, why="growing it by 500 parameters was undone: the step took 130 ms "
+                                               "instead of 100 ms; the tail stops there")),
+    ("allocator retries undo a faster trial", W(period=60.0, stall=10.0, retries=3, trial=T(), device_numel=500),
+     TailAction(K.UNDO, judged_trial=True, why="growing it by 500 parameters was undone: the allocator had to "
+                                               "free its cache 3 time(s); the tail stops there")),
+    ("a probe must buy 2%", W(period=99.0, trial=T(on_stall=False), device_numel=500),
+     TailAction(K.UNDO, judged_trial=True, why="growing it by 500 parameters was undone: the step took 99 ms "
+                                               "instead of 100 ms; the tail stops there")),
+    ("a kept trial with no stall left probes a quarter of the CPU work", W(period=70.0, trial=T(), device_numel=500),
+     TailAction(K.GROW, need_ms=0.25 * 30.0, judged_trial=True)),
+    ("no probe without a tail", W(gained=True), TailAction(K.FINAL, why="the CPU update hides under "
+                                                                        "forward+backward")),
+    ("blocked: no growth", W(stall=50.0, blocked=True, device_numel=500),
+     TailAction(K.FINAL, why="the forward no longer waits for the CPU")),
+    ("settled after the last check", W(steps=37, stall=50.0), TailAction(K.FINAL, why="settled")),
+    ("long slack gives half of it back", W(slacks=(20.0, 30.0), device_numel=500),
+     TailAction(K.SHRINK, numel=int(0.5 * 20.0 * 1000 / 30.0))),
+    ("slack without CPU time measured: wait", W(slacks=(20.0, 30.0), device_numel=500, cpu_ms=0.0),
+     TailAction(K.KEEP)),
+    ("short slack: final", W(slacks=(5.0, 30.0), device_numel=500),
+     TailAction(K.FINAL, why="the forward no longer waits for the CPU")),
+    ("final: a retry with a tail sends it home", W(stage=TailStage.FINAL, device_numel=500, retries=2,
+                                                   retries_seen=1),
+     TailAction(K.SEND_HOME, why="the caching allocator had to free its cache 1 time(s) with 500 parameters in "
+                                 "the GPU tail")),
+    ("final: no new retry", W(stage=TailStage.FINAL, device_numel=500, retries=1, retries_seen=1),
+     TailAction(K.KEEP)),
+    ("final: no tail, nothing to send", W(stage=TailStage.FINAL, retries=5), TailAction(K.KEEP)),
+    ("sent home: once", W(stage=TailStage.SENT_HOME, device_numel=500, retries=9), TailAction(K.KEEP)),
+]
+
+
+@pytest.mark.parametrize("window,expected", [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
+def test_policy_table(window, expected):
+    assert decide(window) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mover, through the optimizer's public `tail`
+
+
+def _auto_opt(model: torch.nn.Module, **kw) -> HeterogeneousAdamW:
     return HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=CLIP, module=model,
-                              bucket_size=600, gpu_fraction="auto")
+                              bucket_size=600, gpu_fraction="auto", **kw)
 
 
-def _measure(opt: HeterogeneousAdamW, period: float | list[float], stall: float, k: int) -> None:
-    """Pretend a window of steps was measured with this period (or these periods) and stall, ``k`` pipelined steps
-    after the layout."""
-    opt._step_id = opt._layout_step + k
-    periods = period if isinstance(period, list) else [period] * tail_mod._WINDOW
-    opt._periods[:] = periods
-    opt._stalls[:] = [stall] * len(periods)
-    opt._slack[:] = [None, None]
-    for b in opt._buckets:
+def _times(period: float | list[float], stall: float) -> StepTimes:
+    periods = period if isinstance(period, list) else [period] * tail_mod.WINDOW
+    return StepTimes(periods=list(periods), stalls=[stall] * len(periods), slacks=[None, None])
+
+
+def _after(opt: HeterogeneousAdamW, period, stall: float, k: int) -> tuple[TailAction, StepTimes]:
+    """The mover's turn after a step measured with this period (or these periods) and stall, ``k`` pipelined steps
+    after the layout; each host bucket took 10 ms of CPU time."""
+    for b in opt.layout.buckets:
         b.cpu_ms = b.cpu_ms or 10.0
+    times = _times(period, stall)
+    return opt.tail.step(times, k, opt.synchronize), times
 
 
 @pytest.fixture
@@ -48,168 +139,88 @@ def _decision_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "SuperOffload auto GPU tail" in r.getMessage()]
 
 
-def test_no_stall_means_no_tail_and_one_log_line(info_log):
+def test_a_final_decision_is_one_log_line_and_later_windows_change_nothing(info_log):
     opt = _auto_opt(make_model())
-    _measure(opt, period=100.0, stall=0.0, k=4)
-    opt._auto_tail()
-    assert opt.device_numel == 0 and opt._tail_final
+    action, _ = _after(opt, 100.0, 0.0, k=4)
+    assert action.kind is K.FINAL and opt.tail.final and opt.device_numel == 0
     lines = _decision_lines(info_log)
     assert len(lines) == 1 and "0 of" in lines[0] and "hides under forward+backward" in lines[0]
     assert opt.stats["tail_decision"] == lines[0]
-    _measure(opt, period=100.0, stall=50.0, k=5)  # final: later measurements change nothing
-    opt._auto_tail()
+    _after(opt, 100.0, 50.0, k=5)
     assert opt.device_numel == 0 and len(_decision_lines(info_log)) == 1
     opt.close()
 
 
-def test_a_stall_growth_is_kept_unless_measurably_slower(info_log):
-    """A growth the forward's wait asked for stays unless the step got more than 3% slower: on the H200 machine a
-    2%-gain rule undid growths that paid on noise."""
+def test_a_grown_trial_then_its_undo_move_exactly_the_trial(info_log):
     opt = _auto_opt(make_model())
     total = opt.host_numel
-    _measure(opt, period=100.0, stall=8.0, k=4)  # a stall worth less than one bucket's CPU time (10 ms each)
-    opt._auto_tail()
+    action, times = _after(opt, 100.0, 8.0, k=4)  # a stall worth less than one bucket's CPU time (10 ms each)
     first = opt.device_numel
-    assert 0 < first < total and opt._tail_trial["on_stall"] and not opt._tail_final
-    assert opt._last_step_t is None  # the step after a move is not measured
-    _measure(opt, period=101.0, stall=8.0, k=8)  # 1% slower: noise; kept, and the stall asks for more
-    opt._auto_tail()
-    assert opt.device_numel > first and not opt._tail_final and not _decision_lines(info_log)
-    _measure(opt, period=104.5, stall=8.0, k=12)  # 3.5% slower than the 101 ms before this growth: undone
-    opt._auto_tail()
-    assert opt.device_numel == first and opt._tail_final and opt.host_numel == total - first
+    assert action.kind is K.GROW and 0 < first < total and opt.tail.trial.on_stall and not opt.tail.final
+    assert times.last_step_t is None and not times.periods  # the step after a move is not measured
+    _after(opt, 101.0, 8.0, k=8)  # 1% slower: noise; kept, and the stall asks for more
+    assert opt.device_numel > first and not opt.tail.final and not _decision_lines(info_log)
+    action, _ = _after(opt, 104.5, 8.0, k=12)  # 3.5% slower than the 101 ms before this growth: undone
+    assert action.kind is K.UNDO and opt.device_numel == first and opt.host_numel == total - first
+    assert opt.tail.final and opt.stats["tail_moves_back"] == 1
     lines = _decision_lines(info_log)
     assert len(lines) == 1 and "was undone: the step took 104 ms instead of 101 ms" in lines[0]
     opt.close()
 
 
-@pytest.mark.parametrize("window,kept", [([80.0, 130.0, 80.0], True), ([130.0, 80.0, 130.0], False)])
-def test_one_slow_step_does_not_undo_a_growth_that_paid(info_log, window, kept):
-    """The policy reads the median of a window: one slow step (a spike the H200 machine shows every few steps) in
-    the window after a growth does not undo it (the mean of the last two would say 105 ms); two slow steps do."""
-    opt = _auto_opt(make_model())
-    total = opt.host_numel
-    _measure(opt, period=100.0, stall=40.0, k=4)
-    opt._auto_tail()
-    assert opt.device_numel > 0 and opt._tail_trial is not None
-    _measure(opt, period=window, stall=0.0, k=8)
-    opt._auto_tail()
-    line = _decision_lines(info_log)[0]
-    if kept:
-        assert opt.device_numel == total and "the step was faster with it there" in line
-    else:
-        assert opt.device_numel == 0 and "was undone: the step took 130 ms instead of 100 ms" in line
-    opt.close()
-
-
-def test_a_trial_growth_that_makes_the_allocator_retry_is_undone(monkeypatch, info_log):
-    opt = _auto_opt(make_model())
+def test_allocator_retries_undo_a_trial_and_later_send_the_tail_home(monkeypatch, info_log):
     retries = [0]
     monkeypatch.setattr(tail_mod, "allocator_retries", lambda device: retries[0])
-    _measure(opt, period=100.0, stall=40.0, k=4)
-    opt._auto_tail()
-    assert opt.device_numel > 0
-    retries[0] = 3  # the tail took memory the activations needed: the allocator freed its cache 3 times
-    _measure(opt, period=60.0, stall=10.0, k=6)  # faster, but thrashing: undone all the same
-    opt._auto_tail()
-    assert opt.device_numel == 0 and opt._tail_final
-    assert "the allocator had to free its cache 3 time(s)" in _decision_lines(info_log)[0]
-    opt.close()
-
-
-def test_a_faster_trial_is_kept_then_probed_and_the_decision_says_why(info_log):
     opt = _auto_opt(make_model())
-    _measure(opt, period=100.0, stall=10.0, k=4)
-    opt._auto_tail()
-    kept = opt.device_numel
-    _measure(opt, period=70.0, stall=0.0, k=6)  # faster and no more host-side wait: keep it, probe further
-    opt._auto_tail()
-    assert opt.device_numel > kept and not opt._tail_final and opt._tail_trial is not None
-    _measure(opt, period=69.9, stall=0.0, k=9)  # the probe did not pay: undone, and the decision is final
-    opt._auto_tail()
-    assert opt.device_numel == kept > 0 and opt._tail_final
-    line = _decision_lines(info_log)[0]
-    assert f"{kept:,} of" in line and "was undone: the step took 70 ms instead of 70 ms" in line
+    _after(opt, 100.0, 10.0, k=4)
+    _after(opt, 70.0, 0.0, k=6)  # kept; probes further
+    kept = opt.device_numel - opt.tail.trial.numel
+    retries[0] = 3  # the probe took memory the activations needed
+    action, _ = _after(opt, 60.0, 0.0, k=9)
+    assert action.kind is K.UNDO and opt.device_numel == kept > 0 and opt.tail.final
+    assert "the allocator had to free its cache 3 time(s)" in _decision_lines(info_log)[0]
+    retries[0] = 4  # a later, longer batch: the allocator has to free its cache again
+    with pytest.warns(UserWarning, match="tail went back to the host"):
+        _after(opt, 60.0, 0.0, k=10)
+    assert opt.device_numel == 0 and opt.tail.blocked and opt.tail.stage is TailStage.SENT_HOME
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        retries[0] = 5
+        _after(opt, 60.0, 0.0, k=11)  # once
     opt.close()
 
 
 def test_growth_limited_by_memory_is_final_and_says_so(monkeypatch, info_log):
-    from lightning_gh.superoffload import memory
-
+    monkeypatch.setattr(memory, "device_memory_room", lambda dev: (tail_mover.TAIL_HEADROOM_MIN_BYTES, 2**30))
     opt = _auto_opt(make_model())
-    monkeypatch.setattr(memory, "device_memory_room", lambda dev: (tail_mod._TAIL_HEADROOM_MIN_BYTES, 2**30))
-    _measure(opt, period=100.0, stall=40.0, k=4)
-    opt._auto_tail()
-    assert opt.device_numel == 0 and opt._tail_final
+    _after(opt, 100.0, 40.0, k=4)
+    assert opt.device_numel == 0 and opt.tail.final
     assert "limited by GPU memory" in _decision_lines(info_log)[0]
     opt.close()
 
 
-def test_allocator_retries_after_the_decision_send_the_tail_home(monkeypatch, info_log):
-    opt = _auto_opt(make_model())
-    retries = [0]
-    monkeypatch.setattr(tail_mod, "allocator_retries", lambda device: retries[0])
-    _measure(opt, period=100.0, stall=10.0, k=4)
-    opt._auto_tail()
-    _measure(opt, period=70.0, stall=0.0, k=6)  # kept; probes further
-    opt._auto_tail()
-    _measure(opt, period=70.0, stall=0.0, k=9)  # the probe is undone: final, with the first growth
-    opt._auto_tail()
-    assert opt._tail_final and opt.device_numel > 0
-    retries[0] = 1  # a later, longer batch: the allocator now has to free its cache
-    with pytest.warns(UserWarning, match="tail went back to the host"):
-        opt._auto_tail()
-    assert opt.device_numel == 0 and opt._tail_blocked
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        retries[0] = 2
-        opt._auto_tail()  # once
-    opt.close()
-
-
-def _roomy_gpu(monkeypatch) -> None:
-    from lightning_gh.superoffload import memory
-
+@pytest.mark.parametrize("period,kept", [(80.0, True), (99.0, False)])
+def test_the_all_in_trial_is_kept_only_when_faster(monkeypatch, info_log, period, kept):
     monkeypatch.setattr(memory, "device_memory_room", lambda dev: (64 * 2**30, 80 * 2**30))
-
-
-def test_when_everything_fits_one_trial_moves_it_all_and_keeps_it_if_faster(monkeypatch, info_log):
-    _roomy_gpu(monkeypatch)
     opt = _auto_opt(make_model())
     total = opt.host_numel
-    _measure(opt, period=100.0, stall=0.0, k=4)  # no stall: the old policy would stop here with no tail
-    opt._auto_tail()
-    assert opt.host_numel == 0 and opt.device_numel == total and opt._tail_trial is not None
-    _measure(opt, period=80.0, stall=0.0, k=6)
-    opt._auto_tail()
-    assert opt._tail_final and opt.host_numel == 0
+    action, _ = _after(opt, 100.0, 0.0, k=4)  # no stall, but everything fits: one trial moves it all
+    assert action == TailAction(K.GROW, need_ms=math.inf) and opt.host_numel == 0 and opt.device_numel == total
+    _after(opt, period, 0.0, k=6)
     line = _decision_lines(info_log)[0]
-    assert f"{total:,} of {total:,}" in line and "fits on the GPU and the step was faster" in line
+    assert opt.tail.final
+    if kept:
+        assert opt.host_numel == 0 and f"{total:,} of {total:,}" in line and "step was faster" in line
+    else:
+        assert opt.device_numel == 0 and opt.host_numel == total and "the step took 99 ms instead of 100" in line
     opt.close()
 
 
-def test_moving_everything_that_is_not_faster_is_undone_once(monkeypatch, info_log):
-    _roomy_gpu(monkeypatch)
-    opt = _auto_opt(make_model())
-    total = opt.host_numel
-    _measure(opt, period=100.0, stall=0.0, k=4)
-    opt._auto_tail()
-    assert opt.device_numel == total
-    _measure(opt, period=99.0, stall=0.0, k=6)  # 1% faster: below the 2% a growth must buy
-    opt._auto_tail()
-    assert opt._tail_final and opt.device_numel == 0 and opt.host_numel == total
-    assert "was undone: the step took 99 ms instead of 100 ms" in _decision_lines(info_log)[0]
-    opt.close()
-
-
-def test_moving_everything_respects_max_gpu_fraction(monkeypatch, info_log):
-    _roomy_gpu(monkeypatch)
-    model = make_model()
-    opt = HeterogeneousAdamW(groups(model), lr=1e-2, max_grad_norm=CLIP, module=model, bucket_size=600,
-                             gpu_fraction="auto", max_gpu_fraction=0.5)
-    _measure(opt, period=100.0, stall=0.0, k=4)
-    opt._auto_tail()
-    assert opt.device_numel == 0 and opt._tail_final  # no all-in trial; no stall, so no tail
+def test_max_gpu_fraction_forbids_the_all_in_trial(monkeypatch):
+    monkeypatch.setattr(memory, "device_memory_room", lambda dev: (64 * 2**30, 80 * 2**30))
+    opt = _auto_opt(make_model(), max_gpu_fraction=0.5)
+    _after(opt, 100.0, 0.0, k=4)
+    assert opt.device_numel == 0 and opt.tail.final  # no all-in trial; no stall, so no tail
     opt.close()
 
 
@@ -218,7 +229,7 @@ def test_trial_moves_keep_the_math_bitwise(monkeypatch, all_in):
     """Mid-run moves - a growth then its undo, or everything moved to the "GPU" tail (here: the CPU) and kept -
     leave parameters and moments equal to clip_grad_norm_ + AdamW(fused)."""
     if all_in:
-        _roomy_gpu(monkeypatch)
+        monkeypatch.setattr(memory, "device_memory_room", lambda dev: (64 * 2**30, 80 * 2**30))
     ref_model, ref_opt, _ = train_reference(steps=12)
     model = make_model()
     opt = _auto_opt(model)
@@ -226,12 +237,10 @@ def test_trial_moves_keep_the_math_bitwise(monkeypatch, all_in):
     stall = 0.0 if all_in else 40.0
     for step in range(12):
         if step == 3:
-            _measure(opt, period=100.0, stall=stall, k=4)
-            opt._auto_tail()
+            _after(opt, 100.0, stall, k=4)
             assert opt.device_numel > 0 and (opt.host_numel == 0 or not all_in)
         if step == 5:
-            _measure(opt, period=70.0 if all_in else 110.0, stall=stall, k=6)  # all-in: faster, kept; else undone
-            opt._auto_tail()
+            _after(opt, 70.0 if all_in else 110.0, stall, k=6)  # all-in: faster, kept; else undone
             assert opt.host_numel == 0 if all_in else opt.device_numel == 0
         offload_step(model, opt, sched, step)
     assert_same(ref_model, ref_opt, model, opt)

@@ -133,7 +133,7 @@ def _worker(rank: int, tmp: str, gpu_fraction: float) -> None:
         out["params"] = [p.detach().clone() for p in model.parameters()]
         out["stats"] = dict(opt.stats)
         out["host_numel"] = opt.host_numel
-        out["owners"] = sorted({b.owner for b in opt._buckets})
+        out["owners"] = sorted({b.owner for b in opt.layout.buckets})
         opt.close()
 
         # Resume on 2 ranks from the state saved at step 10 (unsharded), and run the last 10 steps again.

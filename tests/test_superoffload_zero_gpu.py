@@ -63,8 +63,8 @@ def _rank(rank: int, tmp: str, gpu_fraction: float) -> None:
         opt.synchronize()
         torch.cuda.synchronize()
         torch.save({"params": [p.detach().cpu() for p in model.parameters()], "stats": dict(opt.stats),
-                    "state": state, "owners": sorted({b.owner for b in opt._buckets}),
-                    "tail": [s.index for s in opt._slots if s.residency == "device"]},
+                    "state": state, "owners": sorted({b.owner for b in opt.layout.buckets}),
+                    "tail": [s.index for s in opt.layout.slots if s.residency == "device"]},
                    f"{tmp}/rank{rank}-{gpu_fraction}.pt")
         opt.close()
     finally:

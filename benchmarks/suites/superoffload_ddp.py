@@ -160,7 +160,7 @@ def _rank_main(args: dict[str, Any]) -> None:
             opt = trainer.optimizers[0]
             if isinstance(opt, HeterogeneousAdamW):
                 record["so_host_params"] = opt.host_numel
-                record["so_host_bytes"] = opt.host_numel * memory.host_bytes_per_param(opt._backup_needed())
+                record["so_host_bytes"] = None if opt.layout.plan is None else opt.layout.plan.needed_bytes
                 record["so_cpu_threads"] = opt.cpu_threads
                 record["so_stats"] = {k: v for k, v in opt.stats.items() if isinstance(v, (int, float, str))}
             if cuda:

@@ -4,12 +4,19 @@ backward pass still runs, and a Lightning strategy (``Trainer(strategy="superoff
 Modules, one idea each:
 
 * :mod:`.options`: :class:`SuperOffloadOptions`, the frozen, validated options the optimizer and the strategy share;
-* :mod:`.memory`: how much host memory the state needs (:class:`HostMemoryPlan`, :func:`check_host_memory`);
-* :mod:`.layout`: parameters -> slots and host buckets with flat page-locked buffers;
-* :mod:`.tail`: the GPU-tail policy (``gpu_fraction="auto"``) and moving state between host and GPU;
-* :mod:`.worker`: the CPU worker thread (fused CPU AdamW, speculation, exact rollback, copies back);
-* :mod:`.zero`: the state sharded over ranks (ZeRO-1/2): partition, gradient reduce, norm sum, weight broadcast;
-* :mod:`.optimizer`: :class:`HeterogeneousAdamW` (hooks, ``step()``, state dict) built from the parts above;
+* :mod:`.memory`: how much host memory the state needs, and the plan that fits it (:class:`HostMemoryPlan`,
+  :func:`check_host_memory`);
+* :mod:`.layout`: :class:`~.layout.HostLayout`, parameters -> slots and host buckets with flat page-locked buffers;
+* :mod:`.step`: the per-step records (:class:`~.step.StepCtx`, the decision, the gradient norms);
+* :mod:`.worker`: :class:`~.worker.CpuUpdater`, the CPU thread (fused CPU AdamW, speculation, exact rollback, copies
+  back);
+* :mod:`.tail`: the auto GPU tail's pure policy (``decide(TailWindow) -> TailAction``); :mod:`.tail_mover` applies it
+  and updates the GPU tail;
+* :mod:`.zero`: :class:`~.zero.RankShard`, the state sharded over ranks (ZeRO-1/2): partition, gradient reduce,
+  norm sum, weight broadcast;
+* :mod:`.state`: what the optimizer accepts, and its state dict in ``torch.optim.AdamW``'s format;
+* :mod:`.optimizer`: :class:`HeterogeneousAdamW`, the ``torch.optim.Optimizer`` facade (param groups, hooks,
+  ``step()``, state dict) over the parts above;
 * :mod:`.strategy`: :class:`SuperOffloadStrategy`, registered as ``"superoffload"`` on import.
 
 Example::

@@ -3,10 +3,10 @@
 A :class:`Slot` is one parameter; a :class:`Bucket` is a run of host-resident slots, consecutive in
 gradient-arrival order, whose fp32 master weights and gradients sit in two flat page-locked
 :class:`~lightning_gh._host.HostBuffer` s and whose moments sit in one flat host tensor: the unit of copy and
-CPU work. Slots not in a bucket form the GPU tail (their state on the GPU, see :mod:`.tail`).
+CPU work. Slots not in a bucket form the GPU tail (their state on the GPU, see :mod:`.tail_mover`).
 
-:class:`LayoutMixin` is the part of :class:`~lightning_gh.superoffload.HeterogeneousAdamW` that builds this
-layout and writes loaded state into it.
+:class:`HostLayout` owns the slots and buckets: it lays them out once (:meth:`HostLayout.build`), moves a
+parameter's state between a bucket and the GPU tail, and writes loaded state into them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from lightning_gh.superoffload import memory
 from lightning_gh.superoffload.memory import HostBuffer
 
-__all__ = ["Bucket", "LayoutMixin", "Slot", "chunk_by_size"]
+__all__ = ["Bucket", "HostLayout", "Slot", "chunk_by_size"]
 
 
 @dataclass
@@ -111,71 +111,130 @@ def chunk_by_size(slots: list[Slot], bucket_size: int) -> list[list[Slot]]:
 
 
 
-class LayoutMixin:
-    """Builds the slots' layout (host buckets and GPU-tail state) and writes loaded state into it."""
+class HostLayout:
+    """The slots (one per parameter), their order, the host buckets and the state of the GPU tail.
 
-    # Provided by HeterogeneousAdamW.
-    _slots: list[Slot]
-    _buckets: list[Bucket]
-    _pending_state: dict[int, dict[str, torch.Tensor]]
-    _cuda: bool
-    _rg: Any  # .zero.RankGroup, or None on one rank
+    Built once, from the order gradients arrive in (:meth:`build`); afterwards the tail mover moves whole buckets
+    to the GPU tail (:meth:`to_device`) and runs of tail slots back into new buckets (:meth:`to_host`). Every
+    change of a bucket's buffers happens under :attr:`lock`, which the CPU worker takes while it copies state.
 
-    def _build_layout(self, arrival: list[int]) -> None:
+    Args:
+        device: the parameters' device.
+        rank: this process's rank when the state is sharded over ranks (a bucket is this rank's when its
+            ``owner`` equals it), else 0.
+    """
+
+    def __init__(self, device: torch.device, rank: int = 0) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.rank = rank
+        self.slots: list[Slot] = []
+        self.slot_of: dict[int, Slot] = {}  # id(param) -> slot
+        self.buckets: list[Bucket] = []
+        self.order: list[int] = []  # slot indices in the order gradients arrive (the first-arriving first)
+        self.built = False
+        self.built_at = 0  # the optimizer step that built the layout
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}  # loaded state for slots not laid out yet
+        self.lock = threading.Lock()
+        self.kernel: Any = None  # .cpu_adamw.AdamWKernel, when every CPU update runs our kernel
+        self.two_copies = False  # host buckets keep two copies of their state (see Note [Speculative update ...])
+        self.plan: memory.HostMemoryPlan | None = None
+        self.bucket_size = 1
+
+    # ------------------------------------------------------------------ slots
+    def add_slot(self, p: torch.Tensor, group: int) -> Slot:
+        slot = Slot(index=len(self.slots), param=p, group=group, numel=p.numel())
+        self.slots.append(slot)
+        self.slot_of[id(p)] = slot
+        return slot
+
+    def trainable_numel(self) -> int:
+        return sum(s.numel for s in self.slots if s.param.requires_grad)
+
+    def owns(self, b: Bucket) -> bool:
+        """Whether this rank holds bucket ``b``'s state."""
+        return b.owner == self.rank
+
+    def host_numel(self) -> int:
+        return sum(b.numel for b in self.buckets if self.owns(b))
+
+    def device_numel(self) -> int:
+        return sum(s.numel for s in self.slots if s.residency == "device" and s.step is not None)
+
+    def device_slots(self) -> list[Slot]:
+        """The GPU tail's slots, in gradient-arrival order."""
+        return [self.slots[i] for i in self.order if self.slots[i].residency == "device"]
+
+    # ------------------------------------------------------------------ build
+    def build(self, arrival: list[int], *, device_share: float, bucket_size: int, kernel: Any,
+              backup_needed: bool, memory_check: bool, step_id: int, shard: Any = None) -> None:
+        """Lay the slots out: the last-arriving ``device_share`` of the parameters (by count) on the GPU tail, the
+        rest in host buckets of about ``bucket_size`` parameters, consecutive in arrival order.
+
+        Args:
+            arrival: slot indices in the order their gradients arrived (or are expected to).
+            device_share: share of the parameters whose state starts on the GPU.
+            bucket_size: see :class:`~lightning_gh.superoffload.SuperOffloadOptions`.
+            kernel: our CPU AdamW kernel, or ``None`` (torch's fused CPU AdamW, copy rollback).
+            backup_needed: speculative updates must be undoable (a step may be clipped or skipped).
+            memory_check: refuse when host RAM cannot hold the state.
+            step_id: the optimizer step this happens in.
+            shard: the :class:`~lightning_gh.superoffload.zero.RankShard` of a run over several ranks, or ``None``.
+        """
         seen: set[int] = set()
-        if self._rg is not None:  # every rank must lay out the same buckets: the parameter order, not arrival
-            arrival = [s.index for s in reversed(self._slots) if s.param.requires_grad]
+        if shard is not None:  # every rank must lay out the same buckets: the parameter order, not arrival
+            arrival = [s.index for s in reversed(self.slots) if s.param.requires_grad]
         order = [i for i in arrival if not (i in seen or seen.add(i))]
-        order += [s.index for s in reversed(self._slots) if s.param.requires_grad and s.index not in seen]
-        total = sum(self._slots[i].numel for i in order)
-        frac = 0.0 if self.gpu_fraction == "auto" else float(self.gpu_fraction)
-        device_target = int(math.ceil(frac * total))
+        order += [s.index for s in reversed(self.slots) if s.param.requires_grad and s.index not in seen]
+        total = sum(self.slots[i].numel for i in order)
+        device_target = int(math.ceil(device_share * total))
         device_idx: set[int] = set()
         acc = 0
         for i in reversed(order):  # the last-arriving gradients form the tail
             if acc >= device_target:
                 break
             device_idx.add(i)
-            acc += self._slots[i].numel
-        self._order = order
-        host_slots = [self._slots[i] for i in order if i not in device_idx]
-        if self._rg is None:
-            chunks = [(c, 0) for c in chunk_by_size(host_slots, self.bucket_size)]
+            acc += self.slots[i].numel
+        self.order = order
+        self.bucket_size = bucket_size
+        host_slots = [self.slots[i] for i in order if i not in device_idx]
+        if shard is None:
+            chunks = [(c, 0) for c in chunk_by_size(host_slots, bucket_size)]
         else:
-            chunks = self._shard_buckets(host_slots, chunk_by_size)
-        owned_numel = sum(sum(s.numel for s in c) for c, r in chunks if self._rg is None or r == self._rg.rank)
-        if self.host_memory_check:
-            self._plan = memory.check_host_memory(owned_numel, self._backup_needed(),
-                                                  local_ranks=None if self._rg is None else self._rg.local_size)
-        if self._cuda:
-            self._copy_stream = torch.cuda.Stream(self.device)
-            self._h2d_stream = torch.cuda.Stream(self.device)
-        self._kernel = self._update_kernel()
-        self._two_copies = self._kernel is not None and self._backup_needed()
-        if self._rg is not None:
-            self._alloc_block(owned_numel, alt=self._two_copies)
+            chunks = shard.cut(host_slots, bucket_size)
+        owned_numel = sum(sum(s.numel for s in c) for c, r in chunks if r == self.rank)
+        if memory_check:
+            self.plan = memory.check_host_memory(owned_numel, backup_needed,
+                                                 local_ranks=None if shard is None else shard.group.local_size)
+        self.kernel = kernel
+        self.two_copies = kernel is not None and backup_needed
+        if shard is not None:
+            shard.alloc_block(owned_numel, alt=self.two_copies)
         for chunk, owner in chunks:
-            self._new_bucket(chunk, owner)
+            self.new_bucket(chunk, owner, shard)
         for i in sorted(device_idx):
-            self._make_device_slot(self._slots[i])
-        self._pending_state.clear()
-        self._layout_built = True
-        self._layout_step = self._step_id
+            s = self.slots[i]
+            self.install_device_state(s, self.device_state(s, None))
+            self._apply_pending(s)
+        self.pending.clear()
+        self.built = True
+        self.built_at = step_id
 
-    def _new_bucket(self, slots: list[Slot], owner: int = 0) -> None:
+    def new_bucket(self, slots: list[Slot], owner: int = 0, shard: Any = None) -> Bucket:
+        """A host bucket for ``slots`` (their state is written by the caller or from loaded state)."""
         numel = sum(s.numel for s in slots)
-        b = Bucket(index=len(self._buckets), slots=list(slots), numel=numel, owner=owner)
-        owned = self._rg is None or owner == self._rg.rank
-        if self._rg is not None and owned:  # a slice of this rank's host blocks
-            b.master_buf, b.grad_buf, b.moments, b.alt_master, b.alt_moments = self._slice_block(numel)
+        b = Bucket(index=len(self.buckets), slots=list(slots), numel=numel, owner=owner)
+        owned = self.owns(b)
+        if shard is not None and owned:  # a slice of this rank's host blocks
+            b.master_buf, b.grad_buf, b.moments, b.alt_master, b.alt_moments = shard.slice_block(numel)
         elif owned:
-            b.master_buf = HostBuffer(numel, pin=self._cuda, zero=False)
-            b.grad_buf = HostBuffer(numel, pin=self._cuda, zero=False, dtype=self._host_grad_dtype(slots))
+            b.master_buf = HostBuffer(numel, pin=self.cuda, zero=False)
+            b.grad_buf = HostBuffer(numel, pin=self.cuda, zero=False, dtype=self._grad_dtype(slots, shard))
             b.moments = torch.zeros(2 * numel, dtype=torch.float32)
-            if self._two_copies:  # page-locked too: a speculative update's weights are copied from it
-                b.alt_master = HostBuffer(numel, pin=self._cuda, zero=False)
+            if self.two_copies:  # page-locked too: a speculative update's weights are copied from it
+                b.alt_master = HostBuffer(numel, pin=self.cuda, zero=False)
                 b.alt_moments = torch.zeros(2 * numel, dtype=torch.float32)
-        if self._cuda and owned:
+        if self.cuda and owned:
             b.d2h_event = torch.cuda.Event()
             b.h2d_event = torch.cuda.Event()
         off = 0
@@ -187,14 +246,15 @@ class LayoutMixin:
                 s.master = s.grad = s.exp_avg = s.exp_avg_sq = s.step = None
                 continue
             s.grad = b.grad_buf.tensor[s.offset:s.offset + s.numel]
-            self._bind_views(b, [s])
+            self.bind_views(b, [s])
             s.master.view(s.param.shape).copy_(s.param.detach())
             s.step = torch.zeros((), dtype=torch.float32)
             self._apply_pending(s)
-        self._buckets.append(b)
+        self.buckets.append(b)
+        return b
 
     @staticmethod
-    def _bind_views(b: Bucket, slots: list[Slot]) -> None:
+    def bind_views(b: Bucket, slots: list[Slot]) -> None:
         """Point the slots' master and moment views at the bucket's current copy of the state."""
         n = b.numel
         for s in slots:
@@ -203,29 +263,16 @@ class LayoutMixin:
             s.exp_avg = b.moments[o:o + s.numel]
             s.exp_avg_sq = b.moments[n + o:n + o + s.numel]
 
-    def _update_kernel(self) -> Any:
-        """Our CPU AdamW kernel (:mod:`.cpu_adamw`) with ``rollback="auto"`` where it builds and matches torch,
-        else ``None``: then torch's fused CPU AdamW updates in place and, when a speculative update needs an
-        exact undo, the worker copies the state aside first."""
-        if self.rollback != "auto":
-            return None
-        from lightning_gh.superoffload import cpu_adamw
-
-        return cpu_adamw.load()
-
-    def _host_grad_dtype(self, slots: list[Slot]) -> torch.dtype:
+    def _grad_dtype(self, slots: list[Slot], shard: Any) -> torch.dtype:
         """bf16 for a bucket of bf16 parameters when our kernel updates it (it reads bf16 gradients exactly, and
         the host then receives and reads 2 B/parameter less); fp32 otherwise. Several ranks reduce their
         gradients in fp32 (see .zero)."""
-        if self._kernel is not None and self._rg is None and all(s.param.dtype == torch.bfloat16 for s in slots):
+        if self.kernel is not None and shard is None and all(s.param.dtype == torch.bfloat16 for s in slots):
             return torch.bfloat16
         return torch.float32
 
-    def _make_device_slot(self, s: Slot) -> None:
-        self._install_device_state(s, self._device_state(s, None))
-        self._apply_pending(s)
-
-    def _device_state(self, s: Slot, host_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor | None]:
+    # ------------------------------------------------------------------ the GPU tail
+    def device_state(self, s: Slot, host_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor | None]:
         """Allocate (and fill from ``host_state``) a parameter's GPU-tail state without touching the slot, so an
         allocation that fails leaves the slot as it was."""
         p = s.param
@@ -245,18 +292,52 @@ class LayoutMixin:
         return st
 
     @staticmethod
-    def _install_device_state(s: Slot, st: dict[str, torch.Tensor | None]) -> None:
+    def install_device_state(s: Slot, st: dict[str, torch.Tensor | None]) -> None:
         s.residency, s.bucket = "device", None
         s.exp_avg, s.exp_avg_sq, s.dev_master, s.step = st["exp_avg"], st["exp_avg_sq"], st["dev_master"], st["step"]
         s.master = s.grad = None
 
-    def _apply_pending(self, s: Slot) -> None:
-        st = self._pending_state.get(s.index)
-        if st is None:
-            return
-        self._write_state(s, st)
+    def to_device(self, b: Bucket) -> bool:
+        """Give bucket ``b``'s state to the GPU tail. Returns ``False``, with the bucket unchanged on the host,
+        when the GPU runs out of memory on the way."""
+        with self.lock:
+            staged: list[tuple[Slot, dict[str, torch.Tensor | None]]] | None = []
+            try:
+                for s in b.slots:
+                    host = {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step, "master": s.master}
+                    staged.append((s, self.device_state(s, host)))
+            except torch.cuda.OutOfMemoryError:
+                staged = None  # drop what was allocated; the host state was only read
+            if staged is None:
+                return False
+            for s, st in staged:
+                self.install_device_state(s, st)
+            self.buckets.remove(b)
+            b.release_host()
+        return True
 
-    def _write_state(self, s: Slot, st: dict[str, torch.Tensor]) -> None:
+    def to_host(self, slots: list[Slot]) -> None:
+        """Move GPU-tail slots back into new host buckets (runs of about ``bucket_size`` parameters)."""
+        with self.lock:
+            for chunk in chunk_by_size(slots, self.bucket_size):
+                dev = {s.index: (s.exp_avg, s.exp_avg_sq, s.step, s.dev_master) for s in chunk}
+                self.new_bucket(chunk)
+                for s in chunk:
+                    m, v, step, master = dev[s.index]
+                    s.exp_avg.copy_(m.reshape(-1))
+                    s.exp_avg_sq.copy_(v.reshape(-1))
+                    s.step.copy_(step)
+                    if master is not None:
+                        s.master.copy_(master.reshape(-1))
+
+    # ------------------------------------------------------------------ loaded state
+    def _apply_pending(self, s: Slot) -> None:
+        st = self.pending.get(s.index)
+        if st is not None:
+            self.write_state(s, st)
+
+    def write_state(self, s: Slot, st: dict[str, torch.Tensor]) -> None:
+        """Write one parameter's loaded AdamW state (``step``, ``exp_avg``, ``exp_avg_sq``, optional ``master``)."""
         if s.residency == "host" and s.master is None:
             return  # another rank owns this parameter's state; it loads it from the same (unsharded) dict
         if s.residency == "host":
@@ -277,3 +358,15 @@ class LayoutMixin:
                     s.dev_master.copy_(s.param.detach())
         s.step.copy_(st["step"].reshape(()))
 
+    def load(self, s: Slot, st: dict[str, torch.Tensor]) -> None:
+        """Write loaded state now (laid out) or when the slot is laid out."""
+        if self.built and s.step is not None:
+            with self.lock:
+                self.write_state(s, st)
+        else:
+            self.pending[s.index] = st
+
+    def release(self) -> None:
+        """Unpin and drop every bucket's host buffers."""
+        for b in self.buckets:
+            b.release_host()

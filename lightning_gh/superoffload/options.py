@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_gh._options import resolve
 
-__all__ = ["SuperOffloadOptions", "resolve_options", "validate_hyperparameters", "validate_options"]
+__all__ = ["SuperOffloadOptions", "resolve_options", "validate_hyperparameters", "validate_knobs", "validate_options"]
 
 
 def _is_number(x: Any) -> bool:
@@ -41,11 +41,16 @@ class SuperOffloadOptions:
     """The options SuperOffload's optimizer and strategy share.
 
     Attributes:
-        gpu_fraction: share of the parameters (by count, taken from the last-arriving gradients) whose state
-            stays on the GPU and is updated there with fused AdamW; ``"auto"`` sizes this GPU tail from measured
-            steps (all on the host at first; a growth is kept only if it makes the step faster). ``0.0`` saves the most GPU memory.
+        gpu_fraction: share of the parameters (by count, taken from the last-arriving gradients, i.e. the first
+            layers) whose state stays on the GPU and is updated there with fused AdamW. ``"auto"``: everything
+            starts on the host and, over the first pipelined steps, the tail grows while the next forward
+            measurably waits for the CPU, each growth kept only if the step gets faster (see Note [Tail growth
+            trial] in :mod:`.tail`; its decision is logged once and kept in ``stats["tail_decision"]``). ``0.0``
+            saves the most GPU memory. Without CUDA the tail runs on the CPU in ``step()`` (same math) and
+            ``"auto"`` means ``0.0``.
         max_gpu_fraction: upper bound on the share of parameters the ``"auto"`` tail may keep on the GPU, or
-            ``None`` (bounded by free GPU memory only).
+            ``None`` (bounded by free GPU memory only: what is left after a step's peak, less a headroom; a move
+            that runs out of memory anyway leaves its bucket on the host). Ignored unless ``gpu_fraction="auto"``.
         speculative: start CPU updates before the gradient norm is known and undo them exactly if the step
             must be clipped or skipped.
         skip_nonfinite: skip the whole step (no state change) when the gradient norm is inf/NaN.
@@ -116,45 +121,62 @@ def resolve_options(options: SuperOffloadOptions | None, owner: str, **kwargs: A
     return resolve(SuperOffloadOptions, options, owner, **kwargs)
 
 
+_HYPERPARAMETERS = {
+    "lr": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
+    "betas": (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_number(b) and 0.0 <= b < 1.0
+                                                                              for b in v), "a pair of floats in [0, 1)"),
+    "eps": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
+    "weight_decay": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
+}
+
+
+def _check_hyperparameter(where: str, name: str, value: Any) -> None:
+    ok, allowed = _HYPERPARAMETERS[name]
+    if not ok(value):
+        raise ValueError(f"{where}{name}={value!r} must be {allowed}.")
+
+
 def validate_hyperparameters(where: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     """Check AdamW's hyper-parameters as ``torch.optim.AdamW`` does, naming where they come from.
 
     Args:
         where: ``""`` for the constructor's arguments, or ``"param_groups[i] "`` for a param group.
     """
-    if not (_is_number(lr) and lr >= 0):
-        raise ValueError(f"{where}lr={lr!r} must be a float >= 0.")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"{where}betas={betas!r} must be a pair of floats in [0, 1).")
-    if not (_is_number(eps) and eps >= 0):
-        raise ValueError(f"{where}eps={eps!r} must be a float >= 0.")
-    if not (_is_number(weight_decay) and weight_decay >= 0):
-        raise ValueError(f"{where}weight_decay={weight_decay!r} must be a float >= 0.")
+    for name, value in (("lr", lr), ("betas", betas), ("eps", eps), ("weight_decay", weight_decay)):
+        _check_hyperparameter(where, name, value)
 
 
-def validate_options(
-    *,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    gpu_fraction: float | str = "auto",
-    max_gpu_fraction: float | None = None,
-    max_grad_norm: float | None = None,
-    max_grad_value: float | None = None,
-    cpu_threads: int | None = None,
-    bucket_size: int = 1 << 24,
-    pipeline_trigger: str = "backward",
-) -> None:
-    """Check :class:`HeterogeneousAdamW`'s options. Raises ``ValueError`` naming the argument, the value and
-    what is allowed (the shared options through :class:`SuperOffloadOptions`, so every owner says the same)."""
-    validate_hyperparameters("", lr, betas, eps, weight_decay)
-    SuperOffloadOptions(gpu_fraction=gpu_fraction, max_gpu_fraction=max_gpu_fraction, cpu_threads=cpu_threads,
-                        bucket_size=bucket_size)
-    if max_grad_norm is not None and not (_is_number(max_grad_norm) and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a float > 0 or None.")
-    if max_grad_value is not None and not (_is_number(max_grad_value) and max_grad_value > 0):
-        raise ValueError(f"max_grad_value={max_grad_value!r} must be a float > 0 or None.")
-    if pipeline_trigger not in ("backward", "closure"):
-        raise ValueError(f"pipeline_trigger={pipeline_trigger!r} must be 'backward' or 'closure'.")
+def validate_knobs(**knobs: Any) -> None:
+    """Check the optimizer's per-run knobs that are not :class:`SuperOffloadOptions` fields (``max_grad_norm``,
+    ``max_grad_value``, ``pipeline_trigger``); only those given are checked.
+
+    Example::
+
+        >>> validate_knobs(max_grad_norm=1.0, pipeline_trigger="closure")
+        >>> validate_knobs(max_grad_norm=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_grad_norm=0 must be a float > 0 or None.
+    """
+    for name in ("max_grad_norm", "max_grad_value"):
+        value = knobs.pop(name, None)
+        if value is not None and not (_is_number(value) and value > 0):
+            raise ValueError(f"{name}={value!r} must be a float > 0 or None.")
+    if "pipeline_trigger" in knobs:
+        trigger = knobs.pop("pipeline_trigger")
+        if trigger not in ("backward", "closure"):
+            raise ValueError(f"pipeline_trigger={trigger!r} must be 'backward' or 'closure'.")
+    if knobs:
+        raise TypeError(f"unknown knob(s) {sorted(knobs)}; the knobs are max_grad_norm, max_grad_value and "
+                        f"pipeline_trigger.")
+
+
+def validate_options(**kwargs: Any) -> None:
+    """Check :class:`HeterogeneousAdamW`'s arguments as its constructor does, without building it: the AdamW
+    hyper-parameters, the knobs (:func:`validate_knobs`) and the :class:`SuperOffloadOptions` fields. Raises
+    ``ValueError`` naming the argument, the value and what is allowed."""
+    for name in [k for k in kwargs if k in _HYPERPARAMETERS]:
+        _check_hyperparameter("", name, kwargs.pop(name))
+    validate_knobs(**{k: kwargs.pop(k) for k in ("max_grad_norm", "max_grad_value", "pipeline_trigger")
+                      if k in kwargs})
+    SuperOffloadOptions(**kwargs)

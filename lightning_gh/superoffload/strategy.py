@@ -68,21 +68,10 @@ class SuperOffloadStrategy(DDPStrategy):
     (each rank then owns a share of the optimizer state; the module is not wrapped in DDP).
 
     Args:
-        gpu_fraction: share of parameters kept on the GPU (see :class:`HeterogeneousAdamW`); ``"auto"`` sizes
-            the GPU tail from measured stalls.
-        speculative: start CPU updates before backward ends and undo them exactly when the step is clipped or
-            skipped.
-        skip_nonfinite: skip a step whose gradient norm is inf/NaN.
-        cpu_threads: threads of the CPU AdamW (default: all CPUs but two).
-        bucket_size: parameters per host bucket.
-        host_memory_check: refuse with a clear :class:`~lightning_gh._host.HostMemoryError` (a ``MemoryError``)
-            when host RAM cannot hold the state.
-        max_gpu_fraction: cap on the share of parameters the ``"auto"`` GPU tail may take (it is also bounded
-            by free GPU memory); ``None``: memory only.
-        rollback: ``"auto"`` (undo a speculative update by flipping between two copies of the state) or
-            ``"copy"`` (copy the state aside first); see :class:`SuperOffloadOptions`.
-        options: the options above as one :class:`SuperOffloadOptions` (shared with
-            :class:`HeterogeneousAdamW`) instead of keyword arguments; giving both is an error.
+        options: the optimizer's options as one :class:`SuperOffloadOptions` (shared with
+            :class:`HeterogeneousAdamW`).
+        **option_kwargs: the same options as keyword arguments instead (``gpu_fraction=0.0``, ...); see
+            :class:`SuperOffloadOptions`. Giving both is an error.
         device: the device of a one-device run; normally left to ``Trainer(accelerator=..., devices=...)``.
         start_method: how ``devices=N`` starts its processes, as for ``DDPStrategy``: ``"popen"`` (re-runs the
             script, the usual choice on GPUs) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``.
@@ -102,28 +91,19 @@ class SuperOffloadStrategy(DDPStrategy):
 
     def __init__(
         self,
-        gpu_fraction: float | str = "auto",
-        speculative: bool = True,
-        skip_nonfinite: bool = True,
-        cpu_threads: int | None = None,
-        bucket_size: int = 1 << 24,
-        host_memory_check: bool = True,
-        max_gpu_fraction: float | None = None,
-        rollback: str = "auto",
+        *,
+        options: SuperOffloadOptions | None = None,
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        options: SuperOffloadOptions | None = None,
         start_method: str = "popen",
         process_group_backend: str | None = None,
         cluster_environment: Any = None,
         timeout: Any = None,
+        **option_kwargs: Any,
     ) -> None:
-        self.options = resolve_options(
-            options, "SuperOffloadStrategy", gpu_fraction=gpu_fraction, speculative=speculative,
-            skip_nonfinite=skip_nonfinite, cpu_threads=cpu_threads, bucket_size=bucket_size,
-            host_memory_check=host_memory_check, max_gpu_fraction=max_gpu_fraction, rollback=rollback)
+        self.options = resolve_options(options, "SuperOffloadStrategy", **option_kwargs)
         extra = {} if timeout is None else {"timeout": timeout}
         super().__init__(accelerator=accelerator, parallel_devices=None if device is None else [torch.device(device)],
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -174,11 +154,13 @@ class SuperOffloadStrategy(DDPStrategy):
         converted = []
         for opt in self.optimizers:
             if isinstance(opt, HeterogeneousAdamW):
-                opt.pipeline_trigger = trigger
-                if opt._module is None:
+                opt.set_pipeline_trigger(trigger)
+                if opt.module is None:
                     opt.attach(module)
-                for k, v in clip_kwargs.items():
-                    setattr(opt, k, v)
+                if "max_grad_norm" in clip_kwargs:
+                    opt.set_max_grad_norm(clip_kwargs["max_grad_norm"])
+                if "max_grad_value" in clip_kwargs:
+                    opt.set_max_grad_value(clip_kwargs["max_grad_value"])
                 new = opt
             elif isinstance(opt, torch.optim.AdamW):
                 new = HeterogeneousAdamW.from_optimizer(opt, module=module, pipeline_trigger=trigger,
@@ -358,7 +340,7 @@ def _clip_gradients(original: Any, optimizer: Any, clip_val: float = 0.0, gradie
                 f"gradient_clip_algorithm='value').")
         return None
     # norm clipping is decided in optimizer.step(), after this call, so a per-step value is honoured
-    opt.max_grad_norm = float(clip_val)
+    opt.set_max_grad_norm(float(clip_val))
     return None
 
 

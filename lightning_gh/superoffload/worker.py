@@ -1,93 +1,161 @@
-"""The CPU worker: a thread that updates host buckets with a fused CPU AdamW (our kernel, :mod:`.cpu_adamw`, or
-torch's), speculating before the step's clip/skip decision is known and undoing a speculative update exactly when
-it must be redone.
+"""The CPU updater: a thread that updates host buckets with a fused CPU AdamW (our kernel, :mod:`.cpu_adamw`, or
+torch's), speculating before the step's clip/skip decision is known, and streams the weights back to the GPU.
 
-The worker waits for a bucket's gradient copy, updates its fp32 master weights and moments, and streams the
-weights back to the GPU on a second stream. With two copies of the state (``rollback="auto"``) a speculative
-update writes the other copy and committing flips them; otherwise it copies the bucket's state aside first, and
-while nothing is queued makes the copies the next speculative updates will need. When ``step()`` posts the
-decision (:class:`Decision`), speculative buckets are committed, or undone bitwise and redone with the clipped
-gradients, or left undone (skipped step).
+The training thread hands it work through :meth:`CpuUpdater.submit` (a bucket whose gradients have landed) and
+:meth:`CpuUpdater.finish` (the step's decision is posted); it waits for a bucket with :meth:`CpuUpdater.wait`.
 
-:class:`WorkerMixin` is that part of :class:`~lightning_gh.superoffload.HeterogeneousAdamW`; :func:`worker_loop`
-is the thread's body.
+Note [Speculative update and exact rollback]
+    The worker may update a bucket before ``step()`` knows the global gradient norm, assuming the step will be
+    neither clipped nor skipped. Such an update must be undoable bitwise, not by an algebraic inverse:
+
+    * with two copies of the state (``rollback="auto"``, our kernel), the speculative update writes the *other*
+      copy out of place and the bucket's current copy stays untouched; committing flips the two (:meth:`_flip`),
+      undoing is free (the current copy is the pre-step state);
+    * otherwise (``rollback="copy"``) the bucket's master weights, moments and step counters are copied aside
+      first (:meth:`_backup`) and copied back on a rollback (:meth:`_restore`). While nothing is queued the
+      worker makes the copies the next speculative updates will need, off the critical path.
+
+    When the decision arrives, speculative buckets are committed, or restored and redone with the clipped
+    gradients and the current hyper-parameters, or left restored (a skipped step), and their weights are copied
+    back again. Buckets the worker reaches after the decision is known are updated once, in place, with no copy.
+    After a step whose speculation had to be redone the next step waits for its decision (speculation would most
+    likely be wasted again); speculation resumes after a step that needed no redo. The result is identical to
+    the non-speculative path: the same kernel on the same inputs.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lightning_gh.superoffload.layout import Bucket, Slot
+from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot
+from lightning_gh.superoffload.step import Decision, StepCtx
 
-__all__ = ["Decision", "StepCtx", "WorkerMixin", "worker_loop"]
+__all__ = ["CpuUpdater", "worker_loop"]
 
-
-@dataclass
-class Decision:
-    """What ``step()`` decided for one step, once the global gradient norm is known."""
-
-    skip: bool
-    coef: torch.Tensor | None  # clip multiplier (fp32, 0-dim, CPU) or None when no clipping applies
-    hp: list[dict[str, float]]
-    redo: bool  # speculative results are invalid (clip, skip or hyper-parameters changed)
+Task = tuple[str, Bucket | None, StepCtx]
 
 
-class StepCtx:
-    """What the worker knows about one optimizer step."""
+class CpuUpdater:
+    """The CPU side of the pipeline: bucket updates, speculation, rollback and the copies back, on one thread.
 
-    def __init__(self, step_id: int, hp: list[dict[str, float]], needs_validation: bool) -> None:
-        self.id = step_id
-        self.hp = hp
-        self.needs_validation = needs_validation
-        self.decision: Decision | None = None if needs_validation else Decision(False, None, hp, False)
-        self.posted = threading.Event()
-        self.spec: list[_Bucket] = []
-        self.arrival: list[int] = []
-        # filled by step() before `posted` is set
-        self.result_host: torch.Tensor | None = None  # [total_norm, clip_coef]
-        self.result_event: Any = None
-        self.hp_now: list[dict[str, float]] = hp
-        self.max_norm: float | None = None
-        self.skip_nonfinite = True
-
-
-class WorkerMixin:
-    """Runs the CPU side of the pipeline: bucket updates, speculation, rollback and the copies back.
-
-    A part of :class:`~lightning_gh.superoffload.HeterogeneousAdamW`, which holds the state these methods use
-    (buckets, streams, the task queue, ``stats``); the worker thread calls them through a weak reference.
+    Args:
+        layout: the host layout whose buckets it updates (and whose lock it takes while copying state).
+        h2d_stream: the CUDA stream of the copies back, or ``None`` off CUDA.
+        cpu_threads: threads of the CPU update.
+        speculative: whether buckets may be updated before the step's decision is known.
+        stats: the optimizer's ``stats`` dict, where the worker counts what it did.
     """
 
-    def _ensure_worker(self) -> None:
-        if self._worker is None or not self._worker.is_alive():
-            # The thread holds only a weak reference, so an optimizer nobody uses any more is collected
-            # (its __del__ then stops the thread).
-            self._worker = threading.Thread(target=worker_loop, args=(weakref.ref(self), self._queue),
-                                            name="superoffload-cpu-adamw", daemon=True)
-            self._worker.start()
+    def __init__(self, layout: HostLayout, h2d_stream: Any, cpu_threads: int, speculative: bool,
+                 stats: dict[str, Any]) -> None:
+        self.layout = layout
+        self.h2d_stream = h2d_stream
+        self.cpu_threads = cpu_threads
+        self.speculative = speculative
+        self.stats = stats
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        # the last decided step had to redo its speculation: the next step waits for its decision
+        self._speculation_paused = False
+        self._uncounted: list[StepCtx] = []  # validated steps with no host work: their decision is counted here
 
-    def _raise_worker_error(self) -> None:
-        if self._worker_error is not None:
-            err = self._worker_error
+    # ------------------------------------------------------------------ the training thread's side
+    @property
+    def will_speculate(self) -> bool:
+        """Whether the next bucket the worker reaches before its step's decision is updated speculatively."""
+        return self.speculative and not self._speculation_paused
+
+    def submit(self, b: Bucket, ctx: StepCtx) -> None:
+        """Queue bucket ``b``'s update for step ``ctx`` (its gradients are on their way to the host)."""
+        self._start()
+        self._queue.put(("bucket", b, ctx))
+
+    def finish(self, ctx: StepCtx) -> None:
+        """Queue the end of step ``ctx``: resolve its speculative updates once its decision is posted."""
+        self._start()
+        self._queue.put(("finish", None, ctx))
+
+    def count_later(self, ctx: StepCtx) -> None:
+        """Count the decision of a validated step the worker has nothing to do for (all state on the GPU)."""
+        self._uncounted.append(ctx)
+
+    def count_decisions(self, block: bool) -> None:
+        """Count the skipped and clipped steps the worker did not see; without ``block``, only those whose decision
+        has reached the host already, so no step waits for it."""
+        while self._uncounted:
+            dec = self._uncounted[0].poll(block=block)
+            if dec is None:
+                return
+            self._uncounted.pop(0)
+            self._count(dec)
+
+    def _count(self, dec: Decision) -> None:
+        if dec.skip:
+            self.stats["skipped_steps"] += 1
+        elif dec.coef is not None:
+            self.stats["clipped_steps"] += 1
+
+    def raise_error(self) -> None:
+        """Re-raise, on the training thread, what made the worker fail."""
+        if self._error is not None:
+            err = self._error
             raise RuntimeError(f"HeterogeneousAdamW CPU worker failed: {type(err).__name__}: {err}") from err
 
-    def _worker_setup(self) -> None:
-        torch.set_num_threads(self.cpu_threads)
-        if self._cuda:
-            torch.cuda.set_device(self.device)
+    def wait(self, b: Bucket) -> float:
+        """Block until bucket ``b``'s update is committed; returns the milliseconds waited."""
+        if b.ready.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        while not b.ready.wait(0.05):
+            self.raise_error()
+            if self._thread is None or not self._thread.is_alive():
+                raise RuntimeError("HeterogeneousAdamW: the CPU worker stopped with a bucket still pending.")
+        return (time.perf_counter() - t0) * 1e3
 
-    def _worker_task(self, task: tuple[str, Bucket | None, StepCtx]) -> None:
+    def join(self) -> None:
+        """Block until every queued task has run."""
+        self.raise_error()
+        if self._thread is not None:
+            self._queue.join()
+        self.raise_error()
+
+    def close(self) -> None:
+        """Stop the thread (after the tasks already queued)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self._queue.put(None)
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            # The thread holds only a weak reference, so an updater nobody uses any more is collected (its
+            # __del__ then stops the thread).
+            self._thread = threading.Thread(target=worker_loop, args=(weakref.ref(self), self._queue),
+                                            name="superoffload-cpu-adamw", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ the worker thread
+    def setup_thread(self) -> None:
+        torch.set_num_threads(self.cpu_threads)
+        if self.layout.cuda:
+            torch.cuda.set_device(self.layout.device)
+
+    def run(self, task: Task) -> None:
+        """Run one task; an exception is kept and re-raised on the training thread at its next call."""
         try:
-            if self._worker_error is None:
+            if self._error is None:
                 kind, b, ctx = task
                 with torch.no_grad():
                     if kind == "bucket":
@@ -95,40 +163,18 @@ class WorkerMixin:
                     else:
                         self._work_finish(ctx)
         except BaseException as e:  # surfaced on the main thread at the next step/forward
-            self._worker_error = e
-            for bk in self._buckets:
+            self._error = e
+            for bk in self.layout.buckets:
                 bk.ready.set()
-
-    def _poll_decision(self, ctx: StepCtx, block: bool) -> Decision | None:
-        if ctx.decision is not None:
-            return ctx.decision
-        if not ctx.posted.is_set():
-            if not block:
-                return None
-            ctx.posted.wait()
-        if ctx.result_event is not None:
-            if not block and not ctx.result_event.query():
-                return None
-            ctx.result_event.synchronize()
-        total, coef = (float(v) for v in ctx.result_host.tolist())
-        skip = ctx.skip_nonfinite and not math.isfinite(total)
-        coef_t = None
-        if not skip and ctx.max_norm is not None and coef != 1.0:
-            coef_t = torch.tensor(coef, dtype=torch.float32)
-        redo = skip or coef_t is not None or ctx.hp_now != ctx.hp
-        ctx.decision = Decision(skip, coef_t, ctx.hp_now, redo)
-        return ctx.decision
 
     def _work_bucket(self, b: Bucket, ctx: StepCtx) -> None:
         t0 = time.perf_counter()
-        if self._cuda:
+        if self.layout.cuda:
             b.d2h_event.synchronize()
         self._phase("wait_d2h", t0)
-        # Speculate while it pays: after a step whose speculation had to be redone (clipped, skipped,
-        # hyper-parameters changed) the next step waits for its decision instead; the numbers are the same.
-        speculate = self.speculative and not self._last_redo
+        speculate = self.will_speculate
         t0 = time.perf_counter()
-        dec = self._poll_decision(ctx, block=not speculate)
+        dec = ctx.poll(block=not speculate)
         self._phase("wait_decision", t0)
         t0 = time.perf_counter()  # CPU time only: waiting for gradients or the decision is not work
         b.speculated = dec is None
@@ -149,19 +195,19 @@ class WorkerMixin:
             self.stats["speculative_buckets"] += 1
         self._account(b, t0)
 
-    def _idle_work(self) -> bool:
+    def idle_work(self) -> bool:
         """With nothing queued, copy aside the state of the next bucket a speculative update will need, so
         the copy is off the critical path. Returns whether there was anything to do.
 
         Only buckets updated speculatively last step are copied: the others are likely to get the decision
         first again, and a copy nobody reads costs 24 B/parameter of host memory traffic, which slows the
-        training loop's own thread (measured on the H200 machine: docs/superoffload.md)."""
-        if not (self._backup_needed() and not self._last_redo) or self._worker_error is not None:
+        training loop's own thread (see docs/superoffload.md)."""
+        if not self.will_speculate or self._error is not None:
             return False
-        if not self._state_lock.acquire(blocking=False):
+        if not self.layout.lock.acquire(blocking=False):
             return False
         try:
-            for b in list(self._buckets):
+            for b in list(self.layout.buckets):
                 if (b.speculated and not b.backup_fresh and b.ready.is_set() and b.master_buf is not None
                         and b.alt_master is None):
                     self._backup(b, "backup_idle")
@@ -169,20 +215,19 @@ class WorkerMixin:
                     return True
             return False
         finally:
-            self._state_lock.release()
+            self.layout.lock.release()
 
     def _work_finish(self, ctx: StepCtx) -> None:
-        dec = self._poll_decision(ctx, block=True)
+        dec = ctx.poll(block=True)
         t0 = time.perf_counter()
         self._resolve_speculation(ctx, dec)
-        self._last_redo = dec.redo
-        if dec.skip:
-            self.stats["skipped_steps"] += 1
-        elif dec.coef is not None:
-            self.stats["clipped_steps"] += 1
+        self._speculation_paused = dec.redo
+        self._count(dec)
         self.stats["finish_ms"] = (time.perf_counter() - t0) * 1e3
 
     def _resolve_speculation(self, ctx: StepCtx, dec: Decision) -> None:
+        """Commit, or undo and redo, the step's speculative updates. See Note [Speculative update and exact
+        rollback]."""
         if not ctx.spec:
             return
         spec, ctx.spec = ctx.spec, []
@@ -228,15 +273,16 @@ class WorkerMixin:
         phases = self.stats["cpu_phases_ms"]
         phases[name] = phases.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
 
+    # ------------------------------------------------------------------ the update, its undo, the copies back
     def _update(self, b: Bucket, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
         """Update the bucket's current copy of its state in place (our kernel where it is loaded, else torch's)."""
         t0 = time.perf_counter()
-        if self._cuda:
+        if self.layout.cuda:
             b.h2d_event.synchronize()  # the previous copy back must have read the master weights
         self._phase("wait_h2d", t0)
         t0 = time.perf_counter()
         b.backup_fresh = False
-        if self._kernel is not None:
+        if self.layout.kernel is not None:
             # One kernel for every update, not torch's for some: the two thread pools would otherwise take turns
             # on the same cores, and ours reads bf16 gradients as they are.
             self._kernel_update(b, hp, coef, in_place=True)
@@ -264,7 +310,7 @@ class WorkerMixin:
         """Write the bucket's updated state into its other copy (out of place, bitwise as ``_update`` in place);
         the current copy and the slots' ``step`` stay as they were until :meth:`_flip` commits."""
         t0 = time.perf_counter()
-        if self._cuda:
+        if self.layout.cuda:
             b.h2d_event.synchronize()  # a copy back from the other copy may still be reading it
         self._phase("wait_h2d", t0)
         t0 = time.perf_counter()
@@ -299,15 +345,15 @@ class WorkerMixin:
                 runs.append([s])
         for run in runs:
             lo, hi = run[0].offset, run[-1].offset + run[-1].numel
-            update_spans(self._kernel, tuple(c[lo:hi] for c in cur), grad[lo:hi], tuple(o[lo:hi] for o in out),
-                         [s.numel for s in run], float(run[0].step) + 1.0, hp[run[0].group], coef,
-                         self.cpu_threads)
+            update_spans(self.layout.kernel, tuple(c[lo:hi] for c in cur), grad[lo:hi],
+                         tuple(o[lo:hi] for o in out), [s.numel for s in run], float(run[0].step) + 1.0,
+                         hp[run[0].group], coef, self.cpu_threads)
 
     def _flip(self, b: Bucket) -> None:
         """Commit an update written by :meth:`_update_other`: the other copy becomes the current one."""
         b.master_buf, b.alt_master = b.alt_master, b.master_buf
         b.moments, b.alt_moments = b.alt_moments, b.moments
-        self._bind_views(b, b.slots)
+        self.layout.bind_views(b, b.slots)
         for s in b.active:
             s.step.add_(1)
         b.backup_fresh = False
@@ -325,7 +371,7 @@ class WorkerMixin:
 
     def _restore(self, b: Bucket) -> None:
         t0 = time.perf_counter()
-        if self._cuda:
+        if self.layout.cuda:
             b.h2d_event.synchronize()  # the speculative copy back may still read the master weights
         n = b.numel
         b.master_buf.tensor.copy_(b.backup[:n])
@@ -339,22 +385,22 @@ class WorkerMixin:
         """Copy the bucket's master weights (its current copy, or ``master``) into the model's parameters."""
         t0 = time.perf_counter()
         src = b.master_buf.tensor if master is None else master
-        if self._cuda and b.active:
-            with torch.cuda.stream(self._h2d_stream):
+        if self.layout.cuda and b.active:
+            with torch.cuda.stream(self.h2d_stream):
                 # One host->GPU copy of the bucket's span of the flat master buffer and one multi-tensor copy
                 # (with the cast) into the parameters: a few calls per bucket instead of three per parameter,
                 # so the worker spends less time in Python, where it competes with the training loop's threads.
                 # Allocated on the copy stream, so the caching allocator reuses it only after the copies ran.
                 lo = min(s.offset for s in b.active)
                 hi = max(s.offset + s.numel for s in b.active)
-                stage = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
+                stage = torch.empty(hi - lo, dtype=torch.float32, device=self.layout.device)
                 stage.copy_(src[lo:hi], non_blocking=True)
                 torch._foreach_copy_([s.param.data for s in b.active],
                                      [stage[s.offset - lo:s.offset - lo + s.numel].view(s.param.shape)
                                       for s in b.active])
-                b.h2d_event.record(self._h2d_stream)
-        elif self._cuda:  # nothing to copy back; the event still orders the next forward's wait
-            b.h2d_event.record(self._h2d_stream)
+                b.h2d_event.record(self.h2d_stream)
+        elif self.layout.cuda:  # nothing to copy back; the event still orders the next forward's wait
+            b.h2d_event.record(self.h2d_stream)
         else:
             for s in b.active:
                 s.param.data.copy_(src[s.offset:s.offset + s.numel].view(s.param.shape))
@@ -371,13 +417,13 @@ def _drain(q: queue.Queue, pending: list[Any]) -> None:
             return
 
 
-def _next_task(opt: Any, pending: list[Any]) -> int:
+def next_task(pending: list[Task | None]) -> int:
     """Index in ``pending`` of the task to run next: the oldest, except that once a step's decision is known its
     queued bucket updates run in the order the next forward needs them (the earliest layer first; gradients
     arrive last layer first). Speculative updates keep the arrival order: the backward is still producing them.
     The order of final updates does not change any number, only how soon the forward may go on."""
     head = pending[0]
-    if head is None or head[0] != "bucket" or opt._poll_decision(head[2], block=False) is None:
+    if head is None or head[0] != "bucket" or head[2].poll(block=False) is None:
         return 0
     ctx = head[2]
     run = 0
@@ -387,36 +433,36 @@ def _next_task(opt: Any, pending: list[Any]) -> int:
     return min(range(run), key=lambda j: min(s.index for s in pending[j][1].slots))
 
 
-def worker_loop(wself: Callable[[], Any], q: queue.Queue) -> None:
-    """The CPU update thread: runs queued tasks (see :func:`_next_task` for the order) until it gets ``None`` or its
-    optimizer is gone."""
-    opt = wself()
-    if opt is None:
+def worker_loop(wself: Callable[[], CpuUpdater | None], q: queue.Queue) -> None:
+    """The CPU update thread: runs queued tasks (see :func:`next_task` for the order) until it gets ``None`` or its
+    updater is gone."""
+    updater = wself()
+    if updater is None:
         return
-    opt._worker_setup()
-    del opt
+    updater.setup_thread()
+    del updater
     pending: list[Any] = []
     try:
         while True:
             _drain(q, pending)
             if not pending:
-                opt = wself()
-                busy = opt is not None and opt._idle_work()
-                del opt
+                updater = wself()
+                busy = updater is not None and updater.idle_work()
+                del updater
                 if busy:
                     continue
                 pending.append(q.get())
                 _drain(q, pending)
-            opt = wself()
-            if opt is None:
+            updater = wself()
+            if updater is None:
                 return
-            task = pending.pop(_next_task(opt, pending))
+            task = pending.pop(next_task(pending))
             try:
                 if task is None:
                     return
-                opt._worker_task(task)
+                updater.run(task)
             finally:
-                del opt
+                del updater
                 q.task_done()
     finally:
         for _ in pending:  # never run (the thread is stopping): release anyone joining the queue

@@ -29,7 +29,7 @@ Every collective is issued in the same order on every rank (bucket order during 
 the buckets the forward needs), so the ranks must produce gradients for the same parameters each step, as under
 DDP without ``find_unused_parameters``.
 
-:class:`ShardMixin` is that part of :class:`~lightning_gh.superoffload.HeterogeneousAdamW`.
+:class:`RankShard` does this for :class:`~lightning_gh.superoffload.HeterogeneousAdamW`.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_gh import hardware
-from lightning_gh.superoffload.layout import Bucket, Slot
+from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot, chunk_by_size
+from lightning_gh.superoffload.step import GradNorms, StepCtx
 
-__all__ = ["RankGroup", "ShardMixin", "current_group", "partition", "rank_cpu_threads"]
+__all__ = ["RankGroup", "RankShard", "current_group", "partition", "rank_cpu_threads"]
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def rank_cpu_threads(cuda: bool, local_ranks: int) -> int:
 
 class _Slice:
     """A bucket's part of the one host block: looks like a :class:`~lightning_gh._host.HostBuffer` to the rest of
-    the optimizer; the block itself is released once, by the optimizer."""
+    the optimizer; the block itself is released once, by the shard."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
@@ -136,120 +137,126 @@ class _Slice:
         pass
 
 
-class ShardMixin:
-    """Partitions the host buckets over the ranks and runs the collectives: gradient reduce onto the owner,
-    norm sum, replicated-tail all-reduce, weight broadcast, and the gather of the unsharded state dict.
+class RankShard:
+    """This rank's share of the host state, and the collectives: gradient reduce onto the owner, norm sum,
+    replicated-tail all-reduce, weight broadcast, and the gather of the unsharded state dict.
 
-    A part of :class:`~lightning_gh.superoffload.HeterogeneousAdamW`; ``self._rg`` is ``None`` on one rank, and
-    then none of these methods is called.
+    Args:
+        group: the ranks.
+        layout: the optimizer's host layout (the same buckets on every rank).
+        norms: the optimizer's per-parameter gradient norms.
+        copy_stream: the CUDA stream of the gradient copies and reduces, or ``None`` off CUDA.
     """
 
-    _rg: RankGroup | None
-    _slots: list[Slot]
-    _buckets: list[Bucket]
-    _cuda: bool
+    def __init__(self, group: RankGroup, layout: HostLayout, norms: GradNorms, copy_stream: Any) -> None:
+        self.group = group
+        self.layout = layout
+        self.norms = norms
+        self.copy_stream = copy_stream
+        self._block: Any = None  # one page-locked block: master weights, gradients (and second master copies)
+        self._moments: torch.Tensor | None = None
+        self._copies = 1
+        self._offset = 0
+
+    @property
+    def _cuda(self) -> bool:
+        return self.layout.cuda
+
+    @property
+    def _device(self) -> torch.device:
+        return self.layout.device
 
     # ------------------------------------------------------------------ layout
-    def _owned(self, b: Bucket) -> bool:
-        return self._rg is None or b.owner == self._rg.rank
-
-    def _shard_buckets(self, host_slots: list[Slot], chunk: Any) -> list[tuple[list[Slot], int]]:
+    def cut(self, host_slots: list[Slot], bucket_size: int) -> list[tuple[list[Slot], int]]:
         """Cut the host slots into buckets that never straddle two owners: ``[(slots, owner), ...]``."""
-        rg = self._rg
-        owners = partition([s.numel for s in host_slots], rg.size)
+        owners = partition([s.numel for s in host_slots], self.group.size)
         out: list[tuple[list[Slot], int]] = []
-        for r in range(rg.size):
+        for r in range(self.group.size):
             run = [s for s, o in zip(host_slots, owners) if o == r]
-            out += [(c, r) for c in chunk(run, self.bucket_size)]
+            out += [(c, r) for c in chunk_by_size(run, bucket_size)]
         return out
 
-    def _alloc_block(self, owned_numel: int, alt: bool = False) -> None:
+    def alloc_block(self, owned_numel: int, alt: bool = False) -> None:
         """One page-locked block for this rank's master weights and gradient buffers (and the second copy of the
         master weights with two-copy rollback), one for its moments (twice as long with two-copy rollback)."""
         from lightning_gh._host import HostBuffer
 
-        copies = 2 if alt else 1
-        self._block = HostBuffer((1 + copies) * owned_numel, pin=self._cuda, zero=False)
-        self._moment_block = torch.zeros(2 * copies * owned_numel, dtype=torch.float32)
-        self._block_alt = alt
-        self._block_off = 0
+        self._copies = 2 if alt else 1
+        self._block = HostBuffer((1 + self._copies) * owned_numel, pin=self._cuda, zero=False)
+        self._moments = torch.zeros(2 * self._copies * owned_numel, dtype=torch.float32)
+        self._offset = 0
 
-    def _slice_block(self, numel: int) -> tuple[_Slice, _Slice, torch.Tensor, _Slice | None, torch.Tensor | None]:
+    def slice_block(self, numel: int) -> tuple[_Slice, _Slice, torch.Tensor, _Slice | None, torch.Tensor | None]:
         """A bucket's (master, gradient, moments, second master or None, second moments or None)."""
-        copies = 2 if self._block_alt else 1
-        total = self._block.numel // (1 + copies)
-        o = self._block_off
-        self._block_off += numel
-        t, mb = self._block.tensor, self._moment_block
+        total = self._block.numel // (1 + self._copies)
+        o = self._offset
+        self._offset += numel
+        t, mb = self._block.tensor, self._moments
         alt = (_Slice(t[2 * total + o:2 * total + o + numel]), mb[2 * total + 2 * o:2 * total + 2 * o + 2 * numel])
         return (_Slice(t[o:o + numel]), _Slice(t[total + o:total + o + numel]), mb[2 * o:2 * o + 2 * numel],
-                *(alt if self._block_alt else (None, None)))
+                *(alt if self._copies == 2 else (None, None)))
+
+    def release(self) -> None:
+        """Unpin the rank's host block (its buckets' buffers are slices of it)."""
+        if self._block is not None:
+            self._block.release()
+            self._block = self._moments = None
 
     # ------------------------------------------------------------------ backward: gradients to their owner
-    def _stage_grad(self, b: Bucket, slot: Slot, grad: torch.Tensor) -> None:
+    def stage_grad(self, b: Bucket, slot: Slot, grad: torch.Tensor) -> None:
         """Copy one gradient (fp32) into its bucket's staging buffer; free it on the GPU."""
         if b.staging is None:
             if self._cuda:
-                with torch.cuda.stream(self._copy_stream):
-                    b.staging = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+                with torch.cuda.stream(self.copy_stream):
+                    b.staging = torch.zeros(b.numel, dtype=torch.float32, device=self._device)
             else:  # the owner reduces straight into its host gradient buffer
-                b.staging = b.grad_buf.tensor.zero_() if self._owned(b) else torch.zeros(b.numel)
+                b.staging = b.grad_buf.tensor.zero_() if self.layout.owns(b) else torch.zeros(b.numel)
         view = b.staging[slot.offset:slot.offset + slot.numel].view(slot.param.shape)
         if self._cuda:
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copy_stream):
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self.copy_stream):
                 view.copy_(grad)
-            grad.record_stream(self._copy_stream)
+            grad.record_stream(self.copy_stream)
             slot.param.grad = None
         else:
             view.copy_(grad)
 
-    def _reduce_bucket(self, b: Bucket, ctx: Any) -> None:
-        """Sum the bucket's gradients onto its owner; there, average, clamp, take the norms and land them on the host."""
+    def reduce_bucket(self, b: Bucket, ctx: StepCtx, max_grad_value: float | None) -> None:
+        """Sum the bucket's gradients onto its owner; there, average, clamp, take the norms and land them on the
+        host."""
         flat = b.staging
         b.staging = None
         if self._cuda:
-            with torch.cuda.stream(self._copy_stream):
+            with torch.cuda.stream(self.copy_stream):
                 dist.reduce(flat, dst=b.owner, op=dist.ReduceOp.SUM)
-                if self._owned(b):
-                    self._reduced(b, flat, ctx)
+                if self.layout.owns(b):
+                    self._reduced(b, flat, ctx, max_grad_value)
                     b.grad_buf.tensor.copy_(flat, non_blocking=True)
         else:
             dist.reduce(flat, dst=b.owner, op=dist.ReduceOp.SUM)
-            if self._owned(b):
-                self._reduced(b, flat, ctx)
+            if self.layout.owns(b):
+                self._reduced(b, flat, ctx, max_grad_value)
 
-    def _reduced(self, b: Bucket, flat: torch.Tensor, ctx: Any) -> None:
-        flat.div_(self._rg.size)
-        if self.max_grad_value is not None:
-            flat.clamp_(-self.max_grad_value, self.max_grad_value)
+    def _reduced(self, b: Bucket, flat: torch.Tensor, ctx: StepCtx, max_grad_value: float | None) -> None:
+        flat.div_(self.group.size)
+        if max_grad_value is not None:
+            flat.clamp_(-max_grad_value, max_grad_value)
         if ctx.needs_validation and b.active:
-            views = [flat[s.offset:s.offset + s.numel].view(s.param.shape) for s in b.active]
-            self._norms.index_copy_(0, self._index_tensor(b.active), torch.stack(torch._foreach_norm(views, 2.0)))
-
-    def _index_tensor(self, slots: list[Slot]) -> torch.Tensor:
-        """The slots' indices on the norms' device, cached: building one from a list in a gradient hook would copy
-        from pageable memory, which waits for the copy stream (and so for the reduce) on CUDA."""
-        key = tuple(s.index for s in slots)
-        cache = self.__dict__.setdefault("_index_cache", {})
-        t = cache.get(key)
-        if t is None:
-            t = cache[key] = torch.tensor(key, device=self._norms.device)
-        return t
+            self.norms.write(b.active, [flat[s.offset:s.offset + s.numel].view(s.param.shape) for s in b.active])
 
     # ------------------------------------------------------------------ step: tail and norms
-    def _reduce_tail(self, ctx: Any) -> None:
+    def reduce_tail(self, ctx: StepCtx, max_grad_value: float | None) -> None:
         """All-reduce the replicated GPU tail's gradients (average over the ranks) and take their norms."""
-        slots = [self._slots[i] for i in ctx.arrival
-                 if self._slots[i].residency == "device" and self._slots[i].param.grad is not None]
+        slots = [self.layout.slots[i] for i in ctx.arrival
+                 if self.layout.slots[i].residency == "device" and self.layout.slots[i].param.grad is not None]
         if not slots:
             return
         grads = [s.param.grad for s in slots]
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat.div_(self._rg.size)
-        if self.max_grad_value is not None:
-            flat.clamp_(-self.max_grad_value, self.max_grad_value)
+        flat.div_(self.group.size)
+        if max_grad_value is not None:
+            flat.clamp_(-max_grad_value, max_grad_value)
         off = 0
         views = []
         for s, g in zip(slots, grads):
@@ -257,22 +264,22 @@ class ShardMixin:
             g.copy_(v)
             views.append(v)
             off += s.numel
-        if ctx.needs_validation and self._rg.rank == 0:  # one rank contributes, the sum over ranks adds zeros
-            self._norms.index_copy_(0, self._index_tensor(slots), torch.stack(torch._foreach_norm(views, 2.0)))
+        if ctx.needs_validation and self.group.rank == 0:  # one rank contributes, the sum over ranks adds zeros
+            self.norms.write(slots, views)
 
-    def _sum_norms(self) -> None:
+    def sum_norms(self) -> None:
         """Every rank gets every parameter's norm (written by its owner, zero elsewhere: the sum is exact)."""
         if self._cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
-        dist.all_reduce(self._norms, op=dist.ReduceOp.SUM)
+            torch.cuda.current_stream(self._device).wait_stream(self.copy_stream)
+        dist.all_reduce(self.norms.vector, op=dist.ReduceOp.SUM)
 
     # ------------------------------------------------------------------ forward: weights from their owner
-    def _broadcast_bucket(self, b: Bucket) -> None:
+    def broadcast(self, b: Bucket) -> None:
         """Send the bucket's committed weights from its owner to every rank (once per step)."""
         if b.step_id < 0 or b.bcast_step == b.step_id:
             return
         b.bcast_step = b.step_id
-        owner = self._owned(b)
+        owner = self.layout.owns(b)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for s in b.active:
             by_dtype.setdefault(s.param.dtype, []).append(s.param)
@@ -289,30 +296,23 @@ class ShardMixin:
                         p.detach().copy_(flat[off:off + p.numel()].view(p.shape))
                         off += p.numel()
 
-    def _broadcast_pending(self) -> None:
-        """Broadcast every bucket of the last finished step not yet sent (before a checkpoint, or without hooks)."""
-        for b in self._buckets:
-            if b.step_id == self._closed_step:
-                self._wait_ready(b, stall=False)
-                self._broadcast_bucket(b)
-
-    # ------------------------------------------------------------------ state dict: unsharded
-    def _bucket_state(self, b: Bucket) -> torch.Tensor:
+    # ------------------------------------------------------------------ state: unsharded
+    def bucket_state(self, b: Bucket) -> torch.Tensor:
         """The bucket's ``[master | exp_avg | exp_avg_sq | steps]`` on every rank (a CPU tensor), sent by its owner."""
         n, k = b.numel, len(b.slots)
-        dev = self.device if self._rg.tensors_on_gpu else torch.device("cpu")
+        dev = self._device if self.group.tensors_on_gpu else torch.device("cpu")
         packed = torch.empty(3 * n + k, dtype=torch.float32, device=dev)
-        if self._owned(b):
+        if self.layout.owns(b):
             packed[:n].copy_(b.master_buf.tensor)
             packed[n:3 * n].copy_(b.moments)
             packed[3 * n:].copy_(torch.stack([s.step.reshape(()) for s in b.slots]))
         dist.broadcast(packed, src=b.owner)
         return packed.cpu()
 
-    def _bucket_slot_states(self, b: Bucket) -> dict[int, dict[str, torch.Tensor]]:
+    def bucket_slot_states(self, b: Bucket) -> dict[int, dict[str, torch.Tensor]]:
         """Each of the bucket's parameters' ``step``, ``master``, ``exp_avg``, ``exp_avg_sq`` (CPU tensors) on every
-        rank, by slot index: :meth:`_bucket_state` unpacked (a collective)."""
-        packed = self._bucket_state(b)
+        rank, by slot index: :meth:`bucket_state` unpacked (a collective)."""
+        packed = self.bucket_state(b)
         n = b.numel
         out = {}
         for j, s in enumerate(b.slots):
@@ -321,3 +321,28 @@ class ShardMixin:
                             "exp_avg": packed[n + o:n + o + s.numel],
                             "exp_avg_sq": packed[2 * n + o:2 * n + o + s.numel]}
         return out
+
+    def gather_host_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every host-resident parameter's state, from whichever rank owns it (a collective; CPU tensors)."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for b in self.layout.buckets:
+            out.update(self.bucket_slot_states(b))
+        return out
+
+    def all_agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (a collective)."""
+        t = torch.tensor([1.0 if flag else 0.0],
+                         device=self._device if self.group.tensors_on_gpu else torch.device("cpu"))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return float(t) >= 1.0
+
+    def replicate_to_devices(self) -> None:
+        """Send every bucket's state from its owner to every rank's GPU tail and drop the host buckets (a
+        collective; the caller holds the layout's lock and has synchronized)."""
+        for b in list(self.layout.buckets):
+            states = self.bucket_slot_states(b)
+            for s in b.slots:
+                self.layout.install_device_state(s, self.layout.device_state(s, states[s.index]))
+            self.layout.buckets.remove(b)
+            b.release_host()
+        self.release()  # the rank's page-locked host block held only those buckets

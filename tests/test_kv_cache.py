@@ -19,8 +19,14 @@ from torch import nn
 
 from lightning_gh._util import reset_warnings
 from lightning_gh.demo import LlamaLM, MarkovDataModule, preset
-from lightning_gh.kv import (GenerationCallback, KVOffloadEngine, KVOffloadOptions, OffloadedKVCache, cache_kwarg,
-                             kv_spec)
+from lightning_gh.kv import (
+    GenerationCallback,
+    KVOffloadEngine,
+    KVOffloadOptions,
+    OffloadedKVCache,
+    cache_kwarg,
+    kv_spec,
+)
 from lightning_gh.kv.plan import make_plan, place
 from lightning_gh.kv.pool import HostKVPool, HostMemoryError, StagingRing
 from lightning_gh.kv.transport import KVHostCopyTransport, rows_geometry
@@ -427,6 +433,95 @@ def test_callback_arguments_are_validated():
         GenerationCallback(torch.zeros(1, 2, dtype=torch.long), options={"resident_layers": 1})
 
 
+@pytest.mark.parametrize("prompts, match", [
+    ([[1, 2.7]], r"prompts must hold integer token ids; got 2.7 \(float\)"),
+    ([[1, True]], r"got True \(bool\)"),
+    ([[3, -1]], r"prompts hold the token id -1; allowed: ids >= 0"),
+    (torch.tensor([[0, -5]]), r"prompts hold the token id -5; allowed: ids >= 0"),
+])
+def test_callback_refuses_float_and_negative_ids(prompts, match):
+    with pytest.raises(ValueError, match=match):
+        GenerationCallback(prompts)
+
+
+@pytest.mark.parametrize("filename, error, match", [
+    ("", ValueError, "filename='' must name a file"),
+    ("   ", ValueError, "filename='   ' must name a file"),
+    ("samples/", ValueError, "filename='samples/' must name a file"),
+    (3, TypeError, "filename=3 must be a str or None"),
+])
+def test_callback_refuses_a_filename_that_names_no_file(filename, error, match):
+    with pytest.raises(error, match=match):
+        GenerationCallback(torch.zeros(1, 2, dtype=torch.long), filename=filename)
+
+
+def _setup(cb, strategy, model=None):
+    from types import SimpleNamespace
+
+    cb.setup(SimpleNamespace(callbacks=[cb], strategy=strategy), model if model is not None else _demo(1), "fit")
+
+
+def test_callback_refuses_out_of_vocabulary_ids_at_setup():
+    model = _demo(1)
+    vocab = model.model.cfg.vocab_size
+    cb = GenerationCallback(torch.tensor([[0, vocab]]))
+    with pytest.raises(ValueError, match=f"prompts hold the token id {vocab}, outside the model's vocabulary of "
+                                         f"{vocab}; allowed: ids in 0..{vocab - 1}"):
+        _setup(cb, object(), model)
+    _setup(GenerationCallback(torch.tensor([[0, vocab - 1]])), object(), model)
+
+
+class DeepSpeedStrategy:  # stands in for Lightning's (deepspeed is not installed here); matched by name
+    def __init__(self, stage):
+        self.zero_stage_3 = stage == 3
+
+
+@pytest.mark.parametrize("strategy, zero_stage, expected", [
+    ("SingleDeviceStrategy", None, "rank zero"),
+    ("DDPStrategy", None, "rank zero"),
+    ("DeepSpeedStrategy", 2, "rank zero"),
+    ("ModelParallelStrategy", None, "every rank"),
+    ("FSDPStrategy", None, "cannot generate under FSDPStrategy \\(FSDP1\\)"),
+    ("DeepSpeedStrategy", 3, "cannot generate under DeepSpeed ZeRO stage 3"),
+])
+def test_which_ranks_generate_under_each_strategy(strategy, zero_stage, expected):
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_gh.kv.callback import ranks_that_generate
+
+    if expected.startswith("cannot"):
+        with pytest.raises(MisconfigurationException, match=expected + ".*Allowed: ModelParallelStrategy"):
+            ranks_that_generate(strategy, zero_stage)
+    else:
+        assert ranks_that_generate(strategy, zero_stage) == expected
+
+
+def test_callback_refuses_fsdp1_and_deepspeed_stage_3_at_setup():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    prompts = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(MisconfigurationException, match="under FSDPStrategy"):
+        _setup(GenerationCallback(prompts), FSDPStrategy())
+    with pytest.raises(MisconfigurationException, match="under DeepSpeed ZeRO stage 3"):
+        _setup(GenerationCallback(prompts), DeepSpeedStrategy(3))
+    _setup(GenerationCallback(prompts), DeepSpeedStrategy(2))
+
+
+def test_callback_record_on_the_cpu_says_what_happened():
+    reset_warnings("kv:plain-cpu")
+    model = _demo(2)
+    with pytest.warns(UserWarning, match="not a CUDA GPU"):
+        record = GenerationCallback(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2).generate(model)
+    assert record["kv"] == "OffloadedKVCache as a plain cache on cpu (no GPU): nothing offloaded"
+    assert "GPU" not in record["plan"].replace("CUDA GPU", "") and record["gpu_kv_fraction"] is None
+    assert record["plan"].startswith("all 2 layers on the CPU")
+    record = GenerationCallback(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2,
+                                options=KVOffloadOptions(resident_layers=1, **HOST)).generate(model)
+    assert record["kv"] == "OffloadedKVCache: 1/2 layers offloaded to host memory, 1 resident on cpu"
+    assert "pinned" not in record["plan"] and "CPU KV" in record["plan"]
+
+
 def _fit(callbacks, tmp_path, steps=4, logger=True, sanity=1, val_every=2, **kw):
     from lightning.pytorch.loggers import CSVLogger
 
@@ -479,6 +574,97 @@ def test_callback_under_ddp_generates_on_rank_zero_only(tmp_path):
     strategy = "ddp_spawn" if torch.cuda.is_available() and torch.cuda.is_initialized() else "ddp_fork"
     _fit([cb, _OnlyRankZeroGenerates()], tmp_path, steps=1, logger=False, sanity=0, val_every=1, devices=2,
          strategy=strategy)
+
+
+_SHARDED_WORKER = """
+import json, os, sys
+import lightning as L
+import torch
+import transformers
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_gh.kv import GenerationCallback, KVOffloadOptions
+
+out = sys.argv[1]
+transformers.logging.set_verbosity_error()
+
+
+class LM(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64))
+
+    def configure_model(self):
+        for layer in self.model.model.layers:
+            fully_shard(layer)
+        fully_shard(self.model)
+
+    def training_step(self, batch, i):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def validation_step(self, batch, i):
+        self.log("val_loss", self.model(input_ids=batch[0], labels=batch[0]).loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Recording(GenerationCallback):  # keeps what every rank generated, not only rank 0's record
+    generated = []
+
+    def generate(self, pl_module, every_rank=False):
+        record = super().generate(pl_module, every_rank)
+        self.generated.append(record["ids"])
+        return record
+
+
+data = DataLoader(TensorDataset(torch.randint(64, (16, 8), generator=torch.Generator().manual_seed(0))), batch_size=2)
+cb = Recording(torch.randint(64, (2, 4), generator=torch.Generator().manual_seed(1)), every_n_steps=1,
+               max_new_tokens=3, options=KVOffloadOptions(resident_layers=0, backend="host-copy"))
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2,
+                    tensor_parallel_size=1), max_steps=2, val_check_interval=1, limit_val_batches=1,
+                    check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, callbacks=[cb])
+trainer.fit(LM(), data, data)
+with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+    json.dump({"history": [h["ids"] for h in cb.history], "generated": cb.generated}, f)
+"""
+
+
+@pytest.mark.slow
+def test_callback_under_fsdp2_generates_on_every_rank_in_lock_step(tmp_path):
+    """Two gloo processes under ModelParallelStrategy (FSDP2): every rank joins the generation's all-gathers and
+    generates the same tokens; only rank 0 records. Run in a subprocess that is killed, with its rank-1 child, if it
+    does not end in time: a hang fails the test instead of stalling the suite."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    script = tmp_path / "worker.py"
+    script.write_text(_SHARDED_WORKER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's rank-1 child is in the same process group
+        log, _ = proc.communicate()
+        pytest.fail(f"generation under FSDP2 did not finish in 600 s (hang?):\n{log[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, log[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(r0["history"]) == 2 and r1["history"] == []  # validation at steps 1 and 2; rank 0 records
+    assert r0["generated"] == r1["generated"] == r0["history"]
+    assert all(len(ids) == 2 and len(ids[0]) == 3 for ids in r0["history"])
 
 
 # ------------------------------------------------------------------------------------- package, suite

@@ -1,34 +1,94 @@
 """``GenerationCallback``: generate from fixed prompts during validation, with the offloaded KV cache.
 
 Where users of a training library meet a KV cache: samples and long-context evals at validation time. Every
-``every_n_steps`` optimizer steps, at the end of a validation epoch, global rank 0 generates greedily from the
-prompts, logs ``gen/tokens_per_s``, ``gen/seconds``, ``gen/new_tokens`` and the cache's GPU share to every logger,
-and appends the token ids (and texts, with a tokenizer) to ``generations.jsonl`` in the logger's folder. Other
-ranks do nothing: generation runs outside DDP's wrapper and has no collectives, so they simply wait for rank 0
-at the next synchronising step. The cache is built once and ``reset()`` before each generation, so its pinned
-host pool is allocated and page-locked once per fit.
+``every_n_steps`` optimizer steps, at the end of a validation epoch, the prompts are decoded greedily; global rank 0
+logs ``gen/tokens_per_s``, ``gen/seconds``, ``gen/new_tokens`` and the cache's GPU share to every logger, and
+appends the token ids (and texts, with a tokenizer) to ``generations.jsonl`` in the logger's folder. The cache is
+built once and ``reset()`` before each generation, so its pinned host pool is allocated and page-locked once per fit.
+
+Which ranks generate is decided by :func:`ranks_that_generate` from the strategy. Note [Generation under sharded
+parameters]: where every rank holds whole parameters (one device, DDP), only rank 0 generates; its forward runs
+outside DDP's wrapper and has no collectives, so the other ranks wait for it at the next synchronising step. Where
+the parameters are sharded (``ModelParallelStrategy``, i.e. FSDP2), a forward needs all-gathers that every rank must
+join, so every rank generates the same prompts in lock step: each FSDP2 module is unsharded before the first token
+and resharded after the last (a module whose forward ``generate`` never calls, such as the root, still finds whole
+parameters; the others gather and free around each call, as in training), transformers' ``generate`` gets
+``synced_gpus=True``, and only rank 0 records, logs and writes. ``FSDPStrategy`` (FSDP1) and
+DeepSpeed stage 3 are refused at setup: their gathers run only inside the wrapped module's forward, which
+``generate`` does not call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import numbers
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gh import compat
 from lightning_gh._options import resolve
 from lightning_gh.kv.cache import OffloadedKVCache
 from lightning_gh.kv.options import KVOffloadOptions
-from lightning_gh.kv.spec import cache_kwarg, find_generator
+from lightning_gh.kv.spec import cache_kwarg, find_generator, vocab_size
 
-__all__ = ["GenerationCallback"]
+__all__ = ["GenerationCallback", "ranks_that_generate"]
 
 CACHES = ("offloaded", "dynamic")
+
+
+def ranks_that_generate(strategy: str, zero_stage: int | None = None) -> str:
+    """``"rank zero"`` or ``"every rank"`` for a strategy class name; a ``MisconfigurationException`` for a
+    strategy under which generation cannot run. See Note [Generation under sharded parameters].
+
+    Args:
+        strategy: the class name of ``trainer.strategy`` (or of the Lightning strategy it derives from).
+        zero_stage: DeepSpeed's ZeRO stage (only read for ``"DeepSpeedStrategy"``).
+
+    Example::
+
+        >>> ranks_that_generate("DDPStrategy"), ranks_that_generate("ModelParallelStrategy")
+        ('rank zero', 'every rank')
+    """
+    if strategy == "ModelParallelStrategy":
+        return "every rank"
+    if strategy == "FSDPStrategy" or (strategy == "DeepSpeedStrategy" and zero_stage == 3):
+        what = "FSDPStrategy (FSDP1)" if strategy == "FSDPStrategy" else "DeepSpeed ZeRO stage 3"
+        raise MisconfigurationException(
+            f"GenerationCallback cannot generate under {what}: the parameters are sharded and gathered only inside "
+            "the wrapped module's forward, which generate() does not call, so generation would fail or hang. "
+            "Allowed: ModelParallelStrategy (FSDP2; every rank then generates the same prompts in lock step), DDP, "
+            "DeepSpeed stage 1 or 2, or a single device.")
+    return "rank zero"
+
+
+def _strategy_name(strategy: Any) -> str:
+    known = ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+    return next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in known), type(strategy).__name__)
+
+
+@contextlib.contextmanager
+def _gathered(module: torch.nn.Module) -> Iterator[None]:
+    """Every FSDP2 module of ``module`` unsharded inside the block (a collective: every rank must enter it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2: nothing can be sharded by it
+        yield
+        return
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in sharded:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.reshard()
 
 
 def _as_ids(prompts: Any) -> torch.Tensor | None:
@@ -38,7 +98,9 @@ def _as_ids(prompts: Any) -> torch.Tensor | None:
         if prompts.dim() != 2 or prompts.numel() == 0 or prompts.is_floating_point():
             raise ValueError(f"prompts must be token ids of shape (batch, length); got {prompts.dtype} "
                              f"{tuple(prompts.shape)}.")
-        return prompts.long()
+        ids = prompts.long()
+        _check_ids(ids, None)
+        return ids
     if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
         return None
     if all(isinstance(p, Sequence) and not isinstance(p, str) for p in prompts):
@@ -46,13 +108,46 @@ def _as_ids(prompts: Any) -> torch.Tensor | None:
         if len(lengths) != 1 or 0 in lengths:
             raise ValueError(f"prompts as lists of token ids must share one non-zero length; got lengths "
                              f"{sorted(lengths)}. Pass strings with a tokenizer for prompts of different lengths.")
-        return torch.tensor([list(p) for p in prompts], dtype=torch.long)
+        bad = [x for p in prompts for x in p if not isinstance(x, numbers.Integral) or isinstance(x, bool)]
+        if bad:
+            bad = bad[0]
+            raise ValueError(f"prompts must hold integer token ids; got {bad!r} ({type(bad).__name__}). Allowed: "
+                             "ints (a float id would be truncated).")
+        ids = torch.tensor([[int(x) for x in p] for p in prompts], dtype=torch.long)
+        _check_ids(ids, None)
+        return ids
     return None
 
 
+def _check_ids(ids: torch.Tensor, vocab: int | None) -> None:
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0:
+        raise ValueError(f"prompts hold the token id {low}; allowed: ids >= 0.")
+    if vocab is not None and high >= vocab:
+        raise ValueError(f"prompts hold the token id {high}, outside the model's vocabulary of {vocab}; allowed: "
+                         f"ids in 0..{vocab - 1}.")
+
+
+def _what_happened(cache: OffloadedKVCache | None, device: torch.device) -> str:
+    """One phrase for the log line and the record: where the keys and values really were."""
+    if cache is None:
+        return "the model's default cache"
+    plan = cache.plan
+    if plan is None:
+        return "OffloadedKVCache, not used"
+    if plan.offloaded:
+        host = "pinned host memory" if plan.backend == "cuda" else "host memory"
+        return (f"OffloadedKVCache: {len(plan.offloaded)}/{plan.num_layers} layers offloaded to {host}, "
+                f"{len(plan.resident)} resident on {device}")
+    if device.type == "cuda":
+        return f"OffloadedKVCache: all {plan.num_layers} layers resident on the GPU, nothing offloaded"
+    return f"OffloadedKVCache as a plain cache on {device.type} (no GPU): nothing offloaded"
+
+
 class GenerationCallback(L.Callback):
-    """Generate from ``prompts`` at the end of validation every ``every_n_steps`` optimizer steps (rank 0 only),
-    with :class:`~lightning_gh.kv.OffloadedKVCache`, and log speed and samples.
+    """Generate from ``prompts`` at the end of validation every ``every_n_steps`` optimizer steps, with
+    :class:`~lightning_gh.kv.OffloadedKVCache`, and log speed and samples (rank 0; under sharded parameters every
+    rank generates, see Note [Generation under sharded parameters]).
 
     Args:
         prompts: token ids ``(batch, length)`` (tensor or equal-length lists), or strings with ``tokenizer``.
@@ -67,7 +162,7 @@ class GenerationCallback(L.Callback):
         generate_fn: ``fn(pl_module, input_ids, cache, max_new_tokens) -> ids`` for models whose ``generate`` is
             neither transformers' nor ``generate(input_ids, max_new_tokens, past_key_values)``.
         filename: the JSON-lines file of samples, in the first logger's ``log_dir`` (else ``trainer.default_root_dir``);
-            ``None`` writes none.
+            ``None`` writes none. Not ``""``.
         prefill_chunk_size: passed to transformers' ``generate``: the prompt runs through the model this many
             tokens at a time, so prefill activations are bounded by the chunk instead of the prompt (long prompts
             under a memory cap). ``None`` prefills in one forward. Only for transformers models.
@@ -114,6 +209,11 @@ class GenerationCallback(L.Callback):
                                  f"list of strings; got {type(prompts).__name__}.")
             if tokenizer is None:
                 raise ValueError("prompts are strings, so a tokenizer is needed (tokenizer=None).")
+        if filename is not None and not isinstance(filename, str):
+            raise TypeError(f"filename={filename!r} must be a str or None; got {type(filename).__name__}.")
+        if filename is not None and (not filename.strip() or not os.path.basename(filename)):
+            raise ValueError(f"filename={filename!r} must name a file (e.g. 'generations.jsonl'), or be None to "
+                             "write no file.")
         self.prompts = prompts
         self.every_n_steps = every_n_steps
         self.max_new_tokens = max_new_tokens
@@ -127,10 +227,16 @@ class GenerationCallback(L.Callback):
         self._last_step: int | None = None
         self._cache_obj: OffloadedKVCache | None = None
         self._cache_key: tuple[Any, ...] | None = None
+        self._ranks = "rank zero"
         self.history: list[dict[str, Any]] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         compat.check(trainer, self.lgh_part)
+        strategy = trainer.strategy
+        zero_stage = 3 if getattr(strategy, "zero_stage_3", False) else None
+        self._ranks = ranks_that_generate(_strategy_name(strategy), zero_stage)
+        if self._ids is not None:
+            _check_ids(self._ids, vocab_size(pl_module))
 
     @property
     def state_key(self) -> str:
@@ -145,13 +251,16 @@ class GenerationCallback(L.Callback):
     # ------------------------------------------------------------------------------------------ hooks
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        every_rank = self._ranks == "every rank" and trainer.world_size > 1
+        if trainer.sanity_checking or not (trainer.is_global_zero or every_rank):
             return
         step = trainer.global_step
         if self._last_step is not None and step < self._last_step + self.every_n_steps:
             return
         self._last_step = step
-        record = self.generate(pl_module)
+        record = self.generate(pl_module, every_rank=every_rank)
+        if not trainer.is_global_zero:
+            return
         record.update(step=step, epoch=trainer.current_epoch)
         self.history.append(record)
         metrics = {k: float(record[k]) for k in ("tokens_per_s", "seconds", "new_tokens") if record.get(k) is not None}
@@ -165,7 +274,7 @@ class GenerationCallback(L.Callback):
                                 data=[[step, i, t] for i, t in enumerate(record["texts"])])
         self._write(trainer, record)
         rank_zero_info(f"GenerationCallback step {step}: {record['new_tokens']} tokens in {record['seconds']:.2f} s "
-                       f"({record['tokens_per_s']:.1f} tokens/s, cache {self.cache})")
+                       f"({record['tokens_per_s']:.1f} tokens/s; {record['kv']})")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._cache_obj is not None:
@@ -195,9 +304,23 @@ class GenerationCallback(L.Callback):
             self._cache_obj.reset()
         return self._cache_obj
 
-    @torch.inference_mode()
-    def generate(self, pl_module: L.LightningModule) -> dict[str, Any]:
-        """Generate once from the prompts now and return the record that would be logged (any rank may call it)."""
+    def generate(self, pl_module: L.LightningModule, every_rank: bool = False) -> dict[str, Any]:
+        """Generate once from the prompts now and return the record that would be logged.
+
+        Args:
+            pl_module: the model.
+            every_rank: the parameters are sharded and every rank calls this in lock step (see Note [Generation
+                under sharded parameters]); otherwise any one rank may call it alone.
+        """
+        if not every_rank:
+            with torch.inference_mode():
+                return self._generate(pl_module, every_rank)
+        # Collectives on tensors made in inference mode are refused by some backends (gloo): no_grad, as Lightning's
+        # own evaluation loop does there.
+        with torch.no_grad(), _gathered(pl_module):
+            return self._generate(pl_module, every_rank)
+
+    def _generate(self, pl_module: L.LightningModule, every_rank: bool) -> dict[str, Any]:
         ids, mask = self._inputs(pl_module.device)
         cache = self._get_cache(pl_module, ids)
         sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda *a: None)
@@ -222,6 +345,8 @@ class GenerationCallback(L.Callback):
                     kw["pad_token_id"] = pad
                 if self.prefill_chunk_size is not None:
                     kw["prefill_chunk_size"] = self.prefill_chunk_size
+                if every_rank:
+                    kw["synced_gpus"] = True  # no rank leaves the loop (and its all-gathers) before the others
                 out = target.generate(ids, **kw)
             else:
                 if self.prefill_chunk_size is not None:
@@ -232,11 +357,14 @@ class GenerationCallback(L.Callback):
         sync()
         seconds = time.perf_counter() - t0
         new = out[:, ids.shape[1]:]
+        plan = cache.plan if cache is not None else None
+        # A plain cache off the GPU holds everything where the model runs: there is no GPU share to report.
+        no_gpu = plan is not None and plan.backend == "plain" and ids.device.type != "cuda"
         record: dict[str, Any] = {
             "seconds": seconds, "new_tokens": int(new.numel()),
             "tokens_per_s": new.numel() / seconds if seconds > 0 else None,
-            "cache": self.cache, "ids": new.tolist(),
-            "gpu_kv_fraction": cache.plan.gpu_fraction if cache is not None and cache.plan is not None else None,
+            "cache": self.cache, "kv": _what_happened(cache, ids.device), "ids": new.tolist(),
+            "gpu_kv_fraction": plan.gpu_fraction if plan is not None and not no_gpu else None,
             "plan": cache.describe() if cache is not None else "model default cache",
         }
         if self.tokenizer is not None and hasattr(self.tokenizer, "batch_decode"):

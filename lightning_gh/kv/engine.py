@@ -189,7 +189,8 @@ class KVOffloadEngine:
                          gpu_budget_bytes=self.options.gpu_budget_bytes, num_slots=self.options.num_slots,
                          placement=self.options.placement, backend=backend,
                          free_bytes=_free_gpu_bytes(self.device) if self.device is not None else None,
-                         gpu_memory_fraction=self.options.gpu_memory_fraction)
+                         gpu_memory_fraction=self.options.gpu_memory_fraction,
+                         device_type=self.device.type if self.device is not None else "cuda")
 
     def _build(self, max_len: int) -> None:
         plan = self.plan

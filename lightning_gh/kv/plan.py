@@ -58,6 +58,7 @@ class KVPlan:
         max_length: tokens per sequence the buffers hold.
         backend: ``"cuda"``, ``"host-copy"`` or ``"plain"``.
         reason: how the resident count was chosen.
+        device_type: where the keys are computed (``"cuda"``; ``"cpu"`` in tests and off the GPU), for messages.
     """
 
     num_layers: int
@@ -69,6 +70,7 @@ class KVPlan:
     max_length: int
     backend: str
     reason: str
+    device_type: str = "cuda"
 
     @property
     def gpu_kv_bytes(self) -> int:
@@ -92,14 +94,15 @@ class KVPlan:
         return len(self.offloaded) * per_token * (fetch + new_tokens)
 
     def describe(self) -> str:
+        dev = "GPU" if self.device_type == "cuda" else self.device_type.upper()
         if not self.offloaded:
-            return (f"all {self.num_layers} layers on the GPU ({fmt_bytes(self.gpu_kv_bytes)}, backend "
+            return (f"all {self.num_layers} layers on the {dev} ({fmt_bytes(self.gpu_kv_bytes)}, backend "
                     f"{self.backend}; {self.reason})")
         host = "pinned host memory" if self.backend == "cuda" else "host memory"
         return (f"{len(self.resident)}/{self.num_layers} layers resident {list(self.resident)}, "
                 f"{len(self.offloaded)} offloaded to {fmt_bytes(self.host_kv_bytes)} of {host}, "
-                f"{self.slots} staging slots; GPU KV {fmt_bytes(self.gpu_kv_bytes)} = {self.gpu_fraction:.0%} of "
-                f"a GPU-only cache (batch {self.batch_size}, max_length {self.max_length}, backend {self.backend}; "
+                f"{self.slots} staging slots; {dev} KV {fmt_bytes(self.gpu_kv_bytes)} = {self.gpu_fraction:.0%} of "
+                f"a {dev}-only cache (batch {self.batch_size}, max_length {self.max_length}, backend {self.backend}; "
                 f"{self.reason})")
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,7 +115,7 @@ def make_plan(*, num_layers: int, layer_bytes: int, batch_size: int, max_length:
               gpu_budget_bytes: int | None, num_slots: int, placement: str, backend: str,
               free_bytes: int | None = None,
               gpu_memory_fraction: float = KVOffloadOptions.gpu_memory_fraction,
-              budget_is_explicit: bool | None = None) -> KVPlan:
+              budget_is_explicit: bool | None = None, device_type: str = "cuda") -> KVPlan:
     """Decide the split.
 
     Args:
@@ -127,6 +130,8 @@ def make_plan(*, num_layers: int, layer_bytes: int, batch_size: int, max_length:
         backend: ``"plain"`` keeps everything resident.
         free_bytes: free GPU memory at first use (``None``: unknown, keep everything resident).
         gpu_memory_fraction: share of ``free_bytes`` ``"auto"`` may budget.
+        budget_is_explicit: whether the user gave ``gpu_budget_bytes`` (default: whether it is not ``None``).
+        device_type: where the keys are computed, for messages.
     """
     explicit = gpu_budget_bytes is not None if budget_is_explicit is None else budget_is_explicit
     what = f"one layer's keys+values for batch {batch_size} x max_length {max_length} is {layer_bytes:,} bytes"
@@ -138,8 +143,10 @@ def make_plan(*, num_layers: int, layer_bytes: int, batch_size: int, max_length:
         raise ValueError(f"resident_layers={resident_layers} exceeds the model's {num_layers} cached layers; allowed: "
                          f"'auto' or 0..{num_layers}.")
     if backend == "plain":
+        why = ("plain cache: nothing is offloaded" if device_type == "cuda" else
+               f"the keys are on {device_type}, not a CUDA GPU: a plain cache, nothing is offloaded")
         return KVPlan(num_layers, tuple(range(num_layers)), (), 0, layer_bytes, batch_size, max_length, backend,
-                      "plain cache: nothing is offloaded")
+                      why, device_type)
     if isinstance(resident_layers, int):
         count, reason = resident_layers, f"resident_layers={resident_layers}"
     else:
@@ -167,7 +174,8 @@ def make_plan(*, num_layers: int, layer_bytes: int, batch_size: int, max_length:
     resident = place(num_layers, count, placement)
     offloaded = tuple(i for i in range(num_layers) if i not in resident)
     slots = min(num_slots, len(offloaded)) if offloaded else 0
-    plan = KVPlan(num_layers, resident, offloaded, slots, layer_bytes, batch_size, max_length, backend, reason)
+    plan = KVPlan(num_layers, resident, offloaded, slots, layer_bytes, batch_size, max_length, backend, reason,
+                  device_type)
     over = gpu_budget_bytes is not None and plan.gpu_kv_bytes > gpu_budget_bytes
     if explicit and isinstance(resident_layers, int) and over:
         most = max(0, gpu_budget_bytes // layer_bytes - min(num_slots, num_layers))  # type: ignore[operator]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["KVSpec", "SUPPORTED_LAYER_TYPES", "cache_kwarg", "kv_spec", "find_generator"]
+__all__ = ["KVSpec", "SUPPORTED_LAYER_TYPES", "cache_kwarg", "find_generator", "kv_spec", "vocab_size"]
 
 # Layers whose cache is a plain, growing key/value sequence. Sliding-window layers are kept in full: the model's
 # sliding mask hides what lies outside the window, so the output is the same.
@@ -143,6 +143,25 @@ def kv_spec(model: Any) -> KVSpec:
                           ("full_attention",) * int(cfg.n_layers), type(cand).__name__)
     raise _no_cache(model, "found no decoder config (num_hidden_layers, or n_layers/n_kv_heads) on it or its "
                            "submodules")
+
+
+def vocab_size(model: Any) -> int | None:
+    """The number of token ids ``model`` embeds (its config's ``vocab_size``), or ``None`` where no config says.
+
+    Example::
+
+        >>> from lightning_gh.demo import LlamaLM
+        >>> vocab_size(LlamaLM.from_preset("tiny"))
+        64
+    """
+    if not isinstance(model, nn.Module):
+        return None
+    for cand in _candidates(model):
+        cfg = _hf_config(cand) or _demo_config(cand)
+        n = getattr(cfg, "vocab_size", None) if cfg is not None else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
 
 
 def find_generator(model: nn.Module) -> nn.Module:

@@ -34,6 +34,7 @@ import ctypes
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -127,8 +128,11 @@ class HostPlan:
         return max(0, budget - others)
 
     def claim(self, part: str, nbytes: int, *, what: str, headroom: float = 0.9, tips: Sequence[str] = (),
-              opt_out: str | None = None) -> int | None:
+              opt_out: str | None = None, owner: object | None = None) -> int | None:
         """Record that ``part`` holds ``nbytes`` in all, or raise :class:`HostMemoryError` naming every share.
+
+        With ``owner``, the share is released when ``owner`` is garbage-collected (a part that is never closed
+        cannot keep its share).
 
         Returns:
             The part's room the decision used, or ``None`` where the host's memory cannot be read.
@@ -148,7 +152,15 @@ class HostPlan:
             old = self._shares.get(part, HostShare(part))
             self._shares[part] = HostShare(part, nbytes, max(0, old.declared_bytes - (nbytes - old.held_bytes)),
                                            what)
+        if owner is not None:
+            weakref.finalize(owner, self._release_if_held, part, nbytes)
         return room
+
+    def _release_if_held(self, part: str, nbytes: int) -> None:
+        with self._lock:
+            share = self._shares.get(part)
+            if share is not None and share.held_bytes == nbytes:
+                self._shares.pop(part)
 
     def release(self, part: str) -> None:
         """Forget ``part``'s holding and declaration (it freed its host memory)."""
@@ -179,7 +191,8 @@ PLAN = HostPlan()
 
 
 def check_host_room(needed_bytes: int, *, what: str, headroom: float = 0.9, held_bytes: int = 0,
-                    tips: Sequence[str] = (), opt_out: str | None = None, part: str | None = None) -> int | None:
+                    tips: Sequence[str] = (), opt_out: str | None = None, part: str | None = None,
+                    owner: object | None = None) -> int | None:
     """Raise :class:`HostMemoryError` unless ``needed_bytes`` fit in ``headroom`` of the host's available memory.
 
     With ``part``, the check is the host-memory plan's (:meth:`HostPlan.claim` on :data:`PLAN`): ``needed_bytes``
@@ -194,12 +207,13 @@ def check_host_room(needed_bytes: int, *, what: str, headroom: float = 0.9, held
         opt_out: the option that skips this check, for the message.
 
         part: the part making the claim in the host-memory plan, or ``None`` for a check outside the plan.
+        owner: the object whose garbage collection releases the claim (see :meth:`HostPlan.claim`).
 
     Returns:
         The available bytes the decision used, or ``None`` where the host's memory cannot be read (then it passes).
     """
     if part is not None:
-        return PLAN.claim(part, needed_bytes, what=what, headroom=headroom, tips=tips, opt_out=opt_out)
+        return PLAN.claim(part, needed_bytes, what=what, headroom=headroom, tips=tips, opt_out=opt_out, owner=owner)
     avail = hardware.available_host_bytes()
     if avail is None:
         return None

@@ -103,3 +103,18 @@ def test_check_host_room_with_a_part_goes_through_the_process_plan(monkeypatch):
     finally:
         _host.PLAN.release("ActivationOffload")
         _host.PLAN.release("SuperOffload")
+
+
+def test_a_share_is_released_when_its_owner_is_collected():
+    import gc
+
+    class Pool:
+        pass
+
+    plan = plan_with(100)
+    pool = Pool()
+    plan.claim("KVCache", 5 * GIB, what="pool", owner=pool)
+    assert [s.part for s in plan.shares()] == ["KVCache"]
+    del pool
+    gc.collect()
+    assert plan.shares() == []

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lightning_gh import _host
 from lightning_gh._host import HostBuffer, HostMemoryError, check_host_room
 from lightning_gh.kv.options import KVOffloadOptions
 
@@ -58,7 +59,8 @@ class HostKVPool:
                         what=f"OffloadedKVCache's host pool ({num_layers} offloaded layers x keys+values "
                              f"{tuple(shape)} {dtype})",
                         tips=["keep more layers on the GPU (resident_layers)", "lower max_length or the batch",
-                              f"raise host_memory_fraction={host_memory_fraction}"])
+                              f"raise host_memory_fraction={host_memory_fraction}"],
+                        part="KVCache", owner=self)
         # One exact-size allocation, page-locked once (HostBuffer counts fp32 words).
         self._buffer = HostBuffer(-(-self.nbytes // 4), pin=pin, zero=False)
         self.flat = self._buffer.tensor.view(torch.uint8)[: self.nbytes].view(dtype)
@@ -74,8 +76,10 @@ class HostKVPool:
         return self._views[index, 0], self._views[index, 1]
 
     def release(self) -> None:
-        """Unlock the pages (at most once); the pool must not be used afterwards."""
+        """Unlock the pages (at most once) and give the pool's share of the host-memory plan back; the pool must
+        not be used afterwards."""
         self._buffer.release()
+        _host.PLAN.release("KVCache")
 
 
 @dataclass(eq=False)

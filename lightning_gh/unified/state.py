@@ -192,7 +192,8 @@ class OptimizerStatePlacement:
             pool.check_fits(need, self.options, what=what)
         if total and self.options.preferred == "cpu":
             check_host_room(total, what=f"ManagedOptimizerState: {what} in host-preferred managed memory",
-                            tips=("use preferred='gpu'", "use fewer or smaller optimizer states"))
+                            tips=("use preferred='gpu'", "use fewer or smaller optimizer states"),
+                            part="ManagedOptimizerState", owner=self)
 
     # ------------------------------------------------------------------ placement
     def ensure_state(self) -> int:

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Literal, Mapping
+import weakref
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Generator, Literal, Mapping
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -147,6 +149,7 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
         self.emulate = emulate
         self.config = config
         self._fsdp_precompute = False
+        self._fsdp_module: weakref.ref | None = None  # the module whose weights are precomputed (Fabric passes none)
 
     @classmethod
     def default_name(cls, recipe: str) -> str:
@@ -225,6 +228,8 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
         convert_to_float8_training(module, config=config,
                                    module_filter_fn=lambda m, fqn: not isinstance(m, Float8Linear) and keep(m, fqn))
         self._fsdp_precompute = self._fsdp_precompute or bool(fsdp)
+        if fsdp:
+            self._fsdp_module = weakref.ref(module)
         return {raw: sub for raw, sub in module.named_modules() if isinstance(sub, Float8Linear)}
 
     def _token_checks(self) -> bool:
@@ -241,12 +246,38 @@ class TorchAOFloat8Precision(Float8PrecisionBase, MixedPrecision):
         done = compile_regions(module, lambda m: isinstance(m, Float8Linear), kwargs)
         return f"; {done}" if done else ""
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Any, model: Any = None, closure: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, model, closure, **kwargs)
-        if self._fsdp_precompute:
+        module = model if model is not None else (self._fsdp_module() if self._fsdp_module is not None else None)
+        if self._fsdp_precompute and module is not None:  # under Fabric the model is not passed: the one converted
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             # One all-reduce for every weight's amax, so the next forward's float8 all-gather has its scales.
-            precompute_float8_dynamic_scale_for_fsdp(model)
+            precompute_float8_dynamic_scale_for_fsdp(module)
         return out
+
+    # ---- evaluation: see Note [torchao float8 outside inference mode]
+
+    @contextmanager
+    def _eval_context(self) -> Generator[None, None, None]:
+        # Note [torchao float8 outside inference mode]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        # Lightning runs validation, test and predict under torch.inference_mode() by default. torchao's float8
+        # tensors (a tensor subclass) cannot run there: an eager Float8Linear forward dies with
+        # "NotImplementedError: attempting to run aten.to.dtype" (tensor subclasses under inference mode,
+        # pytorch/pytorch#164872). So the evaluation steps leave inference mode for the model's forward and run it
+        # under torch.no_grad() instead (no graph is recorded either way); the loop around them keeps Lightning's
+        # mode. Tensors made under inference mode (the batch) are read as usual; only in-place writes to them would
+        # be refused, which a forward does not do to its input.
+        with torch.inference_mode(False), torch.no_grad(), self.forward_context():
+            yield
+
+    def val_step_context(self) -> AbstractContextManager:
+        return self._eval_context()
+
+    def test_step_context(self) -> AbstractContextManager:
+        return self._eval_context()
+
+    def predict_step_context(self) -> AbstractContextManager:
+        return self._eval_context()
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -55,6 +55,7 @@ from lightning_gh import compat, hardware
 from lightning_gh._lightning import is_compiled, trainer_of
 from lightning_gh.precision.base import Float8PrecisionBase
 from lightning_gh.precision.checks import ao_missing_reason, te_missing_reason, trainer_device
+from lightning_gh.precision.fabric import FabricCompatibleMixedPrecision
 from lightning_gh.precision.layer_filter import FIELDS as FILTER_FIELDS
 from lightning_gh.precision.names import FP8_NAMES
 
@@ -173,7 +174,7 @@ def choose_fp8(compiled: bool, strategy: str, te: str | None, ao: str | None,
 def _build_named(name: str, **options: Any) -> Precision:
     """The plugin for an fp8 name, or bf16-mixed: what fp8-auto can hand over to (the backends load lazily)."""
     if name == "bf16-mixed":
-        return MixedPrecision("bf16-mixed", **options)
+        return FabricCompatibleMixedPrecision("bf16-mixed", **options)
     spec = FP8_NAMES[name]
     if spec.backend == "te":
         from lightning_gh.precision.te import TEFloat8Precision as cls
@@ -236,6 +237,8 @@ class AutoFloat8Precision(Float8PrecisionBase):
             self.choice = Fp8Choice(None, hw_reason)
         else:
             compiled, te, ao = is_compiled(module), te_missing_reason(), ao_missing_reason()
+            if trainer is None and te is None:  # See Note [One plugin object for the Trainer and Fabric]
+                te = "the Transformer Engine plugin needs Lightning's Trainer (this is Fabric or a loop of your own)"
             self.timings = self._measure(module, auto_candidates(compiled, strategy, te, ao), device)
             self.choice = choose_fp8(compiled, strategy, te, ao, self.timings)
         self.chosen = self._build(self.choice, device, _build_named)
@@ -288,3 +291,10 @@ class AutoFloat8Precision(Float8PrecisionBase):
 
     def state_dict(self) -> dict[str, Any]:
         return self.chosen.state_dict() if self.chosen is not None else {}
+
+    def optimizer_step(self, optimizer: Any, model: Any = None, closure: Any = None, **kwargs: Any) -> Any:
+        # Under Fabric this object stays the precision plugin (no Trainer to hand over to): the chosen fp8 plugin's
+        # step runs (see Note [One plugin object for the Trainer and Fabric]).
+        if model is None and closure is None and isinstance(self.chosen, Float8PrecisionBase):
+            return self.chosen.optimizer_step(optimizer, **kwargs)
+        return super().optimizer_step(optimizer, model, closure, **kwargs)

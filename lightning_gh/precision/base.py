@@ -34,6 +34,7 @@ from torch import nn
 from lightning_gh import _lightning, compat
 from lightning_gh._options import resolve
 from lightning_gh.precision.checks import require_fp8_device, token_check_hook, trainer_device
+from lightning_gh.precision.fabric import FabricCompatible
 from lightning_gh.precision.layer_filter import FIELDS as FILTER_FIELDS
 from lightning_gh.precision.layer_filter import LayerFilter, LayerPlan
 from lightning_gh.precision.options import Float8Options, TEOptions
@@ -57,8 +58,11 @@ def te_native_modules(model: nn.Module) -> list[str]:
     return found
 
 
-class Float8PrecisionBase(Precision):
+class Float8PrecisionBase(FabricCompatible, Precision):
     """What every fp8 plugin shares: options, layer filter, ``repr`` and the conversion sequence.
+
+    The same object works under the Trainer and under Lightning Fabric (``Fabric(plugins=[...])``): see
+    Note [One plugin object for the Trainer and Fabric] in ``precision.fabric``.
 
     Args:
         recipe: the backend's recipe name (one of the subclass's ``recipes``; default: the first of them).

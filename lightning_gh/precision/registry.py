@@ -26,6 +26,7 @@ from lightning_gh.precision import checks as _checks
 from lightning_gh.precision import names as _names
 from lightning_gh.precision.auto import TRIAL_OPTIONS, AutoFloat8Precision, check_auto_options, check_trial_options
 from lightning_gh.precision.base import Float8PrecisionBase
+from lightning_gh.precision.fabric import FabricCompatibleMixedPrecision
 from lightning_gh.precision.layer_filter import LayerFilter
 
 __all__ = ["precision"]
@@ -128,5 +129,6 @@ def _auto(**options: Any):
     if why:
         warnings.warn(f"precision 'fp8-auto' falls back to bf16-mixed: {why}.", UserWarning, stacklevel=3)
         rest = {k: v for k, v in options.items() if k in _FALLBACK_OPTIONS}  # fp8-only options do not apply
-        return precision("bf16-mixed", **rest)
+        rest.setdefault("device", _default_device())
+        return _construct("bf16-mixed", FabricCompatibleMixedPrecision, "bf16-mixed", **rest)
     return AutoFloat8Precision(**fp8_options)

@@ -55,6 +55,7 @@ from lightning_gh._lightning import is_compiled, trainer_of
 from lightning_gh.precision.base import Float8PrecisionBase
 from lightning_gh.precision.block_trial import BlockCompileTrial
 from lightning_gh.precision.checks import FP8UnavailableError, te_missing_reason
+from lightning_gh.precision.fabric import require_trainer
 from lightning_gh.precision.layer_filter import LayerDecision, LayerPlan, clean_name
 from lightning_gh.precision.master import MasterWeightsMixin
 from lightning_gh.precision.options import TE_FIELDS, Float8Options, TEOptions
@@ -357,6 +358,13 @@ class TEFloat8Precision(MasterWeightsMixin, Float8PrecisionBase):
         return self._block_trial
 
     # ---- conversion
+
+    def setup_checks(self, module: nn.Module) -> torch.device:
+        # See Note [One plugin object for the Trainer and Fabric]: the masters and the block trial live in the
+        # Trainer's optimizer step, which Fabric does not run.
+        require_trainer(module, self.name, "its fp32 master weights and compile_blocks='auto' run in the Trainer's "
+                        "optimizer step")
+        return super().setup_checks(module)
 
     def _before_conversion(self, module: nn.Module, device: torch.device) -> bool:
         strategy = type(getattr(trainer_of(module), "strategy", None)).__name__

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_gh import hardware
+from lightning_gh._util import fmt_bytes
 
 __all__ = ["PLAN", "HostBuffer", "HostMemoryError", "HostPlan", "HostShare", "check_host_room", "clear_cuda_error"]
 
@@ -144,10 +145,12 @@ class HostPlan:
             skip = f" Pass {opt_out} to skip this check." if opt_out else ""
             others = [s for s in self.shares() if s.part != part and (s.held_bytes or s.declared_bytes)]
             table = "".join(f"; {s.part} {_share_text(s)}" for s in others)
+            budget = self.budget(headroom) or 0
             raise HostMemoryError(
-                f"{what} needs {nbytes / _GIB:.2f} GiB of host RAM, but its room in the host-memory plan is "
-                f"{room / _GIB:.2f} GiB: the plan's budget is {self.budget(headroom) / _GIB:.2f} GiB "
-                f"({headroom:.0%} of the host memory available to the offloading parts){table}.{advice}{skip}")
+                f"{what} needs {fmt_bytes(nbytes)} of host RAM, but at most {headroom:.0%} of the "
+                f"{fmt_bytes(budget / headroom if headroom else 0)} available to the offloading parts may be used "
+                f"(the host-memory plan's budget: {fmt_bytes(budget)}), and its room there is {fmt_bytes(room)}"
+                f"{table}.{advice}{skip}")
         with self._lock:
             old = self._shares.get(part, HostShare(part))
             self._shares[part] = HostShare(part, nbytes, max(0, old.declared_bytes - (nbytes - old.held_bytes)),
@@ -174,8 +177,8 @@ class HostPlan:
 
 
 def _share_text(s: HostShare) -> str:
-    held = f"holds {s.held_bytes / _GIB:.2f} GiB" if s.held_bytes else ""
-    declared = f"will take {s.declared_bytes / _GIB:.2f} GiB" if s.declared_bytes else ""
+    held = f"holds {fmt_bytes(s.held_bytes)}" if s.held_bytes else ""
+    declared = f"will take {fmt_bytes(s.declared_bytes)}" if s.declared_bytes else ""
     return ", ".join(x for x in (held, declared) if x) or "nothing"
 
 

@@ -74,7 +74,7 @@ def test_the_error_names_every_parts_share_and_the_way_out():
                    opt_out="host_memory_check=False")
     msg = str(err.value)
     for text in ("ActivationOffload's pool needs 20.00 GiB", "SuperOffload holds 90.00 GiB",
-                 "KVCache will take 2.00 GiB", "budget is 108.00 GiB", "To fit: a smaller budget",
+                 "KVCache will take 2.00 GiB", "at most 90% of the 120.00 GiB available", "budget: 108.00 GiB", "To fit: a smaller budget",
                  "host_memory_check=False"):
         assert text in msg
     assert isinstance(err.value, MemoryError)

@@ -2,12 +2,13 @@
 hardware gating, and Lightning's own precisions passed through.
 
 Modules: ``names`` (the names), ``checks`` (availability, hardware gating, setup-time checks), ``layer_filter``,
-``options`` (``Float8Options`` and its ``TEOptions``), ``base`` (``Float8PrecisionBase``), ``te`` / ``ao`` / ``auto`` (the fp8 plugins),
-``master`` (fp32 master weights for bf16 modules, used by ``te``), ``fused_master`` (their one-pass Adam/AdamW
-update), ``regional`` (per-block ``torch.compile``, used by
-``ao`` and ``te``), ``trial`` (``fp8-auto``'s setup-time timing of the candidates), ``registry`` (``precision()``: names to
-plugins), ``plugin`` (``Float8Precision`` for config files), ``export``. SDPA's causal path for HF decoders under
-whole-model ``torch.compile`` (``keep_causal_sdpa``, used by ``ao``) lives in :mod:`lightning_gh._hf`.
+``options`` (``Float8Options`` and its ``TEOptions``), ``base`` (``Float8PrecisionBase``), ``te`` / ``ao`` /
+``auto`` (the fp8 plugins), ``master`` (fp32 master weights for bf16 modules, used by ``te``), ``fused_master``
+(their one-pass Adam/AdamW update), ``regional`` (per-block ``torch.compile``, used by ``ao`` and ``te``), ``trial``
+(``fp8-auto``'s setup-time timing of the candidates), ``registry`` (``precision()``: names to plugins), ``plugin``
+(``Float8Precision`` for config files), ``fabric`` (the same plugins under Lightning Fabric), ``export``. SDPA's
+causal path for HF decoders under whole-model ``torch.compile`` (``keep_causal_sdpa``, used by ``ao``) lives in
+:mod:`lightning_gh._hf`.
 
 Nothing here imports Transformer Engine or torchao until a plugin that needs one is built.
 

@@ -1,4 +1,4 @@
-"""Activation memory by budget (issue 16): parsing, the planner, the engine's measure/plan/correct loop, HF models.
+"""Activation memory by budget: parsing, the planner, the engine's measure/plan/correct loop, HF models.
 
 On the CPU the engine runs in ``backend="host-copy"`` mode and counts the saved bytes it tracks as the activation
 memory; recomputing (norms, rotary, SiLU, full blocks) replays the same deterministic CPU kernels, so losses must be
@@ -23,6 +23,7 @@ from lightning_gh.activation_offload.budget import (
     plan_budget,
     plan_floor,
 )
+from lightning_gh.activation_offload.controller import Kind, Measure
 from lightning_gh.activation_offload.policy import BlockProfile, StepProfile
 
 GIB = 2**30
@@ -188,11 +189,11 @@ def test_hf_budget_plan_mixes_recompute_and_offload_losses_bitwise():
     # recompute there too.
     cb = ActivationOffload(budget=0.3, backend="host-copy", min_tensor_bytes=1, profile_steps=1, bandwidth_gbps=1000.0)
     ours = _fit(HFModule(), [cb])
-    e = cb.engine
-    assert e.forecast is not None and e.achieved_bytes is not None
+    e, b = cb.engine, cb.engine.budget
+    assert b.forecast is not None and b.achieved_bytes is not None
     modes = {e.plan.mode_of(i) for i in range(3)}
     assert e.plan.offloaded_blocks and (modes - {None}), e.plan.describe()  # offload and recompute both used
-    assert e.achieved_bytes <= e.budget_bytes * 1.05  # the goal: within 5%
+    assert b.achieved_bytes <= b.budget_bytes * 1.05  # the goal: within 5%
     assert torch.equal(plain, ours), (plain - ours).abs().max()
 
 
@@ -208,8 +209,9 @@ def test_hf_budget_plain_offload_activations_loop():
         off.end_backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    assert off.plan.policy == "budget" and off.forecast.activation_bytes <= off.budget_bytes
-    assert off.budget_bytes == int(0.6 * off.plain_activation_bytes) and off.achieved_bytes is not None
+    b = off.budget
+    assert off.plan.policy == "budget" and b.forecast.activation_bytes <= b.budget_bytes
+    assert b.budget_bytes == int(0.6 * b.plain_activation_bytes) and b.achieved_bytes is not None
 
 
 def test_hf_budget_above_need_is_a_noop(caplog):
@@ -225,12 +227,12 @@ def test_hf_impossible_size_budget_is_refused_after_the_warmup_step():
     is refused at the first step after the warm-up, before any measuring step, naming that bound."""
     module = HFModule()
     cb = ActivationOffload(budget="1KiB", backend="host-copy", min_tensor_bytes=1, profile_steps=1)
-    with pytest.raises(ValueError, match=r"budget='1KiB': 1.00 KiB of activation memory is below the floor of full "
+    with pytest.raises(ValueError, match=r"budget='1KiB': 1.0 KiB of activation memory is below the floor of full "
                                          r"recompute plus offload, which is at least [0-9.]+ [KMG]iB") as e:
         _fit(module, [cb], steps=8)
     assert "Checked after 1 step(s)" in str(e.value)
     assert len(module.losses) == 1  # only the warm-up step ran
-    assert cb.engine._b_other > 1024
+    assert cb.engine.budget.outside_bytes > 1024
 
 
 def test_hf_impossible_fraction_names_the_exact_floor_before_any_planned_step():
@@ -238,12 +240,12 @@ def test_hf_impossible_fraction_names_the_exact_floor_before_any_planned_step():
     cb = ActivationOffload(budget=0.01, backend="host-copy", min_tensor_bytes=1, profile_steps=1)
     with pytest.raises(ValueError, match=r"budget=0.01 \(1% of the plain step's activation memory; the plain step "
                                          r"measured [0-9.]+ [KMG]iB\).*below the floor of full recompute plus "
-                                         r"offload, [0-9.]+ GiB") as e:
+                                         r"offload, [0-9.]+ [KMG]iB") as e:
         _fit(module, [cb], steps=12)
-    e_ = cb.engine
-    n_measuring = 1 + len(e_._b_phases)  # warm-up, raw, plain, one per recompute mode
+    b = cb.engine.budget
+    n_measuring = len(b.schedule)  # warm-up, raw, plain, lean loss, one per recompute mode
     assert f"Checked after the {n_measuring} measuring steps" in str(e.value)
-    assert len(module.losses) == n_measuring and e_.forecast is None
+    assert len(module.losses) == n_measuring and b.forecast is None
 
 
 def test_fraction_is_of_the_plain_step_without_engine_effects():
@@ -255,12 +257,12 @@ def test_fraction_is_of_the_plain_step_without_engine_effects():
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb])
     trainer.fit(module, _data())
-    e = cb.engine
-    assert e.plain_activation_bytes > e.engine_plain_bytes > 0
-    assert e.budget_bytes == int(0.6 * e.plain_activation_bytes)
-    assert e.forecast.activation_bytes <= e.budget_bytes
+    b = cb.engine.budget
+    assert b.plain_activation_bytes > b.engine_plain_bytes > 0
+    assert b.budget_bytes == int(0.6 * b.plain_activation_bytes)
+    assert b.forecast.activation_bytes <= b.budget_bytes
     # The raw step's saved bytes are those of a plain autograd run: the same blocks under hooks that only count.
-    raw = e._b_raw
+    (raw,) = b.observations(Measure(Kind.RAW))
     assert sum(raw.used) == 0 and sum(raw.resident) > 0
 
 
@@ -305,7 +307,7 @@ def test_compiled_budget_keeps_sdpas_causal_path_unless_told_not_to(causal_sdpa)
     under torch.compile costs: docs/activation_offload.md); the compiled loss and gradients equal the eager run's."""
     import copy
 
-    from lightning_gh.precision import hf_sdpa
+    from lightning_gh import _hf as hf_helpers
 
     model = _hf()
     if model.config._attn_implementation != "sdpa":
@@ -315,7 +317,7 @@ def test_compiled_budget_keeps_sdpas_causal_path_unless_told_not_to(causal_sdpa)
     holder.inner = torch.compile(model)
     off = offload_activations(holder, budget=0.5, backend="host-copy", causal_sdpa=causal_sdpa)
     assert off.enabled
-    assert (id(model.model.config) in hf_sdpa._ACCEPTED) == causal_sdpa
+    assert (id(model.model.config) in hf_helpers._ACCEPTED) == causal_sdpa
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     with off:
         loss = holder.inner(input_ids=x, labels=x).loss

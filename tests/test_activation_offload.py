@@ -515,7 +515,8 @@ def test_callback_keywords_and_options_build_the_same_engine_options():
     model, _ = _llama()
     assert ActivationOffloader(model, options=opts).options == offload_activations(model, **kwargs).options == opts
     engine = ActivationOffloader(model, options=opts)
-    assert (engine.policy, engine.margin, engine.recompute, engine.record_timeline) == ("all", 0.5, "full", True)
+    o = engine.options
+    assert (o.policy, o.margin, o.recompute, o.record_timeline) == ("all", 0.5, "full", True)
 
 
 def test_options_and_keywords_together_are_a_clear_error():

@@ -72,7 +72,7 @@ def test_slower_reload_link_limits_the_choice():
 
 
 def test_auto_waits_as_early_as_the_copy_allows_and_reloads_as_late_as_it_allows():
-    prof = _profile(fwd=10.0, bwd=20.0, nbytes=100 * MIB)  # each copy (1.9 ms at 55 GB/s) hides under one block
+    prof = _profile(fwd=10.0, bwd=20.0, nbytes=100 * MIB)  # each copy hides under one block
     plan = plan_auto(prof, d2h_gbps=55, h2d_gbps=55, margin=0.0)
     assert plan.offloaded_blocks == tuple(range(7))
     # Block i's copy starts when it ends and is done before block i+2 starts: that is where compute waits.

@@ -58,7 +58,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skip-fwdbwd", action="store_true", help="skip the plain PyTorch fwd+bwd rows")
     parser.add_argument("--k", type=int, default=2, help="K of the fixed-K variant (default 2)")
     parser.add_argument("--offload-hf-budget", action="store_true",
-                        help="run only issue 16's table: an HF LlamaForCausalLM (2048 x 8) with none, HF gradient "
+                        help="run only the budget table: an HF LlamaForCausalLM (2048 x 8) with none, HF gradient "
                              "checkpointing, SAC, auto, all, budget=0.3/0.5/0.7/0.9 and a budget at "
                              "checkpointing's measured activation memory")
     parser.add_argument("--offload-hf-compiled", action="store_true",
@@ -447,7 +447,7 @@ def _oom_demo(ctx: BenchContext, cfg, rows: dict[str, tuple[Result, _StepMemory]
     return out
 
 
-# ------------------------------------------------------------------------- issue 16: budget on an HF Llama
+# ------------------------------------------------------------------------------- budget on an HF Llama
 
 HF_CFG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
               num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)
@@ -588,23 +588,23 @@ def _engine_extras(r: Result, cb: Any) -> None:
     """What an ActivationOffload callback's engine planned, predicted and measured, into the row."""
     if not isinstance(cb, ActivationOffload) or cb.engine is None:
         return
-    e = cb.engine
+    e, b = cb.engine, cb.engine.budget
     r.extra["plan"] = cb.plan.describe() if cb.plan else None
-    if e.budget is not None and e.budget_bytes is not None:
-        r.extra["budget_gib"] = round(e.budget_bytes / GIB, 3)
-        r.extra["budget_bytes"] = e.budget_bytes
-        r.extra["plain_gib"] = round((e.plain_activation_bytes or 0) / GIB, 3)
-        r.extra["engine_plain_gib"] = round((e.engine_plain_bytes or 0) / GIB, 3)
-        r.extra["budget_log"] = e.budget_log
-    if e.budget is not None and e.forecast is not None:
-        r.extra["predicted_gib"] = round(e.forecast.activation_bytes / GIB, 3)
-        r.extra["predicted_ratio"] = round(e.forecast.ratio, 3)
-        r.extra["achieved_engine_gib"] = round((e.achieved_bytes or 0) / GIB, 3)
-        r.extra["rounds"] = e._b_round
+    if b is not None and b.budget_bytes is not None:
+        r.extra["budget_gib"] = round(b.budget_bytes / GIB, 3)
+        r.extra["budget_bytes"] = b.budget_bytes
+        r.extra["plain_gib"] = round((b.plain_activation_bytes or 0) / GIB, 3)
+        r.extra["engine_plain_gib"] = round((b.engine_plain_bytes or 0) / GIB, 3)
+        r.extra["budget_log"] = b.log
+    if b is not None and b.forecast is not None:
+        r.extra["predicted_gib"] = round(b.forecast.activation_bytes / GIB, 3)
+        r.extra["predicted_ratio"] = round(b.forecast.ratio, 3)
+        r.extra["achieved_engine_gib"] = round((b.achieved_bytes or 0) / GIB, 3)
+        r.extra["rounds"] = b.round
         r.extra["lean_loss"] = bool(e.plan is not None and e.plan.lean_loss)
-        if e.lean_loss_measured is not None:
-            r.extra["lean_loss_measured"] = e.lean_loss_measured
-        r.extra["choices"] = e.forecast.describe_choices()
+        if b.lean_loss_measured is not None:
+            r.extra["lean_loss_measured"] = b.lean_loss_measured
+        r.extra["choices"] = b.forecast.describe_choices()
         _forecast_450(r, e)
     if e.record_timeline and e.timeline:
         r.extra["timeline"] = _timeline(e)
@@ -631,8 +631,8 @@ def _forecast_450(r: Result, e: Any) -> None:
     from lightning_gh.activation_offload.budget import plan_budget
 
     try:
-        _, fc = plan_budget(e.budget_profile, e.budget_bytes, FORECAST_GBPS, FORECAST_GBPS, e.margin,
-                            e.skip_last_blocks)
+        _, fc = plan_budget(e.budget.profile, e.budget.budget_bytes, FORECAST_GBPS, FORECAST_GBPS, e.options.margin,
+                            e.options.skip_last_blocks)
         r.extra["forecast_450_ratio"] = round(fc.ratio, 3)
         r.extra["forecast_450_gib"] = round(fc.activation_bytes / GIB, 3)
         r.extra["forecast_450_choices"] = fc.describe_choices()
@@ -703,8 +703,8 @@ def run_hf_budget(ctx: BenchContext) -> list[Result]:
 
 
 def _hf_lean(ctx: BenchContext, t_start: float, ours: Callable, add: Callable, rows: list[Result]) -> list[Result]:
-    """The lean causal-LM loss on issue 16's model: what it takes off the step's memory and adds to its time alone
-    (``policy=0``: the engine's free savings, with and without it), and what the budget planner makes of it at
+    """The lean causal-LM loss on the budget table's model: what it takes off the step's memory and adds to its time,
+    timed alone (``policy=0``: the engine's free savings, with and without it), and what the budget planner makes of it at
     checkpointing's memory and at 30/50/70% (each budget without it too where the time allows). 12 untimed steps:
     budget mode measures in 8 (warm-up, raw, two plain, the lean loss, three recompute modes) and corrects in up
     to 3."""
@@ -756,7 +756,7 @@ class _CausalSdpa(L.Callback):
 def _compiled_sdpa(ctx: BenchContext, ours: Callable, add: Callable, rows: list[Result]) -> list[Result]:
     """At the compiler's knob (0.5, 0.3) on a compiled HF model: the knob set by hand (what a user does), the same
     with SDPA's causal path kept, and budget mode with default options (which sets the knob and keeps the causal
-    path). The lean loss on top of the causal path gave the same memory for +2 ms (2026-11-24 05:2x run): not a row."""
+    path). The lean loss on top of the causal path is not a row (docs/activation_offload.md says why)."""
     for knob in COMPILER_KNOBS:
         tag = f"compiled + knob {knob}"
         add(_hf_variant(ctx, tag, lambda: [], compiled=True, knob=knob))

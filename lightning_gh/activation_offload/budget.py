@@ -43,6 +43,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
 
+from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload.policy import BlockProfile, OffloadPlan, StepProfile, _schedule, simulate
 
 __all__ = ["Budget", "BudgetForecast", "BudgetProfile", "ModeCost", "OPTIONS_MODES", "compiler_budget",
@@ -191,11 +192,6 @@ class BudgetForecast:
 # ----------------------------------------------------------------------------------------------- planning
 
 
-def _gib(nbytes: int) -> str:
-    """GiB with two decimals; small sizes (tests, tiny models) also in MiB, so they do not read as 0.00."""
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= 0.01 * GIB else f"{nbytes / GIB:.6f} GiB ({nbytes / 2**20:.3f} MiB)"
-
-
 def _fracs(n_blocks: int) -> tuple[float, ...]:
     # Quarters give the last ~3% of a budget on 8 blocks; halves keep the search quick on deep models.
     return (0.0, 0.25, 0.5, 0.75, 1.0) if n_blocks <= 16 else (0.0, 0.5, 1.0)
@@ -302,9 +298,9 @@ def plan_budget(
     floor = plan_floor(bp, d2h_gbps, h2d_gbps, margin, skip_last_blocks)
     if floor.activation_bytes > budget_bytes:
         raise ValueError(
-            f"budget={_gib(budget_bytes)} of activation memory is below the floor of full recompute plus "
-            f"offload, {_gib(floor.activation_bytes)} measured on this model and batch (the plain step needs "
-            f"{_gib(act)}). Raise the budget to at least {_gib(floor.activation_bytes)}, or shrink "
+            f"budget={fmt_bytes(budget_bytes)} of activation memory is below the floor of full recompute plus "
+            f"offload, {fmt_bytes(floor.activation_bytes)} measured on this model and batch (the plain step needs "
+            f"{fmt_bytes(act)}). Raise the budget to at least {fmt_bytes(floor.activation_bytes)}, or shrink "
             "the batch or sequence.")
     opts = [_options(bp, i, eligible) for i in range(n)]
     kept_sum = lambda ch: sum(bp.costs[i][m].kept_bytes * (1 - f) for i, (m, f) in enumerate(ch))  # noqa: E731

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_gh import compat
 from lightning_gh._lightning import log_to_loggers, should_update_logs
+from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload.engine import ActivationOffloader
 from lightning_gh.activation_offload.options import MIB, ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import OffloadPlan, Prediction
@@ -185,7 +186,7 @@ class ActivationOffload(L.Callback):
                     "lgh/activation_offload/offloaded_blocks": float(sum(1 for b in st.last_offloaded_by_block if b)),
                     "lgh/activation_offload/recompute_blocks": float(len(st.last_recompute_blocks)),
                 })
-            log = self.engine.budget_log
+            log = self.engine.budget.log if self.engine.budget is not None else []
             if len(log) > self._logged:
                 # The plan, its forecast and each correction round's measured peak, at this step, rank 0.
                 for entry in log[self._logged:]:
@@ -203,11 +204,11 @@ class ActivationOffload(L.Callback):
     # -------------------------------------------------------------------------------------- the plan
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        e = self.engine
-        if e is not None and e.budget is not None and e.forecast is not None and e.achieved_bytes is not None:
-            rank_zero_info(f"ActivationOffload budget: target {e.budget_bytes / 2**30:.2f} GiB, predicted "
-                           f"{e.forecast.activation_bytes / 2**30:.2f} GiB at {e.forecast.ratio:.2f}x, achieved "
-                           f"{e.achieved_bytes / 2**30:.2f} GiB; plan: {e.forecast.describe_choices()}")
+        b = self.engine.budget if self.engine is not None else None
+        if b is not None and b.forecast is not None and b.achieved_bytes is not None:
+            rank_zero_info(f"ActivationOffload budget: target {fmt_bytes(b.budget_bytes)}, predicted "
+                           f"{fmt_bytes(b.forecast.activation_bytes)} at {b.forecast.ratio:.2f}x, achieved "
+                           f"{fmt_bytes(b.achieved_bytes)}; plan: {b.forecast.describe_choices()}")
 
     def _on_plan(self, plan: OffloadPlan) -> None:
         self.plan = plan

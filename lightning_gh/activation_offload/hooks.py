@@ -11,8 +11,8 @@ re-made from the parameter (``recompute_param_casts``).
 
 The engine (:class:`~lightning_gh.activation_offload.engine.ActivationOffloader`) sets the state these methods
 use: ``_fwd`` (the :class:`Forward` being packed), ``_lock``, ``_transport``, ``_clock``, ``_pool``,
-``_device``, ``_param_ptrs``, ``_saved_bytes``, ``_t0``, ``stats``, ``timeline`` and the options
-``min_tensor_bytes``, ``dedupe_casts``, ``recompute_param_casts`` and ``record_timeline``.
+``_device``, ``_param_ptrs``, ``_saved_bytes``, ``_t0``, ``stats``, ``timeline`` and ``options`` (of which these
+read ``min_tensor_bytes``, ``dedupe_casts``, ``recompute_param_casts`` and ``record_timeline``).
 
 Example::
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -34,6 +34,10 @@ from lightning_gh.activation_offload.policy import OffloadPlan
 from lightning_gh.activation_offload.pool import HostBufferPool, _HostBuffer
 from lightning_gh.activation_offload.stats import OffloadStats, TimelinePoint
 from lightning_gh.activation_offload.transport import Clock, Transport
+
+if TYPE_CHECKING:
+    from lightning_gh.activation_offload.controller import Measure
+    from lightning_gh.activation_offload.options import ActivationOffloadOptions
 
 __all__ = ["Forward", "SavedTensorHooks"]
 
@@ -125,7 +129,7 @@ class _Recast:
 class Forward:
     """State of one forward pass and, later, of its backward."""
 
-    def __init__(self, index: int, plan: OffloadPlan, profiling: bool) -> None:
+    def __init__(self, index: int, plan: OffloadPlan, profiling: bool, measure: Measure | None = None) -> None:
         n = plan.n_blocks
         self.index = index
         self.plan = plan
@@ -145,13 +149,16 @@ class Forward:
         self.bwd_point = n + 1
         self.prefetched: set[int] = set()
         self.marks: dict[Any, Any] = {}
-        # budget mode: what this forward measures ("measure", mode) / ("correct", round), its peak and cache bytes
-        self.tag: Any = None
+        # budget mode: what this forward is measured for, the memory base and peak, the selective caches' bytes
+        self.measure = measure
         self.mem_base: int | None = None
         self.act_peak: int | None = None
         self.rc_cached: dict[int, int] = {}
-        # budget mode's reference step: no cast dedupe, no weight re-cast, nothing moved (what a plain run keeps)
-        self.raw = False
+
+    @property
+    def raw(self) -> bool:
+        """Budget mode's reference step: no cast dedupe, no weight re-cast, nothing moved (what a plain run keeps)."""
+        return self.measure is not None and self.measure.raw
 
 
 class SavedTensorHooks:
@@ -168,10 +175,7 @@ class SavedTensorHooks:
     _t0: float
     stats: OffloadStats
     timeline: list[TimelinePoint]
-    min_tensor_bytes: int
-    dedupe_casts: bool
-    recompute_param_casts: bool
-    record_timeline: bool
+    options: ActivationOffloadOptions
 
     def _make_pre(self, index: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any) -> None:
@@ -216,7 +220,7 @@ class SavedTensorHooks:
             return "layout"
         if ptr in self._param_ptrs:
             return "parameter"
-        if nbytes < self.min_tensor_bytes:
+        if nbytes < self.options.min_tensor_bytes:
             return "small"
         fn, hops = t.grad_fn, 0
         while fn is not None and hops < 6:
@@ -242,7 +246,7 @@ class SavedTensorHooks:
         with self._lock:
             self.stats.saved_tensors += 1
             block = fwd.current
-            if self.recompute_param_casts and not fwd.raw and t.grad_fn is not None:
+            if self.options.recompute_param_casts and not fwd.raw and t.grad_fn is not None:
                 param = self._param_of_cast(t)
                 if param is not None:
                     self.stats.recomputed_param_casts += 1
@@ -268,7 +272,7 @@ class SavedTensorHooks:
                     and (not e.moved or t._version == e.version):
                 self.stats.deduplicated_saves += 1
                 return self._handle(fwd, block, t, e)
-            ck = self._cast_key(t, block) if self.dedupe_casts and not fwd.raw else None
+            ck = self._cast_key(t, block) if self.options.dedupe_casts and not fwd.raw else None
             if ck is not None:
                 hit = fwd.casts.get(ck[0])
                 if hit is not None:
@@ -390,6 +394,17 @@ class SavedTensorHooks:
         self._saved_bytes += e.nbytes
         self._event("offload", e.block)
 
+    # Note [Release point of an offloaded storage]
+    # An offloaded storage's device->host copy runs on a side stream that first waits for the compute stream, so
+    # the data it reads is complete. Until its block's release point (``OffloadPlan.release_at``, a forward point)
+    # the engine holds the saved tensor itself: the memory cannot be reused, and a backward that comes early reads
+    # the original (``stats.used_before_release``). At the release point the compute stream waits on the copy's
+    # event (``Transport.release``) and the engine drops its reference: from then on the caching allocator may hand
+    # the memory to later compute-stream work, which that wait orders after the copy. The wait is on the device,
+    # not on the host: the host runs ahead of the GPU, so a host-side "copy finished?" would almost never be true
+    # when the allocator is asked. ``end_forward`` releases every point still pending, and a storage whose last
+    # handle dies while copying is released the same way (``_drop``). The host side mirrors it: a pinned buffer
+    # returns to the pool with the event of the last copy that used it, and the next copy into it waits on it.
     def _release_point(self, fwd: Forward, point: int) -> None:
         entries = fwd.pending.pop(point, ())
         for e in entries:
@@ -479,7 +494,7 @@ class SavedTensorHooks:
             if st == _KEPT:
                 self._saved_bytes -= e.nbytes
             elif st == _COPYING:
-                self._transport.release(e.d2h)
+                self._transport.release(e.d2h)  # See Note [Release point of an offloaded storage]
                 self._pool.release(e.host, e.d2h)
                 self._saved_bytes -= e.nbytes
             elif st == _OFFLOADED:
@@ -492,7 +507,7 @@ class SavedTensorHooks:
 
     def _event(self, name: str, block: int) -> None:
         self.stats.peak_device_saved_bytes = max(self.stats.peak_device_saved_bytes, self._saved_bytes)
-        if self.record_timeline:
+        if self.options.record_timeline:
             alloc = torch.cuda.memory_allocated(self._device) if self._device is not None and \
                 self._device.type == "cuda" else None
             self.timeline.append(TimelinePoint((time.perf_counter() - self._t0) * 1e3, name, block,

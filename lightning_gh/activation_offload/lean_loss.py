@@ -86,9 +86,8 @@ class _LeanCrossEntropy(torch.autograd.Function):
         else:
             grad, reduction = grad / count, _SUM
         out = torch.empty_like(logits)
-        # The ops autograd runs for cross_entropy's backward, called directly: a nested autograd.grad per chunk cost
-        # the host about three times as much (3.4 against 1.0 ms for 32 chunks on the development CPU), time an idle
-        # GPU waits for at the start of the backward.
+        # The ops autograd runs for cross_entropy's backward, called directly: a nested autograd.grad per chunk costs
+        # the host several times as much, time an idle GPU waits for at the start of the backward.
         for s in range(0, rows, step):
             logp = torch._log_softmax(logits[s:s + step].float(), 1, False)
             g = torch.ops.aten.nll_loss_backward(grad, logp, targets[s:s + step], None, reduction, ignore, count)
@@ -144,9 +143,9 @@ def lean_loss_overhead_ms(rows: int, vocab: int, dtype: torch.dtype, device: tor
     """How much longer the lean loss's forward+backward takes than Hugging Face's (fp32 upcast + ``cross_entropy``)
     on ``rows x vocab`` logits, timed alone on ``device``; ``None`` off CUDA.
 
-    The budget planner charges this to the lean plan. Read from a whole measuring step instead, the difference sat
-    inside the step's own noise (+3.5 to +6.5 ms against +1.2 to +2.6 ms in steady state on the H200 machine), so
-    the planner passed the lean loss over where it was the faster plan.
+    The budget planner charges this to the lean plan. Read from a whole measuring step instead, the difference sits
+    inside the step's own noise, and the planner would pass the lean loss over where it is the faster plan
+    (docs/activation_offload.md).
 
     Args:
         rows, vocab: the flattened logits' shape (``LeanLoss.last_logits``).

@@ -110,7 +110,7 @@ class ActivationOffloadOptions:
             on in every training forward (an error when the model holds no Hugging Face causal LM). ``False``:
             never.
         causal_sdpa: in budget mode on a ``torch.compile``'d model, keep SDPA's causal path in the Hugging Face
-            decoders it holds (:func:`lightning_gh.precision.keep_causal_sdpa`): under ``torch.compile`` some
+            decoders it holds (:func:`lightning_gh._hf.keep_causal_sdpa`): under ``torch.compile`` some
             transformers releases build an explicit causal mask and repeat the KV heads, which costs attention
             time and saved memory; calls with a mask, positions or a cache keep transformers' own path. ``False``
             leaves the model as it is.

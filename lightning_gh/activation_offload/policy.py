@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "plan_first_k",
     "plan_auto",
     "plan_with_recompute",
+    "median_profile",
 ]
 
 _MIB = 2**20
@@ -397,6 +399,20 @@ def _timeline(profile: StepProfile, x: list[int], release_at: tuple[int, ...], p
 def _moved(blk: BlockProfile, budget: int | None) -> int:
     return blk.offloadable_bytes if budget is None else min(budget, blk.offloadable_bytes)
 
+
+def median_profile(profiles: list[StepProfile]) -> StepProfile:
+    """Per field, the median of several measured steps of one model (block by block)."""
+    n = profiles[0].n_blocks
+    med = statistics.median
+    blocks = tuple(
+        BlockProfile(med(p.blocks[i].forward_ms for p in profiles), med(p.blocks[i].backward_ms for p in profiles),
+                     int(med(p.blocks[i].offloadable_bytes for p in profiles)),
+                     int(med(p.blocks[i].resident_bytes for p in profiles)),
+                     None if any(p.blocks[i].recompute_kept_bytes is None for p in profiles)
+                     else int(med(p.blocks[i].recompute_kept_bytes for p in profiles)))
+        for i in range(n))
+    return StepProfile(blocks, med(p.tail_forward_ms for p in profiles), med(p.tail_backward_ms for p in profiles),
+                       int(med(p.other_bytes for p in profiles)))
 
 # ---------------------------------------------------------------------------------------------- policies
 

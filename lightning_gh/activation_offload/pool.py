@@ -19,23 +19,16 @@ Example::
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any
 
 import torch
 
 from lightning_gh._host import HostMemoryError, check_host_room
+from lightning_gh._util import warn_once
 
 __all__ = ["HostBufferPool", "HostMemoryError"]
 
 _MIB = 2**20
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
 
 
 def _next_pow2(n: int) -> int:
@@ -48,7 +41,9 @@ class _HostBuffer:
     def __init__(self, tensor: torch.Tensor, size: int, generation: int = 0) -> None:
         self.tensor = tensor  # may be larger than the request it serves: callers use the first nbytes
         self.size = size
-        self.ready: Any = None  # event of the last copy that read or wrote it; the next writer waits on it
+        # Event of the last copy that read or wrote it; the next writer waits on it.
+        # See Note [Release point of an offloaded storage].
+        self.ready: Any = None
         self.generation = generation  # the pool's generation when it was allocated (see clear())
 
 
@@ -160,7 +155,7 @@ class HostBufferPool:
                     continue
                 raise
             if avail is None:
-                _warn_once("meminfo", "ActivationOffload: the host's available memory is unknown; "
+                warn_once("activation_offload:meminfo", "ActivationOffload: the host's available memory is unknown; "
                                       "the host_memory_fraction guard is off.")
             break
         t = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)

@@ -54,6 +54,7 @@ class CudaTransport:
 
     def release(self, event: Any) -> None:
         # Compute work enqueued after this (including whatever reuses the memory) runs after the copy.
+        # See Note [Release point of an offloaded storage].
         torch.cuda.current_stream(self.device).wait_event(event)
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:

@@ -1,0 +1,616 @@
+"""The budget controller: which step budget mode runs next, and what it learns from each step it measured.
+
+:class:`BudgetController` decides; the engine (:class:`~lightning_gh.activation_offload.engine.ActivationOffloader`)
+runs the hooks, pools and copies. The engine makes two calls per training step:
+
+* :meth:`BudgetController.next_forward` before a forward: the plan that forward runs and, for a step the controller
+  wants measured, the :class:`Measure` that says what it is for;
+* :meth:`BudgetController.observe` once that step's backward has ended: an :class:`Observation` of what it did
+  (per-block times and saved bytes, the measured activation peak where memory can be read).
+
+The controller moves through :class:`BudgetState`. ``MEASURE`` walks the measuring schedule, a tuple of
+:class:`Measure` records built by :func:`measuring_schedule`: a warm-up step, a step with no engine effect at all (the
+reference of a fraction budget), ``profile_steps`` plain steps, the lean loss's step where it is weighed, and one step
+per recompute mode with every block in that mode. The planner of :mod:`lightning_gh.activation_offload.budget` then
+picks the plan; ``CORRECT`` measures planned steps and corrects the overhead estimate (at most two rounds); ``DONE``
+keeps the plan. On a ``torch.compile``'d model the blocks' boundaries are traced, not run: ``COMPILED_MEASURE``
+measures one compiled step, ``COMPILED`` has handed the budget to the compiler's own ``activation_memory_budget``.
+
+Example::
+
+    >>> from lightning_gh.activation_offload.controller import Kind, measuring_schedule
+    >>> [m.label for m in measuring_schedule(modes=("full",), profile_steps=1, weigh_lean_loss=False)]
+    ['warm-up', 'raw', 'plain', 'full']
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from lightning_gh import hardware
+from lightning_gh._util import fmt_bytes
+from lightning_gh.activation_offload import budget as _budget
+from lightning_gh.activation_offload.options import ActivationOffloadOptions
+from lightning_gh.activation_offload.policy import (
+    BlockProfile,
+    OffloadPlan,
+    StepProfile,
+    median_profile,
+    plan_none,
+    simulate,
+)
+
+__all__ = ["BudgetController", "BudgetState", "Correction", "Kind", "Measure", "MemoryProbe", "Observation",
+           "correction", "measuring_schedule"]
+
+log = logging.getLogger(__name__)
+
+#: Correction rounds after the first planned step: the overhead estimate is corrected at most this often.
+MAX_CORRECTIONS = 2
+#: A planned step's activation memory is "within the budget" from this share of it up to the budget itself.
+WITHIN = 0.95
+
+
+class Correction(enum.Enum):
+    """What a measured planned step means for the plan (see :func:`correction`)."""
+
+    WITHIN = "within"  # the step's activation memory is within the budget: keep the plan
+    LAST_ROUND = "last-round"  # off the budget, but the correction rounds are spent: keep the plan
+    REPLAN = "replan"  # off the budget: correct the overhead estimate by the error and plan again
+
+
+def correction(achieved_bytes: int, budget_bytes: int, round: int) -> Correction:
+    """The decision after a planned step of correction round ``round`` measured ``achieved_bytes``.
+
+    Example::
+
+        >>> correction(96, 100, 0), correction(120, 100, 0), correction(120, 100, MAX_CORRECTIONS)
+        (<Correction.WITHIN: 'within'>, <Correction.REPLAN: 'replan'>, <Correction.LAST_ROUND: 'last-round'>)
+    """
+    if WITHIN * budget_bytes <= achieved_bytes <= budget_bytes:
+        return Correction.WITHIN
+    return Correction.LAST_ROUND if round >= MAX_CORRECTIONS else Correction.REPLAN
+
+
+class BudgetState(enum.Enum):
+    """Where the controller stands."""
+
+    MEASURE = "measure"  # walking the measuring schedule
+    CORRECT = "correct"  # a plan is adopted; its measured steps correct the overhead estimate
+    DONE = "done"  # the plan stays
+    COMPILED_MEASURE = "compiled-measure"  # a compiled model: measuring one compiled step
+    COMPILED = "compiled"  # a compiled model: the budget is the compiler's
+    FAILED = "failed"  # the budget was refused
+
+
+class Kind(enum.Enum):
+    """What a measured step is for."""
+
+    WARMUP = "warm-up"  # allocator growth, kernel selection; what the step saves outside the blocks
+    RAW = "raw"  # no engine effect at all (no cast dedupe, no weight re-cast, nothing moved): a fraction's reference
+    PLAIN = "plain"  # the engine's own step with every block keeping what it saves
+    LEAN = "lean-loss"  # plain blocks with the lean causal-LM loss
+    MODE = "mode"  # every block under one recompute mode
+    CHECK = "check"  # a planned step, measured against the budget
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One measured step: what its forward runs and what it is measured for.
+
+    Attributes:
+        kind: see :class:`Kind`.
+        mode: the recompute mode of every block (``Kind.MODE``).
+        lean_loss: the forward runs the lean causal-LM loss.
+        round: the correction round (``Kind.CHECK``).
+    """
+
+    kind: Kind
+    mode: str | None = None
+    lean_loss: bool = False
+    round: int = 0
+
+    @property
+    def raw(self) -> bool:
+        """The step must keep exactly what a plain run keeps (the hooks only count)."""
+        return self.kind is Kind.RAW
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.kind is Kind.MODE else self.kind.value
+
+
+def measuring_schedule(modes: tuple[str, ...], profile_steps: int, weigh_lean_loss: bool) -> tuple[Measure, ...]:
+    """The measuring steps of budget mode, in order.
+
+    Args:
+        modes: the recompute modes the blocks allow (each measured in one step with every block in it).
+        profile_steps: plain steps to measure (their median is the plain profile).
+        weigh_lean_loss: measure the lean loss in one step; the warm-up runs it too, so that what the warm-up saves
+            outside the blocks is the lean head's (the lower bound of the floor) and the measured step is not its
+            first use.
+    """
+    warmup = Measure(Kind.WARMUP, lean_loss=weigh_lean_loss)
+    lean = (Measure(Kind.LEAN, lean_loss=True),) if weigh_lean_loss else ()
+    return ((warmup, Measure(Kind.RAW)) + (Measure(Kind.PLAIN),) * profile_steps + lean
+            + tuple(Measure(Kind.MODE, mode=m) for m in modes))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one measured step did, as the engine saw it.
+
+    Attributes:
+        measure: what the step was for.
+        plan: the plan it ran.
+        profile: per-block times and saved bytes (``None``: the step was not timed block by block).
+        used / offloadable / resident: per block, bytes moved, bytes the engine may move, bytes that stayed.
+        rc_cached: per recomputing block, the bytes its selective cache held.
+        other: bytes saved outside the blocks.
+        act_peak: the step's measured activation memory (``None`` where memory cannot be read: a CPU).
+        step_ms: forward + backward time, where the backward's end was marked.
+    """
+
+    measure: Measure
+    plan: OffloadPlan
+    profile: StepProfile | None
+    used: tuple[int, ...]
+    offloadable: tuple[int, ...]
+    resident: tuple[int, ...]
+    rc_cached: Mapping[int, int] = field(default_factory=dict)
+    other: int = 0
+    act_peak: int | None = None
+    step_ms: float | None = None
+
+
+class MemoryProbe:
+    """Reads a step's activation memory on CUDA: its peak allocation above the model state.
+
+    The model state is what is allocated when the step starts, with the gradients counted at their full size
+    whether or not they exist yet (Lightning sets them to ``None`` between steps). Off CUDA every reading is
+    ``None`` and the controller counts the saved bytes the engine tracks instead.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | None) -> None:
+        self.model = model
+        self.device = device if device is not None and device.type == "cuda" else None
+
+    def _grad_bytes(self, present: bool) -> int:
+        ps = self.model.parameters()
+        if present:
+            return sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None)
+        return sum(p.numel() * p.element_size() for p in ps if p.requires_grad)
+
+    def start(self) -> int | None:
+        """The model state now (the base of :meth:`peak`); resets the peak statistics."""
+        if self.device is None:
+            return None
+        base = torch.cuda.memory_allocated(self.device) - self._grad_bytes(True) + self._grad_bytes(False)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return base
+
+    def peak(self, base: int | None) -> int | None:
+        """The activation memory since :meth:`start` returned ``base``."""
+        if base is None or self.device is None:
+            return None
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    def free_bytes(self) -> int | None:
+        """What the device could still allocate (``None`` off CUDA)."""
+        room = hardware.gpu_memory_room(self.device) if self.device is not None else None
+        return None if room is None else room[0] + torch.cuda.memory_reserved(self.device) \
+            - torch.cuda.memory_allocated(self.device)
+
+
+class CompilerKnob:
+    """``torch._functorch.config.activation_memory_budget``, set for a compiled model, restored by :meth:`restore`;
+    and the count of the compiled model's calls with the memory base of the measured one."""
+
+    def __init__(self) -> None:
+        self.previous: float | None = None
+        self.calls = 0
+        self.base: int | None = None
+
+    def set(self, value: float) -> None:
+        import torch._functorch.config as fconfig
+
+        if self.previous is None:
+            self.previous = fconfig.activation_memory_budget
+        if fconfig.activation_memory_budget != value:
+            fconfig.activation_memory_budget = value
+            # The knob is read when a graph is partitioned: a graph compiled before under another value (another
+            # instance of the same model class reuses it) must be dropped.
+            torch._dynamo.reset()
+
+    def restore(self) -> None:
+        import torch._functorch.config as fconfig
+
+        if self.previous is None:
+            return
+        if fconfig.activation_memory_budget != self.previous:
+            fconfig.activation_memory_budget = self.previous
+            torch._dynamo.reset()  # graphs partitioned under our budget must not serve later compiles
+        self.previous = None
+
+
+class BudgetController:
+    """Budget mode's decisions, from the measuring schedule to the corrected plan (see the module docstring).
+
+    Args:
+        options: the engine's options (``budget`` set).
+        n_blocks: transformer blocks in the model.
+        link: returns the link bandwidth ``(d2h, h2d)`` in GB/s.
+        on_plan: called with each plan the controller adopts.
+        probe: reads the activation memory of a step (see :class:`MemoryProbe`).
+        lean_overhead_ms: the lean loss's extra time timed alone on the last logits' shape (``None`` off CUDA).
+
+    Attributes:
+        budget: the parsed budget.
+        state: see :class:`BudgetState`.
+        plan: the plan adopted last (``None`` while measuring).
+        profile: the measurements the plan was made from (the head the plan uses).
+        budget_bytes: the budget in bytes, once known.
+        plain_activation_bytes: the plain step's activation memory (no engine effect at all).
+        engine_plain_bytes: the engine's own measuring step's (cast dedupe, weight re-cast).
+        forecast: what the adopted plan is expected to do.
+        achieved_bytes: the activation memory of the latest planned step measured.
+        lean_loss_measured: the lean loss's measuring step, when weighed.
+        log: one entry per plan or correction round (the callback logs them).
+    """
+
+    def __init__(self, options: ActivationOffloadOptions, n_blocks: int, link: Callable[[], tuple[float, float]],
+                 on_plan: Callable[[OffloadPlan], None], probe: MemoryProbe,
+                 lean_overhead_ms: Callable[[], float | None] = lambda: None) -> None:
+        self.options = options
+        self.budget = _budget.parse_budget(options.budget)
+        self.n = n_blocks
+        self.link = link
+        self.on_plan = on_plan
+        self.probe = probe
+        self.lean_overhead_ms = lean_overhead_ms
+        self.state = BudgetState.MEASURE
+        self.schedule: tuple[Measure, ...] = ()
+        self._issued = 0
+        self._seen: dict[Measure, list[Observation]] = {}
+        self.outside_bytes: int | None = None  # what the warm-up saved outside the blocks: a lower bound of the floor
+        self._round = 0
+        self.knob = CompilerKnob()
+        self.plan: OffloadPlan | None = None
+        self.profile: _budget.BudgetProfile | None = None
+        self.lean = False  # the adopted plan uses the lean loss
+        self.budget_bytes: int | None = None
+        self.plain_activation_bytes: int | None = None
+        self.engine_plain_bytes: int | None = None
+        self.forecast: _budget.BudgetForecast | None = None
+        self.achieved_bytes: int | None = None
+        self.lean_loss_measured: dict[str, float] | None = None
+        self.log: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------------------------ the two calls
+
+    def start(self, modes: tuple[str, ...], weigh_lean_loss: bool) -> None:
+        """Begin measuring: ``modes`` are the recompute modes the blocks allow."""
+        self.schedule = measuring_schedule(modes, self.options.profile_steps, weigh_lean_loss)
+        self.state = BudgetState.MEASURE
+
+    def next_forward(self) -> tuple[OffloadPlan, Measure | None]:
+        """The plan of the next training forward, and what it is measured for (``None``: not measured)."""
+        if self.state is BudgetState.MEASURE:
+            m = self.schedule[self._issued] if self._issued < len(self.schedule) else Measure(Kind.PLAIN)
+            self._issued += 1
+            return self._measuring_plan(m), m
+        assert self.plan is not None
+        if self.state is BudgetState.CORRECT:
+            return self.plan, Measure(Kind.CHECK, round=self._round)
+        return self.plan, None
+
+    def wants(self, measure: Measure, plan: OffloadPlan) -> bool:
+        """Whether an observation of this step still matters (older steps finishing late are dropped)."""
+        if self.state is BudgetState.MEASURE:
+            return measure.kind is not Kind.CHECK
+        return self.state is BudgetState.CORRECT and measure.kind is Kind.CHECK and plan is self.plan
+
+    def observe(self, obs: Observation) -> None:
+        """Take in one measured step; may adopt a plan or raise ``ValueError`` for an impossible budget."""
+        if not self.wants(obs.measure, obs.plan):
+            return
+        kind = obs.measure.kind
+        if kind is Kind.WARMUP:
+            self.outside_bytes = obs.other
+            self._check_lower_bound()
+        elif kind is Kind.RAW:
+            self._seen[obs.measure] = [obs]
+            if obs.act_peak is not None:
+                self.plain_activation_bytes = obs.act_peak
+            self._check_lower_bound()
+        elif kind is Kind.CHECK:
+            self._correct(obs)
+        elif obs.profile is not None:
+            self._seen.setdefault(obs.measure, []).append(obs)
+
+    def after_observations(self) -> None:
+        """Plan once every measuring step of the schedule has been observed."""
+        if self.state is BudgetState.MEASURE:
+            self._make_plan()
+
+    @property
+    def round(self) -> int:
+        """The correction round of the plan in force (0: the first plan)."""
+        return self._round
+
+    def observations(self, measure: Measure) -> list[Observation]:
+        """The observations kept of the measuring steps of ``measure``."""
+        return list(self._seen.get(measure, []))
+
+    def adopt(self, plan: OffloadPlan) -> None:
+        """Keep ``plan`` (restored from a checkpoint): no measuring."""
+        self.plan = plan
+        self.state = BudgetState.DONE
+
+    # ------------------------------------------------------------------------------------ measuring
+
+    def _measuring_plan(self, m: Measure) -> OffloadPlan:
+        label = {Kind.WARMUP: "budget-warmup", Kind.RAW: "budget-raw"}.get(m.kind, "budget-measure")
+        plan = plan_none(self.n, label)
+        if m.lean_loss:
+            plan = replace(plan, lean_loss=True)
+        if m.kind is Kind.MODE:
+            plan = replace(plan, modes=(m.mode,) * self.n)
+        return plan
+
+    def _plain_seen(self) -> list[Observation]:
+        return self._seen.get(Measure(Kind.PLAIN), [])
+
+    def _ready(self) -> bool:
+        return all(m.kind is Kind.WARMUP or m in self._seen for m in self.schedule) \
+            and len(self._plain_seen()) >= self.options.profile_steps
+
+    def _link(self) -> tuple[float, float, float, int]:
+        d2h, h2d = self.link()
+        return d2h, h2d, self.options.margin, self.options.skip_last_blocks
+
+    def _make_plan(self) -> None:
+        if not self._ready():
+            return
+        plain = self._plain_seen()
+        step = median_profile([o.profile for o in plain])
+        modes = [m for m in self.schedule if m.kind is Kind.MODE]
+        costs: list[dict[str | None, _budget.ModeCost]] = []
+        for i in range(self.n):
+            base = step.blocks[i].forward_ms + step.blocks[i].backward_ms
+            c: dict[str | None, _budget.ModeCost] = {}
+            for m in modes:
+                o = self._seen[m][0]
+                kept = o.resident[i] + o.used[i] + o.rc_cached.get(i, 0)
+                extra = max(0.0, o.profile.blocks[i].forward_ms + o.profile.blocks[i].backward_ms - base)
+                c[m.mode] = _budget.ModeCost(kept, min(o.offloadable[i], kept), extra)
+            costs.append(c)
+        bp = _budget.BudgetProfile(step, tuple(costs), 0)
+        d2h, h2d, margin, skip = self._link()
+        model_plain = _budget.plan_budget(bp, 2**62, d2h, h2d, margin, skip)[1].activation_bytes
+        peaks = [o.act_peak for o in plain if o.act_peak is not None]
+        act = int(statistics.median(peaks)) if peaks else model_plain
+        self.profile = bp = bp.with_overhead(act - model_plain)
+        self.engine_plain_bytes = act
+        variants = [(bp, False)]
+        lean = Measure(Kind.LEAN, lean_loss=True)
+        if lean in self.schedule:
+            variants.append((self._lean_profile(bp, self._seen[lean][0]), True))
+        # The reference of a fraction: the raw step, measured on CUDA, or on a CPU its tracked saved bytes under the
+        # same timeline model as the planner's (so both sides of the comparison count alike).
+        raw_obs = self._seen[Measure(Kind.RAW)][0]
+        raw = raw_obs.act_peak if raw_obs.act_peak is not None else self._tracked_activation(raw_obs)
+        self.plain_activation_bytes = raw
+        self.budget_bytes = budget = self.budget.resolve(raw)
+        if budget >= act:
+            self.state = BudgetState.DONE
+            self.plan = replace(plan_none(self.n, "budget"), notes=(
+                f"budget {fmt_bytes(budget)} ({self.budget.describe()}; the plain step measured {fmt_bytes(raw)}) "
+                f">= the {fmt_bytes(act)} the engine's own step needs with its free savings (cast dedupe, weight "
+                "re-cast): nothing to do",))
+            self.log.append({"activation_budget/target_gib": budget / 2**30,
+                             "activation_budget/plain_gib": raw / 2**30,
+                             "activation_budget/engine_plain_gib": act / 2**30})
+            self.on_plan(self.plan)
+            return
+        best, err = None, None
+        for vbp, use_lean in variants:
+            try:
+                plan, fc = _budget.plan_budget(vbp, budget, d2h, h2d, margin, skip)
+            except ValueError as e:
+                err = e  # the last variant's floor is the lowest (the lean loss's, when weighed)
+                continue
+            if best is None or fc.step_ms < best[1].step_ms - 1e-6:
+                best = (plan, fc, vbp, use_lean)
+        if best is None:
+            self.state = BudgetState.FAILED
+            raise ValueError(f"ActivationOffload budget={self.options.budget!r} ({self.budget.describe()}; the "
+                             f"plain step measured {fmt_bytes(raw)}): {err} Checked after the {self._issued} "
+                             "measuring steps, before any planned step.") from None
+        plan, fc, self.profile, self.lean = best
+        self.state, self._round = BudgetState.CORRECT, 0
+        self._adopt_plan(plan, fc)
+
+    def _lean_profile(self, bp: _budget.BudgetProfile, obs: Observation) -> _budget.BudgetProfile:
+        """``bp`` with the lean loss's head: what its measuring step saved outside the blocks, its head time, and
+        the overhead its measured peak shows above the timeline model."""
+        prof, step = obs.profile, bp.step
+        # Only the head differs from the plain step; its extra time (the backward's second log-softmax) is charged
+        # to the tail, the rest of the single measurement's noise is not.
+        step_extra = max(0.0, prof.tail_forward_ms + prof.tail_backward_ms - step.tail_forward_ms
+                         - step.tail_backward_ms)
+        # On CUDA the head's extra time is timed alone on the logits' shape: one whole step is too noisy for it.
+        alone = self.lean_overhead_ms()
+        extra = step_extra if alone is None else alone
+        lstep = replace(step, tail_backward_ms=step.tail_backward_ms + extra, other_bytes=obs.other)
+        lbp = _budget.BudgetProfile(lstep, bp.costs, 0)
+        d2h, h2d, margin, skip = self._link()
+        model = _budget.plan_budget(lbp, 2**62, d2h, h2d, margin, skip)[1].activation_bytes
+        act = obs.act_peak if obs.act_peak is not None else model
+        self.lean_loss_measured = {"activation_gib": act / 2**30, "head_extra_ms": extra,
+                                   "head_extra_in_step_ms": step_extra, "other_gib": obs.other / 2**30}
+        return lbp.with_overhead(act - model)
+
+    def _check_lower_bound(self) -> None:
+        """Refuse a budget that no plan can reach as soon as that is certain, before the measuring steps end.
+
+        What the step saves outside the blocks (embedding output, final norm, the head's input and logits) stays on
+        the device under every plan, all of it at the end of the forward, so it bounds the floor from below. It is
+        known after the warm-up step; a fraction also needs the raw step's measured peak (CUDA). The exact floor
+        (full recompute plus offload in every block) needs the measuring steps and is checked right after them.
+        """
+        other = self.outside_bytes
+        if other is None or self.state is not BudgetState.MEASURE:
+            return
+        if self.budget.bytes is not None:
+            budget = self.budget.bytes
+        elif self.plain_activation_bytes is not None:
+            budget = self.budget.resolve(self.plain_activation_bytes)
+        else:
+            return
+        if budget >= other:
+            return
+        self.state = BudgetState.FAILED
+        of = "" if self.budget.bytes is not None else \
+            f" ({self.budget.describe()}; the plain step measured {fmt_bytes(self.plain_activation_bytes)})"
+        raise ValueError(
+            f"ActivationOffload budget={self.options.budget!r}: {fmt_bytes(budget)}{of} of activation memory is below "
+            f"the floor of full recompute plus offload, which is at least {fmt_bytes(other)} on this model and batch: "
+            "what the step saves outside the transformer blocks (embedding, final norm, head and logits) stays "
+            f"on the device under every plan. Raise the budget above {fmt_bytes(other)} (the exact floor is measured "
+            f"in the next steps), or shrink the batch or sequence. Checked after {self._issued} step(s).")
+
+    # ------------------------------------------------------------------------------------ planned steps
+
+    def _adopt_plan(self, plan: OffloadPlan, fc: _budget.BudgetForecast) -> None:
+        act, budget = self.plain_activation_bytes, self.budget_bytes
+        d2h, h2d, margin, _ = self._link()
+        rnd = f" (correction {self._round})" if self._round else ""
+        note = (f"budget {fmt_bytes(budget)} ({self.budget.describe()}; the plain step measured "
+                f"{fmt_bytes(act)}, the engine's measuring step {fmt_bytes(self.engine_plain_bytes)}); plan{rnd}: "
+                f"{fc.describe_choices()}; predicted {fmt_bytes(fc.activation_bytes)} at {fc.step_ms:.1f} ms "
+                f"fwd+bwd ({fc.ratio:.2f}x the plain {fc.plain_step_ms:.1f} ms: recompute +{fc.recompute_ms:.1f} ms, "
+                f"link stall +{fc.stall_ms:.1f} ms at {d2h:.0f}/{h2d:.0f} GB/s, margin {margin:.0%})")
+        if self.lean:
+            lm = self.lean_loss_measured
+            note += (f"; lean loss on (its measured step: {fmt_bytes(lm['activation_gib'] * 2**30)}, head "
+                     f"+{lm['head_extra_ms']:.1f} ms)")
+        self.plan = replace(plan, notes=(note,), lean_loss=self.lean)
+        self.forecast = fc
+        self.log.append({"activation_budget/target_gib": budget / 2**30,
+                         "activation_budget/plain_gib": act / 2**30,
+                         "activation_budget/engine_plain_gib": self.engine_plain_bytes / 2**30,
+                         "activation_budget/predicted_gib": fc.activation_bytes / 2**30,
+                         "activation_budget/predicted_ms": fc.step_ms,
+                         "activation_budget/round": float(self._round),
+                         "activation_budget/lean_loss": float(self.lean)})
+        self.on_plan(self.plan)
+
+    def _tracked_activation(self, obs: Observation) -> int:
+        """Activation memory of a step from the bytes the engine tracked (no CUDA memory statistics)."""
+        bp = self.profile
+        blocks, budgets, transient = [], [], []
+        for i, b in enumerate(bp.step.blocks):
+            kept = obs.resident[i] + obs.rc_cached.get(i, 0)
+            blocks.append(BlockProfile(b.forward_ms, b.backward_ms, obs.used[i], kept))
+            budgets.append(None if obs.used[i] else 0)
+            transient.append(max(b.saved_bytes - kept - obs.used[i], 0) if obs.plan.mode_of(i) else 0)
+        prof = replace(bp.step, blocks=tuple(blocks), other_bytes=obs.other or bp.step.other_bytes)
+        d2h, h2d, margin, _ = self._link()
+        pred = simulate(prof, tuple(budgets), obs.plan.release_at, obs.plan.prefetch_at, d2h, h2d, margin,
+                        tuple(transient))
+        return pred.peak_bytes + bp.overhead_bytes
+
+    def _correct(self, obs: Observation) -> None:
+        """Compare the planned step's measured activation memory with the budget; plan again if it is off."""
+        achieved = obs.act_peak if obs.act_peak is not None else self._tracked_activation(obs)
+        budget, fc, ms = self.budget_bytes, self.forecast, obs.step_ms
+        entry = {"activation_budget/achieved_gib": achieved / 2**30, "activation_budget/round": float(self._round),
+                 "activation_budget/target_gib": budget / 2**30,
+                 "activation_budget/predicted_gib": fc.activation_bytes / 2**30}
+        if ms is not None:
+            entry["activation_budget/measured_ms"] = ms
+        self.log.append(entry)
+        self.achieved_bytes = achieved
+        decision = correction(achieved, budget, self._round)
+        msg = (f"ActivationOffload budget round {self._round}: achieved {fmt_bytes(achieved)} against "
+               f"{fmt_bytes(budget)} (predicted {fmt_bytes(fc.activation_bytes)})"
+               + (f", fwd+bwd {ms:.1f} ms (predicted {fc.step_ms:.1f} ms)" if ms is not None else ""))
+        if decision is not Correction.REPLAN:
+            self.state = BudgetState.DONE
+            log.info("%s: %s", msg, "within the budget" if decision is Correction.WITHIN
+                     else "kept (no more correction rounds)")
+            return
+        bp = self.profile.with_overhead(self.profile.overhead_bytes + achieved - fc.activation_bytes)
+        d2h, h2d, margin, skip = self._link()
+        try:
+            plan, new_fc = _budget.plan_budget(bp, budget, d2h, h2d, margin, skip)
+        except ValueError as e:
+            self.state = BudgetState.DONE
+            log.warning("%s; no correction fits: %s", msg, e)
+            return
+        log.info("%s; correcting the overhead estimate by %s", msg, fmt_bytes(achieved - fc.activation_bytes))
+        self.profile = bp
+        self._round += 1
+        self._adopt_plan(plan, new_fc)
+
+    # ------------------------------------------------------------------------------------ compiled models
+
+    def start_compiled(self, owner: str, on_cuda: bool) -> None:
+        """Budget mode on a ``torch.compile``'d model: a fraction goes to the compiler now; a size needs one measured
+        compiled step (CUDA)."""
+        if self.budget.fraction is not None:
+            self.state = BudgetState.COMPILED
+            self._set_knob(_budget.compiler_budget(self.budget.fraction), owner,
+                           f"a fraction budget of {self.budget.fraction:.0%}")
+        elif not on_cuda:
+            self.state = BudgetState.FAILED
+            raise ValueError(f"budget={self.options.budget!r} on the compiled module '{owner}': a size budget is "
+                             "turned into the compiler's activation_memory_budget from a measured CUDA step; "
+                             "on this device pass a fraction instead (e.g. budget=0.5).")
+        else:
+            self.state = BudgetState.COMPILED_MEASURE
+
+    def compiled_forward(self, owner: str) -> None:
+        """Called before each forward of a compiled model: the first compiles, the second is measured."""
+        if self.state is not BudgetState.COMPILED_MEASURE:
+            return
+        self.knob.calls += 1
+        if self.knob.calls == 1:
+            return  # the first call compiles: not a step to measure
+        if self.knob.calls == 2:
+            self.knob.base = self.probe.start()
+            return
+        act = self.probe.peak(self.knob.base)
+        self.plain_activation_bytes = act
+        self.budget_bytes = self.budget.resolve(act)
+        self.state = BudgetState.COMPILED
+        frac = min(1.0, self.budget_bytes / max(act, 1))
+        if frac >= 1.0:
+            log.info("ActivationOffload budget %s >= the compiled step's %s: nothing to do", self.budget.describe(),
+                     fmt_bytes(act))
+            return
+        self._set_knob(_budget.compiler_budget(frac), owner,
+                       f"{fmt_bytes(self.budget_bytes)} of the compiled step's measured {fmt_bytes(act)} "
+                       "(torch._dynamo.reset(): the model recompiles once)")
+
+    def _set_knob(self, value: float, owner: str, why: str) -> None:
+        self.knob.set(value)
+        msg = (f"ActivationOffload budget: '{owner}' is torch.compile'd, so its blocks' boundaries are traced, not "
+               f"run; set torch._functorch.config.activation_memory_budget = {value:.3f} for {why} (the compiler "
+               "recomputes what it must; restored when training ends)")
+        log.info(msg)
+        self.log.append({"activation_budget/compiler_budget": value})
+        self.plan = replace(plan_none(self.n, "budget-compiled"), notes=(msg,))
+        self.on_plan(self.plan)
+
+    def close(self) -> None:
+        """Restore the compiler's budget if this controller set it."""
+        self.knob.restore()

@@ -1,0 +1,208 @@
+"""The budget controller through its two calls: ``next_forward()`` (what the next step runs and measures) and
+``observe()`` (what a measured step did). Synthetic observations, no model: each decision is a table row."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_gh.activation_offload import ActivationOffloadOptions
+from lightning_gh.activation_offload.controller import (
+    MAX_CORRECTIONS,
+    BudgetController,
+    BudgetState,
+    Correction,
+    Kind,
+    Measure,
+    Observation,
+    correction,
+    measuring_schedule,
+)
+from lightning_gh.activation_offload.policy import BlockProfile, OffloadPlan, StepProfile
+
+MIB = 2**20
+N = 4
+
+
+class NoMemory:
+    """A probe that reads nothing (a CPU): the controller counts tracked bytes, or takes ``act_peak`` as given."""
+
+    def start(self):
+        return None
+
+    def peak(self, base):
+        return None
+
+    def free_bytes(self):
+        return None
+
+
+def _controller(budget, modes=("full",), lean=False, **opts):
+    plans: list[OffloadPlan] = []
+    options = ActivationOffloadOptions(budget=budget, profile_steps=1, bandwidth_gbps=50.0, **opts)
+    ctl = BudgetController(options, N, lambda: (50.0, 50.0), plans.append, NoMemory())
+    ctl.start(modes, weigh_lean_loss=lean)
+    return ctl, plans
+
+
+def _step(fwd=1.0, bwd=2.0, offloadable=100 * MIB, resident=0, other=10 * MIB):
+    return StepProfile(tuple(BlockProfile(fwd, bwd, offloadable, resident) for _ in range(N)), 0.5, 1.0, other)
+
+
+def _obs(measure, plan, *, act_peak=None, kept=100 * MIB, other=10 * MIB, step=None, used=0, ms=None):
+    """What the engine would report: ``kept`` bytes stay in each block (offloadable unless ``full`` recompute)."""
+    full = measure.kind is Kind.MODE and measure.mode == "full"
+    offl = 0 if full else kept
+    return Observation(measure, plan, step if step is not None else _step(bwd=3.0 if full else 2.0, offloadable=offl,
+                                                                          resident=kept - offl),
+                       (used,) * N, (offl,) * N, (kept - used,) * N, {}, other, act_peak, ms)
+
+
+def _run_schedule(ctl, plain_peak=420 * MIB):
+    """Observe every measuring step the controller asks for; return the measures in order."""
+    seen = []
+    while ctl.state is BudgetState.MEASURE:
+        plan, m = ctl.next_forward()
+        seen.append(m)
+        kept = 2 * MIB if m.kind is Kind.MODE and m.mode == "full" else 100 * MIB
+        peak = None if m.kind is Kind.WARMUP else (plain_peak if m.kind is not Kind.MODE else 20 * MIB)
+        ctl.observe(_obs(m, plan, act_peak=peak, kept=kept))
+        ctl.after_observations()
+    return seen
+
+
+@pytest.mark.parametrize("modes, steps, lean, labels", [
+    ((), 1, False, ["warm-up", "raw", "plain"]),
+    (("full",), 2, False, ["warm-up", "raw", "plain", "plain", "full"]),
+    (("norm-act", "selective", "full"), 1, True,
+     ["warm-up", "raw", "plain", "lean-loss", "norm-act", "selective", "full"]),
+])
+def test_measuring_schedule_is_data(modes, steps, lean, labels):
+    schedule = measuring_schedule(modes, steps, lean)
+    assert [m.label for m in schedule] == labels
+    assert schedule[0].lean_loss == lean  # the warm-up runs the lean loss when it is weighed
+    assert [m.raw for m in schedule] == [label == "raw" for label in labels]
+
+
+def test_next_forward_walks_the_schedule_then_measures_plain_steps_until_observed():
+    ctl, _ = _controller(0.5, modes=("full",))
+    plans = [ctl.next_forward() for _ in range(5)]
+    assert [m.label for _, m in plans] == ["warm-up", "raw", "plain", "full", "plain"]
+    assert [p.policy for p, _ in plans[:2]] == ["budget-warmup", "budget-raw"]
+    assert plans[3][0].modes == ("full",) * N and not plans[2][0].modes
+    assert all(not p.offloaded_blocks for p, _ in plans)  # measuring steps move nothing
+
+
+@pytest.mark.parametrize("achieved, round_, expected", [
+    (100, 0, Correction.WITHIN),
+    (95, 0, Correction.WITHIN),
+    (94, 0, Correction.REPLAN),  # further below than needed: plan again, faster
+    (101, 0, Correction.REPLAN),
+    (101, MAX_CORRECTIONS - 1, Correction.REPLAN),
+    (101, MAX_CORRECTIONS, Correction.LAST_ROUND),
+    (50, MAX_CORRECTIONS, Correction.LAST_ROUND),
+    (99, MAX_CORRECTIONS, Correction.WITHIN),
+])
+def test_correction_decision(achieved, round_, expected):
+    assert correction(achieved, 100, round_) is expected
+
+
+def test_fraction_budget_plans_after_the_schedule_and_checks_the_planned_step():
+    ctl, plans = _controller(0.5)
+    seen = _run_schedule(ctl)
+    assert [m.label for m in seen] == ["warm-up", "raw", "plain", "full"]
+    assert ctl.state is BudgetState.CORRECT and plans and plans[-1] is ctl.plan
+    assert ctl.plain_activation_bytes == 420 * MIB and ctl.budget_bytes == 210 * MIB
+    assert ctl.forecast.activation_bytes <= ctl.budget_bytes
+    plan, m = ctl.next_forward()
+    assert plan is ctl.plan and m == Measure(Kind.CHECK, round=0)
+    assert ctl.log[-1]["activation_budget/predicted_gib"] == ctl.forecast.activation_bytes / 2**30
+
+
+@pytest.mark.parametrize("achieved_share, state, rounds", [
+    (0.97, BudgetState.DONE, 0),  # within: keep
+    (1.20, BudgetState.CORRECT, 1),  # over: correct the overhead and check again
+    (0.50, BudgetState.CORRECT, 1),  # far under: plan again with the memory to spare
+])
+def test_observed_planned_step_table(achieved_share, state, rounds):
+    ctl, plans = _controller(0.5)
+    _run_schedule(ctl)
+    plan, m = ctl.next_forward()
+    n_plans = len(plans)
+    ctl.observe(_obs(m, plan, act_peak=int(achieved_share * ctl.budget_bytes), ms=4.0))
+    assert ctl.state is state and ctl.achieved_bytes == int(achieved_share * ctl.budget_bytes)
+    assert len(plans) == n_plans + rounds
+    assert ctl.log[-1 - rounds]["activation_budget/measured_ms"] == 4.0
+
+
+def test_correction_rounds_end():
+    ctl, _ = _controller(0.5)
+    _run_schedule(ctl)
+    checks = []
+    while ctl.state is BudgetState.CORRECT and len(checks) < 10:
+        plan, m = ctl.next_forward()
+        checks.append(m)
+        ctl.observe(_obs(m, plan, act_peak=ctl.budget_bytes + MIB))  # always just over
+    assert ctl.state is BudgetState.DONE
+    assert [m.round for m in checks] == list(range(MAX_CORRECTIONS + 1))
+    assert ctl.next_forward()[1] is None  # the plan stays, nothing more is measured
+
+
+def test_a_stale_check_of_an_older_plan_is_ignored():
+    ctl, _ = _controller(0.5)
+    _run_schedule(ctl)
+    old_plan, m = ctl.next_forward()
+    over = int(1.1 * ctl.budget_bytes)
+    ctl.observe(_obs(m, old_plan, act_peak=over))  # round 0 -> a new plan
+    assert ctl.plan is not old_plan
+    ctl.observe(_obs(m, old_plan, act_peak=ctl.budget_bytes))  # the old plan's second step finishing late
+    assert ctl.state is BudgetState.CORRECT and ctl.achieved_bytes == over
+
+
+def test_budget_above_the_plain_step_is_nothing_to_do():
+    ctl, plans = _controller(1.0)
+    _run_schedule(ctl)
+    assert ctl.state is BudgetState.DONE and not ctl.plan.offloaded_blocks and not ctl.plan.recompute
+    assert "nothing to do" in ctl.plan.describe() and plans == [ctl.plan]
+
+
+def test_fraction_below_the_floor_is_refused_after_the_measuring_steps():
+    ctl, _ = _controller(0.05)
+    with pytest.raises(ValueError, match=r"budget=0.05 \(5% of the plain step's activation memory; the plain step "
+                                         r"measured 420.0 MiB\).*floor of full recompute plus offload.*Checked after "
+                                         r"the 4 measuring steps, before any planned step"):
+        _run_schedule(ctl)
+    assert ctl.state is BudgetState.FAILED and ctl.forecast is None
+
+
+def test_what_the_step_saves_outside_the_blocks_bounds_the_floor():
+    ctl, _ = _controller(0.02)
+    plan, m = ctl.next_forward()
+    ctl.observe(_obs(m, plan, other=10 * MIB))  # warm-up: a fraction needs the raw step's peak first
+    assert ctl.state is BudgetState.MEASURE and ctl.outside_bytes == 10 * MIB
+    plan, m = ctl.next_forward()
+    with pytest.raises(ValueError, match=r"8.4 MiB \(2% of .* the plain step measured 420.0 MiB\).*at least 10.0 MiB"):
+        ctl.observe(_obs(m, plan, act_peak=420 * MIB))
+    assert ctl.state is BudgetState.FAILED
+
+
+def test_restored_plan_is_kept_without_measuring():
+    ctl, _ = _controller(0.5)
+    plan = OffloadPlan("budget", (None, 0), (2, 3), (1, 2), modes=(None, "full"))
+    ctl.adopt(plan)
+    assert ctl.state is BudgetState.DONE and ctl.next_forward() == (plan, None)
+
+
+def test_compiled_model_fraction_goes_to_the_compiler_and_is_restored():
+    import torch._functorch.config as fconfig
+
+    before = fconfig.activation_memory_budget
+    ctl, plans = _controller(0.5)
+    ctl.start_compiled("model", on_cuda=False)
+    assert ctl.state is BudgetState.COMPILED and fconfig.activation_memory_budget == 0.5
+    assert plans[-1].policy == "budget-compiled"
+    ctl.close()
+    assert fconfig.activation_memory_budget == before
+    size, _ = _controller("1GiB")
+    with pytest.raises(ValueError, match="pass a fraction"):
+        size.start_compiled("model", on_cuda=False)
+    assert size.state is BudgetState.FAILED

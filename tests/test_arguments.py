@@ -1,15 +1,14 @@
 """Every public constructor (and ``precision()``) refuses wrong types and out-of-range values at construction,
-with a ValueError or TypeError that names the argument. Property-based: hypothesis draws the bad values.
+with an error that names the argument: TypeError for a value of the wrong type, ValueError for a value of an
+accepted type that is out of range or not among the allowed names.
 
-The bad values are derived from each parameter's default (a bool gets strings and numbers, a number gets strings,
-NaN and negatives, an enumeration gets names outside it); the table below says which parameters take free text
-or have their own ranges, so the generic rules do not apply to them.
-"""
+The bad values are derived from each parameter's default: a bool gets strings and numbers (TypeError), a number
+gets strings (TypeError) and negatives or NaN (ValueError, drawn by hypothesis). The table KNOWN lists, value by
+value, the parameters that take free text or have their own ranges, where the generic rules do not apply."""
 
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, Callable
 
 import pytest
@@ -48,95 +47,196 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], set[str]]] = {
     "GenerationCallback": (lambda **kw: lgh.GenerationCallback(**{"prompts": [[1, 2, 3]], **kw}), {"prompts"}),
     "ManagedMemoryOptions": (lgh.ManagedMemoryOptions, set()),
     "ManagedOptimizerState": (lgh.ManagedOptimizerState, {"options"}),
+    "MemoryReport": (lgh.MemoryReport, {"options", "folder"}),
+    "MemoryReportOptions": (lgh.MemoryReportOptions, {"folder"}),
 }
-# Parameters whose default is None or a string but which take a number in a range, or a name from a set.
-KNOWN: dict[str, dict[str, st.SearchStrategy]] = {
+# Constructors that take their options' fields as ``**kwargs``: the fields are their parameters too.
+OPTIONS: dict[str, type] = {
+    "HeterogeneousAdamW": lgh.SuperOffloadOptions,
+    "SuperOffloadStrategy": lgh.SuperOffloadOptions,
+    "MemoryReport": lgh.MemoryReportOptions,
+}
+# Parameters whose default is None or a string but which take a number in a range, or a name from a set: each bad
+# value with the error it must raise (TypeError for a value of the wrong type, ValueError for a value of an accepted
+# type that is out of range or not among the allowed names).
+V, T = ValueError, TypeError
+KNOWN: dict[str, dict[str, list[tuple[Any, type[Exception]]]]] = {
     "ActivationOffload": {
-        "policy": st.sampled_from(["sometimes", "", "ALL", -1]),
-        "backend": st.sampled_from(["gpu", "", 3]),
-        "bandwidth_gbps": st.sampled_from([0, -5.0, float("nan"), "fast"]),
-        "recompute": st.sampled_from(["some", 1, ""]),
-        "lean_loss": st.sampled_from(["yes", 1, 0.0]),
+        "policy": [("sometimes", V), ("", V), ("ALL", V), (-1, V), (0.5, T)],
+        "backend": [("gpu", V), ("", V), (3, T)],
+        "bandwidth_gbps": [(0, V), (-5.0, V), (float("nan"), V), ("fast", T)],
+        "recompute": [("some", V), (1, T), ("", V)],
+        "lean_loss": [("yes", T), (1, T), (0.0, T)],
     },
     "HeterogeneousAdamW": {
-        "gpu_fraction": st.sampled_from([-0.1, 1.5, "most", float("nan")]),
-        "max_grad_norm": st.sampled_from([-1.0, 0.0, "1", float("nan")]),
-        "max_grad_value": st.sampled_from([-1.0, 0.0, "1", float("nan")]),
-        "cpu_threads": st.sampled_from([0, -2, 1.5, "4"]),
-        "max_gpu_fraction": st.sampled_from([-0.1, 1.5, "x"]),
-        "pipeline_trigger": st.sampled_from(["never", 1]),
-        "betas": st.sampled_from([(2.0, 2.0), (0.9,), "0.9", (-0.1, 0.9)]),
+        "gpu_fraction": [(-0.1, V), (1.5, V), ("most", V), (float("nan"), V)],
+        "max_grad_norm": [(-1.0, V), (0.0, V), ("1", T), (float("nan"), V)],
+        "max_grad_value": [(-1.0, V), (0.0, V), ("1", T), (float("nan"), V)],
+        "cpu_threads": [(0, V), (-2, V), (1.5, T), ("4", T)],
+        "max_gpu_fraction": [(-0.1, V), (1.5, V), ("x", T)],
+        "pipeline_trigger": [("never", V), (1, T)],
+        "betas": [((2.0, 2.0), V), ((0.9,), V), ("0.9", T), ((-0.1, 0.9), V)],
     },
     "SuperOffloadStrategy": {
-        "gpu_fraction": st.sampled_from([-0.1, 1.5, "most", float("nan")]),
-        "cpu_threads": st.sampled_from([0, -2, 1.5, "4"]),
-        "max_gpu_fraction": st.sampled_from([-0.1, 1.5, "x"]),
+        "gpu_fraction": [(-0.1, V), (1.5, V), ("most", V), (float("nan"), V)],
+        "cpu_threads": [(0, V), (-2, V), (1.5, T), ("4", T)],
+        "max_gpu_fraction": [(-0.1, V), (1.5, V), ("x", T)],
     },
-    "SelectiveProfiler": {"ranks": st.sampled_from([-1, 1.5, "zero", object()])},
-    "NVTXRangeCallback": {"ranks": st.sampled_from([-1, 1.5, "zero", object()])},
-    "Float8Options": {"recipe": st.sampled_from([3, "", None])},  # backend recipe names are checked by each plugin
-    "Float8Precision": {"recipe": st.sampled_from(["fp9", 3, ""]), "min_dim": st.sampled_from([-1, "big"]),
-                        "skip_head": st.sampled_from(["yes", 2])},
-    "KVOffloadOptions": {"resident_layers": st.sampled_from(["some", -1, 1.5]),
-                         "placement": st.sampled_from(["middle", 1]), "backend": st.sampled_from(["tpu", 1]),
-                         "max_length": st.sampled_from([0, -5, "long"])},
-    "GenerationCallback": {"cache": st.sampled_from(["disk", 1]), "every_n_steps": st.sampled_from([0, -1, "10"])},
-    "ManagedMemoryOptions": {"preferred": st.sampled_from(["disk", 1]), "prefetch": st.sampled_from(["always", 1])},
-    "ManagedOptimizerState": {"preferred": st.sampled_from(["disk", 1]), "prefetch": st.sampled_from(["always", 1])},
-    "SuperOffloadOptions": {"gpu_fraction": st.sampled_from([-0.1, 1.5, "most", float("nan")]),
-                            "cpu_threads": st.sampled_from([0, -2, 1.5, "4"]),
-                            "max_gpu_fraction": st.sampled_from([-0.1, 1.5, "x"])},
+    "SelectiveProfiler": {"ranks": [(-1, T), (1.5, T), ("zero", V), (object(), T)]},  # a string of ranks
+    "NVTXRangeCallback": {"ranks": [(-1, T), (1.5, T), ("zero", V), (object(), T)]},
+    # backend recipe names are checked by each plugin
+    "Float8Options": {"recipe": [(3, T), ("", V), (None, T)]},
+    "Float8Precision": {"recipe": [("fp9", V), (3, T), ("", V)], "min_dim": [(-1, V), ("big", T)],
+                        "skip_head": [("yes", T), (2, T)]},
+    "KVOffloadOptions": {"resident_layers": [("some", V), (-1, V), (1.5, T)],
+                         "placement": [("middle", V), (1, T)], "backend": [("tpu", V), (1, T)],
+                         "max_length": [(0, V), (-5, V), ("long", T)]},
+    "GenerationCallback": {"cache": [("disk", V), (1, T)], "every_n_steps": [(0, V), (-1, V), ("10", T)]},
+    "ManagedMemoryOptions": {"preferred": [("disk", V), (1, T)], "prefetch": [("always", V), (1, T)]},
+    "ManagedOptimizerState": {"preferred": [("disk", V), (1, T)], "prefetch": [("always", V), (1, T)]},
+    "SuperOffloadOptions": {"gpu_fraction": [(-0.1, V), (1.5, V), ("most", V), (float("nan"), V)],
+                            "cpu_threads": [(0, V), (-2, V), (1.5, T), ("4", T)],
+                            "max_gpu_fraction": [(-0.1, V), (1.5, V), ("x", T)]},
     "precision(fp8-auto)": {
-        "bogus": st.sampled_from([1, "x", None]),
-        "min_dim": st.sampled_from([-1, 1.5, "big"]),
-        "skip_head": st.sampled_from(["yes", 2]),
+        "bogus": [(1, T), ("x", T), (None, T)],  # an unknown keyword is a TypeError, as for any Python call
+        "min_dim": [(-1, V), (1.5, T), ("big", T)],
+        "skip_head": [("yes", T), (2, T)],
     },
 }
+# (constructor, parameter) pairs that still raise ValueError for a value of the wrong type: the cases that expect
+# TypeError there are expected failures. Not strict while the parts are being reworked; the list is to be emptied
+# (and the mark made strict) once they all follow the rule.
+NOT_YET: set[tuple[str, str]] = {
+    *(("ActivationOffload", p) for p in ("backend", "bandwidth_gbps", "host_memory_fraction", "margin",
+                                         "max_inflight_blocks", "min_tensor_bytes", "policy", "prefetch_blocks",
+                                         "profile_steps", "recompute", "skip_last_blocks")),
+    *(("ActivationOffloadOptions", p) for p in ("host_memory_fraction", "margin", "max_inflight_blocks",
+                                                "min_tensor_bytes", "prefetch_blocks", "profile_steps",
+                                                "skip_last_blocks")),
+    ("Float8Options", "recipe"),
+    *(("Float8Precision", p) for p in ("min_dim", "recipe", "skip_head")),
+    *(("GenerationCallback", p) for p in ("cache", "every_n_steps", "max_new_tokens")),
+    *((n, p) for n in ("HeterogeneousAdamW", "SuperOffloadStrategy", "SuperOffloadOptions")
+      for p in ("bucket_size", "cpu_threads", "host_memory_check", "max_gpu_fraction", "skip_nonfinite")),
+    *(("HeterogeneousAdamW", p) for p in ("betas", "eps", "lr", "max_grad_norm", "max_grad_value",
+                                          "pipeline_trigger", "weight_decay")),
+    *(("KVOffloadOptions", p) for p in ("backend", "gpu_memory_fraction", "host_memory_fraction", "max_length",
+                                        "num_slots", "placement", "resident_layers")),
+    *(("LayerFilter", p) for p in ("min_dim", "skip_first", "skip_head")),
+    *(("ManagedMemoryOptions", p) for p in ("prefetch", "preferred")),
+    *(("ManagedOptimizerState", p) for p in ("prefetch", "preferred")),
+    *(("precision(fp8-auto)", p) for p in ("bogus", "min_dim", "skip_head")),
+}
+
+
+def _wrong_types(default: Any) -> list[Any]:
+    """Values of a type that a parameter whose default is ``default`` does not take (each must raise TypeError)."""
+    if isinstance(default, bool):
+        return ["no", "False", 0, 1, 2, 1.0]
+    if isinstance(default, int):
+        return ["3", 2.5, float("nan")]
+    if isinstance(default, float):
+        return ["0.5"]
+    return []
 
 
 def _bad_values(default: Any) -> st.SearchStrategy | None:
-    """Values of the wrong type or out of range for a parameter whose default is ``default``."""
+    """Values out of range (ValueError) for a number, or any text (TypeError) for a bool, drawn by hypothesis."""
     if isinstance(default, bool):
-        return st.one_of(st.sampled_from(["no", "False", 0, 1, 2, 1.0]), st.text(min_size=1, max_size=5))
+        return st.text(min_size=1, max_size=5)
     if isinstance(default, int):
-        return st.one_of(st.integers(max_value=-1), st.sampled_from(["3", 2.5, float("nan")]))
+        return st.integers(max_value=-1)
     if isinstance(default, float):
-        return st.one_of(st.floats(max_value=-1e-6, allow_infinity=False), st.sampled_from(["0.5", float("nan")]))
+        return st.one_of(st.floats(max_value=-1e-6, allow_infinity=False), st.just(float("nan")))
     return None
 
 
-def _cases() -> list[tuple[str, str, st.SearchStrategy]]:
-    cases = []
-    for name, (ctor, skip) in CONSTRUCTORS.items():
-        target = {"HeterogeneousAdamW": lgh.HeterogeneousAdamW, "GenerationCallback": lgh.GenerationCallback,
-                  "Float8Options": lgh.Float8Options}.get(name, ctor)
-        params = {} if name.startswith("precision") else inspect.signature(target).parameters
-        for pname, p in params.items():
-            if pname in skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                continue
-            strat = KNOWN.get(name, {}).get(pname) or _bad_values(p.default)
-            if strat is not None:
-                cases.append((name, pname, strat))
-        for pname, strat in KNOWN.get(name, {}).items():
-            if pname not in params:
-                cases.append((name, pname, strat))
-    return cases
-
-
-CASES = _cases()
-
-
-@pytest.mark.parametrize("name,param,values", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_bad_argument_is_refused_naming_it(name: str, param: str, values: st.SearchStrategy, data: Any) -> None:
+def _params(name: str) -> dict[str, inspect.Parameter]:
     ctor, _ = CONSTRUCTORS[name]
-    value = data.draw(values, label=param)
-    if isinstance(value, float) and math.isnan(value) and param == "bogus":
-        return
+    target = {"HeterogeneousAdamW": lgh.HeterogeneousAdamW, "GenerationCallback": lgh.GenerationCallback,
+              "Float8Options": lgh.Float8Options}.get(name, ctor)
+    if name.startswith("precision"):
+        return {}
+    params = {n: p for n, p in inspect.signature(target).parameters.items() if p.kind != p.VAR_KEYWORD}
+    if name in OPTIONS:
+        params.update({n: p for n, p in inspect.signature(OPTIONS[name]).parameters.items() if n not in params})
+    return params
+
+
+def _generic() -> list[tuple[str, str, Any]]:
+    """(constructor, parameter, default) that the generic rules cover."""
+    return [(name, pname, p.default) for name, (_, skip) in CONSTRUCTORS.items() for pname, p in _params(name).items()
+            if pname not in skip and pname not in KNOWN.get(name, {})
+            and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+
+def _case(name: str, param: str, value: Any, expected: type[Exception]) -> Any:
+    marks = [pytest.mark.xfail(reason="ValueError for a wrong type (NOT_YET)", strict=False)] \
+        if expected is TypeError and (name, param) in NOT_YET else []
+    if isinstance(value, st.SearchStrategy):
+        case_id = f"{name}-{param}"
+    else:
+        case_id = f"{name}-{param}-{value if isinstance(value, (str, int, float, tuple, type(None))) else 'object'!r}"
+    return pytest.param(name, param, value, expected, id=case_id, marks=marks)
+
+
+def _typed_cases() -> list[Any]:
+    """Every value of the table above, and every wrong-typed value of the generic rules, each with its error."""
+    known = [_case(name, pname, value, exc)
+             for name, table in KNOWN.items() for pname, values in table.items() for value, exc in values]
+    generic = [_case(name, pname, value, TypeError)
+               for name, pname, default in _generic() for value in _wrong_types(default)]
+    return known + generic
+
+
+def _drawn_cases() -> list[Any]:
+    out = []
+    for name, pname, default in _generic():
+        strat = _bad_values(default)
+        if strat is not None:
+            expected = TypeError if isinstance(default, bool) else ValueError
+            out.append(_case(name, pname, strat, expected))
+    return out
+
+
+def _check(name: str, param: str, value: Any, expected: type[Exception]) -> None:
+    ctor, _ = CONSTRUCTORS[name]
     with pytest.raises((ValueError, TypeError)) as err:
         ctor(**{param: value})
     assert param in str(err.value), f"{name}({param}={value!r}) raised without naming {param!r}: {err.value}"
+    assert isinstance(err.value, expected), (
+        f"{name}({param}={value!r}) raised {type(err.value).__name__}, expected {expected.__name__} "
+        f"({'wrong type' if expected is TypeError else 'bad value'}): {err.value}")
+
+
+@pytest.mark.parametrize("name,param,value,expected", _typed_cases())
+def test_bad_argument_is_refused_naming_it(name: str, param: str, value: Any, expected: type[Exception]) -> None:
+    _check(name, param, value, expected)
+
+
+@pytest.mark.parametrize("name,param,values,expected", _drawn_cases())
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_drawn_bad_argument_is_refused_naming_it(name: str, param: str, values: st.SearchStrategy,
+                                                 expected: type[Exception], data: Any) -> None:
+    _check(name, param, data.draw(values, label=param), expected)
+
+
+def test_keyword_constructors_name_their_options():
+    """A constructor that takes ``**kwargs`` is listed in OPTIONS, so its options' fields are covered."""
+    for name, (ctor, _) in CONSTRUCTORS.items():
+        target = {"HeterogeneousAdamW": lgh.HeterogeneousAdamW}.get(name, ctor)
+        if not name.startswith("precision") and inspect.isclass(target):
+            takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(target).parameters.values())
+            assert not takes_kwargs or name in OPTIONS, name
+
+
+def test_every_known_parameter_exists():
+    """The table names parameters the constructors take (``precision()`` takes keywords, so it is not checked)."""
+    for name, table in KNOWN.items():
+        params = _params(name)
+        if params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            assert set(table) <= set(params), (name, set(table) - set(params))
 
 
 def test_every_public_constructor_is_covered():

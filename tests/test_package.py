@@ -1,10 +1,14 @@
 """The package installs, imports without optional dependencies, and exposes a small typed API."""
 
+import json
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import lightning_gh
+from lightning_gh.__main__ import main
 
 
 def test_version_and_public_api():
@@ -35,22 +39,28 @@ def test_import_without_optional_dependencies():
     assert out.stdout.strip().endswith("ok")
 
 
-def test_cli_usage_and_unknown_command():
-    ok = subprocess.run([sys.executable, "-m", "lightning_gh", "--help"], capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and "demo" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "lightning_gh", "nope"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown command 'nope'" in bad.stderr
+def test_cli_usage_and_unknown_command(capsys):
+    assert main([]) == 2 and "demo" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ok:
+        main(["--help"])
+    assert ok.value.code == 0 and "demo" in capsys.readouterr().out
+    assert main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
 
 
-def test_cli_info_is_json():
-    import json
-
-    out = subprocess.run([sys.executable, "-m", "lightning_gh", "info"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    info = json.loads(out.stdout)
+def test_cli_info_is_json(capsys):
+    assert main(["info"]) == 0
+    info = json.loads(capsys.readouterr().out)
     assert set(info) >= {"cuda_available", "fp8_capable", "is_grace_hopper", "host_arch", "extras", "precisions"}
     assert set(info["extras"]) == {"nvtx", "ao", "te", "transformers"}
     assert info["precisions"]["bf16-mixed"] == "available"
-    helped = subprocess.run([sys.executable, "-m", "lightning_gh", "info", "--help"], capture_output=True, text=True,
-                            timeout=120)
-    assert helped.returncode == 0 and "--bandwidth" in helped.stdout and not helped.stdout.lstrip().startswith("{")
+    with pytest.raises(SystemExit) as helped:
+        main(["info", "--help"])
+    out = capsys.readouterr().out
+    assert helped.value.code == 0 and "--bandwidth" in out and not out.lstrip().startswith("{")
+
+
+def test_cli_entry_point_runs():
+    """The one end-to-end run of ``python -m lightning_gh`` (the tests above call its ``main`` in this process)."""
+    out = subprocess.run([sys.executable, "-m", "lightning_gh", "info"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["precisions"]["bf16-mixed"] == "available"

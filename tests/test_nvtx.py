@@ -9,8 +9,11 @@ checked too). Per-range costs are measured and printed (``pytest -s`` or ``-rP``
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -28,6 +31,7 @@ from lightning_gh.demo import LlamaLM, MarkovDataModule
 from lightning_gh.profiling import _nvtx_backend
 from lightning_gh.profiling.nvtx import (
     PHASES,
+    NVTXOptions,
     NVTXRangeCallback,
     _count_tokens,
     _default_modules,
@@ -456,21 +460,39 @@ def test_no_backend_warns_once_and_imports_lazily(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        (dict(steps="5-2"), r"`steps`='5-2'.*reversed"),
-        (dict(steps=7.0), r"`steps`=7.0"),  # an int is that single step (issue 17); a float is refused
-        (dict(ranks="first"), r"`ranks`='first'.*bad item"),
-        (dict(domain=""), r"`domain`=''"),
-        (dict(module_ranges="Block"), r"write \['Block'\]"),
-        (dict(module_ranges=[]), r"`module_ranges`=\[\] must be a non-empty list"),
-        (dict(module_ranges=3), r"`module_ranges`=3 must be True/False or a list"),
-        (dict(gc_ranges="yes"), r"`gc_ranges`='yes' must be True or False"),
+        (dict(steps="5-2"), ValueError, r"^NVTXRangeCallback\(steps='5-2'\): window '5-2' is reversed"),
+        (dict(steps=7.0), TypeError, r"^NVTXRangeCallback\(steps=7.0\): expected"),  # an int is that single step
+        (dict(ranks="first"), ValueError, r"^NVTXRangeCallback\(ranks='first'\): bad item"),
+        (dict(domain=""), ValueError, r"^NVTXRangeCallback\(domain=''\): expected a non-empty string"),
+        (dict(domain=3), TypeError, r"^NVTXRangeCallback\(domain=3\): expected a non-empty string"),
+        (dict(module_ranges="Block"), TypeError, r"write \['Block'\]"),
+        (dict(module_ranges=[]), ValueError, r"^NVTXRangeCallback\(module_ranges=\[\]\): expected a non-empty list"),
+        (dict(module_ranges=3), TypeError, r"^NVTXRangeCallback\(module_ranges=3\): expected True/False or a list"),
+        (dict(module_ranges=["Block", 3]), TypeError, r"expected a list of strings"),
+        (dict(gc_ranges="yes"), TypeError, r"^NVTXRangeCallback\(gc_ranges='yes'\): expected True or False"),
     ],
 )
-def test_bad_arguments_name_the_argument(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments_name_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
         NVTXRangeCallback(**kwargs)
+    with pytest.raises(error, match=match):  # the options alone say the same
+        NVTXOptions(**kwargs)
+
+
+def test_options_or_keywords_never_both():
+    opts = NVTXOptions(steps="3-4", module_ranges=["Block"])
+    cb = NVTXRangeCallback(options=opts)
+    assert cb.options is opts and cb.module_ranges == ("Block",) and cb.steps == "3-4"
+    assert NVTXRangeCallback(steps="3-4", module_ranges=("Block",)).options == opts
+    with pytest.raises(TypeError, match="both options= and gc_ranges=True"):
+        NVTXRangeCallback(gc_ranges=True, options=opts)
+    sig = inspect.signature(NVTXRangeCallback).parameters
+    for f in dataclasses.fields(NVTXOptions):  # every default stated once, in the dataclass
+        assert sig[f.name].default == f.default, f.name
+    restored = pickle.loads(pickle.dumps(cb))  # ddp_spawn pickles the callbacks
+    assert restored.options == opts and repr(restored) == repr(cb)
 
 
 def test_steps_env_overrides_and_is_validated(monkeypatch):
@@ -504,7 +526,6 @@ def test_default_module_selection_and_patterns():
 
 
 def test_pickles_without_run_state(tmp_path):
-    import pickle
 
     cb = NVTXRangeCallback(steps="2-3", ranks="0", domain="d", module_ranges=["Block"], gc_ranges=True)
     _tiny_fit(tmp_path, [cb])  # leaves thread-locals and a backend behind

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gzip
+import inspect
 import json
+import logging
 import signal
 import warnings
 from pathlib import Path
@@ -12,10 +16,11 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_gh import hardware
+from lightning_gh._util import reset_warnings
 from lightning_gh.demo import LlamaLM, MarkovDataModule
-from lightning_gh.profiling import SelectiveProfiler, StepSchedule, summarize_trace
+from lightning_gh.profiling import ProfilerOptions, SelectiveProfiler, StepSchedule, summarize_trace
 from lightning_gh.profiling import profiler as profiler_mod
+from lightning_gh.profiling._profiler_backends import WARN_KEY
 from lightning_gh.profiling.profiler import ENV_VAR, nsys_command, under_nsys
 from lightning_gh.profiling.trace import load_trace
 
@@ -191,8 +196,10 @@ def test_window_begun_at_the_last_batch_of_training_writes_nothing(tmp_path):
     # Step 2 ends the epoch and the run (limit_train_batches): the window 3-4 never runs a step.
     prof = SelectiveProfiler(steps="3-4", output_dir=tmp_path / "p", summary=False)
     model = _model()
-    _trainer(tmp_path, [prof], max_steps=-1, max_epochs=1, limit_train_batches=3).fit(model, _dm(model))
-    assert prof.written == [] and not (tmp_path / "p").exists() and not torch.autograd._profiler_enabled()
+    with pytest.warns(UserWarning, match="steps 3-4 of steps='3-4' will not be profiled: training ended after step 2"):
+        _trainer(tmp_path, [prof], max_steps=-1, max_epochs=1, limit_train_batches=3).fit(model, _dm(model))
+    # The folder is made at setup; nothing is written in it.
+    assert prof.written == [] and not list((tmp_path / "p").iterdir()) and not torch.autograd._profiler_enabled()
 
 
 class StopAfter(L.Callback):
@@ -233,7 +240,7 @@ def test_lightning_pytorch_profiler_is_refused_at_setup(tmp_path):
 
 
 def test_works_beside_simple_profiler_and_gpu_backends_step_aside(tmp_path):
-    profiler_mod._warned.clear()
+    reset_warnings(WARN_KEY)
     prof = SelectiveProfiler(steps="1", backends=("torch", "nsys", "memory"), output_dir=tmp_path, summary=False)
     model = _model()
     with warnings.catch_warnings(record=True) as caught:
@@ -246,7 +253,7 @@ def test_works_beside_simple_profiler_and_gpu_backends_step_aside(tmp_path):
 
 
 def test_another_torch_profiler_session_is_not_a_crash(tmp_path):
-    profiler_mod._warned.clear()
+    reset_warnings(WARN_KEY)
     prof = SelectiveProfiler(steps="1", output_dir=tmp_path, summary=False)
     model = _model()
     with warnings.catch_warnings(record=True) as caught:
@@ -271,23 +278,44 @@ def test_only_selected_ranks_write_under_ddp(tmp_path):
     assert t.metadata["distributedInfo"]["rank"] == 1 and t.metadata["distributedInfo"]["world_size"] == 2
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"steps": "4-2"}, "reversed"),
-    ({"steps": "1-3,2"}, "overlap"),
-    ({"steps": "-1"}, "negative"),
-    ({"steps": 5.0}, "steps=5.0"),  # an int is a single step (issue 17); other non-strings are refused
-    ({"steps": True}, "steps=True"),
-    ({"ranks": "first"}, "bad item 'first'"),
-    ({"backends": ("torch", "perf")}, r"unknown backend\(s\) \['perf'\]"),
-    ({"backends": ()}, "non-empty"),
-    ({"backends": ("torch", "torch")}, "once"),
-    ({"output_dir": ""}, "output_dir"),
-    ({"summary": "yes"}, "summary='yes'"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"steps": "4-2"}, ValueError, r"^SelectiveProfiler\(steps='4-2'\): window '4-2' is reversed"),
+    ({"steps": "1-3,2"}, ValueError, "overlap"),
+    ({"steps": "-1"}, ValueError, "negative"),
+    ({"steps": 5.0}, TypeError, r"^SelectiveProfiler\(steps=5.0\): expected"),  # an int is a single step
+    ({"steps": True}, TypeError, r"^SelectiveProfiler\(steps=True\): expected"),
+    ({"ranks": "first"}, ValueError, r"^SelectiveProfiler\(ranks='first'\): bad item 'first'"),
+    ({"ranks": 0}, TypeError, r"^SelectiveProfiler\(ranks=0\): expected a string"),
+    ({"backends": ("torch", "perf")}, ValueError, r"unknown backend\(s\) \['perf'\]"),
+    ({"backends": ()}, ValueError, r"^SelectiveProfiler\(backends=\(\)\): expected at least one"),
+    ({"backends": 3}, TypeError, r"^SelectiveProfiler\(backends=3\): expected a sequence"),
+    ({"backends": ("torch", "torch")}, ValueError, "once"),
+    ({"output_dir": ""}, ValueError, r"^SelectiveProfiler\(output_dir=''\): expected a non-empty path"),
+    ({"output_dir": 3}, TypeError, r"^SelectiveProfiler\(output_dir=3\): expected a path"),
+    ({"summary": "yes"}, TypeError, r"^SelectiveProfiler\(summary='yes'\): expected True or False"),
 ])
-def test_argument_validation(kwargs, match, monkeypatch):
+def test_argument_validation(kwargs, error, match, monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         SelectiveProfiler(**kwargs)
+    with pytest.raises(error, match=match):  # the options alone say the same
+        ProfilerOptions(**kwargs)
+
+
+def test_options_or_keywords_never_both(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    opts = ProfilerOptions(steps="3-4", backends="memory")
+    prof = SelectiveProfiler(options=opts)
+    assert prof.options is opts and prof.backends == ("memory",) and str(prof.schedule) == "3-4"
+    assert SelectiveProfiler(steps="3-4", backends=["memory"]).options == opts
+    with pytest.raises(TypeError, match="both options= and summary=False"):
+        SelectiveProfiler(summary=False, options=opts)
+    with pytest.raises(TypeError, match="must be a ProfilerOptions"):
+        SelectiveProfiler(options={"steps": "3-4"})
+    # Every default is stated once, in the dataclass: the constructor's defaults are read from it.
+    sig = inspect.signature(SelectiveProfiler).parameters
+    for f in dataclasses.fields(ProfilerOptions):
+        assert sig[f.name].default == f.default, f.name
 
 
 def test_defaults_and_single_string_backend(monkeypatch):
@@ -323,19 +351,153 @@ def test_an_unwritable_output_dir_fails_at_setup_naming_the_path(tmp_path):
     assert prof.written == []
 
 
-def test_a_written_window_prints_one_line_and_the_env_override_says_so_once(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("where", ["long-name", "proc"])
+def test_an_output_dir_that_cannot_be_created_fails_at_setup(tmp_path, monkeypatch, where):
+    # The parent looks writable (a permission check passes), yet the folder cannot be made: no file system takes a
+    # 300-character name, and /proc takes no new folders even from root. The folder is created at setup (or the run
+    # fails there), not when the first window is written.
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    out = tmp_path / ("x" * 300) if where == "long-name" else Path("/proc/lightning_gh_profiles")
+    prof = SelectiveProfiler(steps="1", output_dir=out)
+    model = _model()
+    seen = []
+    with pytest.raises(ValueError, match=r"cannot be created") as e:
+        _trainer(tmp_path, [prof, _StepProbe(seen)], max_steps=3).fit(model, _dm(model))
+    assert str(out) in str(e.value) and seen == [] and prof.written == []
+
+
+class _StepProbe(L.Callback):
+    def __init__(self, seen: list) -> None:
+        self.seen = seen
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(trainer.global_step)
+
+
+class _FolderThief(L.Callback):
+    """Replaces the profiler's output folder by a file once training runs: no window can be written any more."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer, pl_module):
+        assert self.folder.is_dir()  # created at setup
+        self.folder.rmdir()
+        self.folder.write_text("not a folder any more")
+
+
+def test_a_window_whose_trace_is_lost_says_so(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    out = tmp_path / "p"
+    prof = SelectiveProfiler(steps="1", output_dir=out, summary=False)
+    model = _model()
+    with _recording_logs() as lines, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [prof, _FolderThief(out)], max_steps=3).fit(model, _dm(model))
+    (entry,) = prof.written
+    assert entry["files"] == {} and list(entry["lost"]) == ["torch"]
+    (line,) = [ln for ln in lines if ln.startswith("SelectiveProfiler: rank 0 steps 1-1")]
+    assert "LOST torch (" in line and "nsys" not in line and "no files" not in line
+    assert any("its file is lost" in str(w.message) for w in caught)
+
+
+def test_the_default_folder_is_the_trainers_log_dir(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import CSVLogger
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    model = _model()
+    prof = SelectiveProfiler(steps="1", summary=False)
+    assert prof.output_dir is None  # decided at setup
+    _trainer(tmp_path / "root", [prof], max_steps=2).fit(model, _dm(model))  # no logger: default_root_dir
+    assert prof.output_dir == tmp_path / "root" / "profiles"
+    assert (tmp_path / "root" / "profiles" / "steps1" / "rank0_steps1.pt.trace.json.gz").exists()
+    prof = SelectiveProfiler(steps="1", summary=False)
+    logger = CSVLogger(tmp_path / "logs", name="run", version="v0")
+    L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=logger, limit_val_batches=0,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              callbacks=[prof]).fit(model, _dm(model))
+    assert prof.output_dir == Path(logger.log_dir) / "profiles"
+    assert (Path(logger.log_dir) / "profiles" / "steps1" / "rank0_steps1.pt.trace.json.gz").exists()
+
+
+def test_a_window_past_max_steps_warns_at_setup(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    prof = SelectiveProfiler(steps="2,20-24", output_dir=tmp_path / "p", summary=False)
+    model = _model()
+    seen: list = []
+
+    class WarnedBeforeTraining(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append([str(w.message) for w in caught if "will not be profiled" in str(w.message)])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [prof, WarnedBeforeTraining()], max_steps=10).fit(model, _dm(model))
+    (before,) = seen
+    assert len(before) == 1 and "steps 20-24 of steps='2,20-24' will not be profiled: max_steps=10" in before[0]
+    assert len([w for w in caught if "will not be profiled" in str(w.message)]) == 1  # not again at the end
+    assert [w["steps"] for w in prof.written] == [[2, 2]]
+
+
+def test_a_window_past_the_last_epoch_warns_at_the_end(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    prof = SelectiveProfiler(steps="10-12", output_dir=tmp_path / "p", summary=False)
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [prof], max_steps=-1, max_epochs=1, limit_train_batches=4).fit(model, _dm(model))
+    (msg,) = [str(w.message) for w in caught if "will not be profiled" in str(w.message)]
+    assert "steps 10-12" in msg and "training ended after step 3" in msg and prof.written == []
+    assert not (tmp_path / "p").exists() or not list((tmp_path / "p").iterdir())
+
+
+def test_unreached_windows_table():
+    from lightning_gh.profiling.profiler import unreached_windows
+
+    for spec, end, expected in [("5-7", 10, []), ("5-7", 7, []), ("5-7", 5, ["5-7"]), ("1,8-9,20", 9, ["20"]),
+                                ("0", 0, ["0"])]:
+        assert [str(w) for w in unreached_windows(StepSchedule.parse(spec), end)] == expected, (spec, end)
+
+
+def test_a_written_window_logs_one_line_and_the_env_override_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "1")
-    profiler_mod._warned.discard("env:1")
     prof = SelectiveProfiler(steps="2-3", output_dir=tmp_path / "p", summary=False)
     model = _model()
-    _trainer(tmp_path, [prof], max_steps=3).fit(model, _dm(model))
-    _trainer(tmp_path, [SelectiveProfiler(steps="2-3", output_dir=tmp_path / "q", summary=False)],
-             max_steps=3).fit(model, _dm(model))
-    out = capsys.readouterr().out
-    lines = [ln for ln in out.splitlines() if ln.startswith("SelectiveProfiler: rank 0 steps 1-1")]
-    assert len(lines) == 2 and str(tmp_path / "p" / "steps1" / "rank0_steps1.pt.trace.json.gz") in lines[0]
-    overrides = [ln for ln in out.splitlines() if f"{ENV_VAR}='1' overrides steps='2-3'" in ln]
+    with _recording_logs() as lines:
+        _trainer(tmp_path, [prof], max_steps=3).fit(model, _dm(model))
+    assert not [ln for ln in lines if "no files" in ln or "nsys" in ln]
+    window = [ln for ln in lines if ln.startswith("SelectiveProfiler: rank 0 steps 1-1")]
+    assert len(window) == 1 and str(tmp_path / "p" / "steps1" / "rank0_steps1.pt.trace.json.gz") in window[0]
+    overrides = [ln for ln in lines if f"{ENV_VAR}='1' overrides steps='2-3'" in ln]
     assert len(overrides) == 1
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _recording_logs():
+    """The messages logged through Lightning's rank-zero logger and the profiler's own (what a user sees)."""
+    handler = _Lines()
+    loggers = [logging.getLogger("lightning.pytorch"), logging.getLogger(profiler_mod.__name__)]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
 
 
 def test_window_verdict_is_logged_through_the_loggers(tmp_path, monkeypatch):
@@ -357,7 +519,7 @@ def test_window_verdict_is_logged_through_the_loggers(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the shared step-phase tracker (issue 12 item 6): the phases SelectiveProfiler, NVTXRangeCallback and
+# the shared step-phase tracker: the phases SelectiveProfiler, NVTXRangeCallback and
 # DataStallDetector all map onto their own ranges
 
 
@@ -429,10 +591,10 @@ def test_tracker_ends_the_optimizer_phase_when_the_step_returns():
 
 def test_every_part_listens_to_the_one_tracker():
     """No part keeps its own phase hooks: each forwards Lightning's hooks to a StepPhaseTracker and implements only
-    the listener side (issue 12 item 6)."""
+    the listener side."""
     from lightning_gh.profiling import DataStallDetector, NVTXRangeCallback
     from lightning_gh.profiling.phases import StepPhaseTracker
 
     for part in (SelectiveProfiler(steps="1", summary=False), NVTXRangeCallback(), DataStallDetector()):
-        assert callable(getattr(part, "phase_started")) and callable(getattr(part, "phase_ended"))
+        assert callable(part.phase_started) and callable(part.phase_ended)
     assert isinstance(NVTXRangeCallback()._phases, StepPhaseTracker)

@@ -2,14 +2,16 @@
 
 Both sides are made independent of the machine's speed and load: the data module's per-sample cost is a sleep
 (cost_kind="sleep": 8 samples x 20 ms = 160 ms per batch), and each training step sleeps 60 ms on top of the tiny
-model's compute, standing in for GPU work. Without workers the loop waits 160 ms per batch against >= 60 ms of work
-(27% measured with six busy loops competing for the 2 cores, 67% on a quiet box); 8 workers deliver a batch every
-20 ms, three times faster than the loop consumes them (3% measured in both conditions).
+model's compute, standing in for GPU work. Without workers the loop waits 160 ms per batch against >= 60 ms of work,
+well above the threshold even on a loaded machine; 8 workers deliver a batch every 20 ms, three times faster than the
+loop consumes them, well below it.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import inspect
 import time
 import warnings
 
@@ -18,7 +20,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gh.demo import LlamaLM, MarkovDataModule
-from lightning_gh.profiling import DataStallDetector, DataStallWarning
+from lightning_gh.profiling import DataStallDetector, DataStallWarning, StallOptions, advice
 from lightning_gh.profiling.stall import METRIC, loader_info
 from lightning_gh.profiling.summary import stall_advice
 
@@ -94,17 +96,34 @@ def test_advice_uses_the_numbers():
     assert not any("pin_memory" in a for a in advice)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"threshold": 0.0}, "threshold=0.0"),
-    ({"threshold": 1.5}, "threshold=1.5"),
-    ({"threshold": True}, "threshold=True"),
-    ({"window": 0}, "window=0"),
-    ({"window": 2.5}, "window=2.5"),
-    ({"warmup": -1}, "warmup=-1"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"threshold": 0.0}, ValueError, r"^DataStallDetector\(threshold=0.0\): expected a share strictly between 0 and 1"),
+    ({"threshold": 1.5}, ValueError, r"^DataStallDetector\(threshold=1.5\): expected"),
+    ({"threshold": float("nan")}, ValueError, r"^DataStallDetector\(threshold=nan\): expected"),
+    ({"threshold": True}, TypeError, r"^DataStallDetector\(threshold=True\): expected"),
+    ({"threshold": "0.1"}, TypeError, r"^DataStallDetector\(threshold='0.1'\): expected"),
+    ({"window": 0}, ValueError, r"^DataStallDetector\(window=0\): expected an int >= 1"),
+    ({"window": 2.5}, TypeError, r"^DataStallDetector\(window=2.5\): expected an int >= 1"),
+    ({"warmup": -1}, ValueError, r"^DataStallDetector\(warmup=-1\): expected an int >= 0"),
+    ({"log_metric": 1}, TypeError, r"^DataStallDetector\(log_metric=1\): expected True or False"),
 ])
-def test_argument_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_argument_validation(kwargs, error, match):
+    with pytest.raises(error, match=match):
         DataStallDetector(**kwargs)
+    with pytest.raises(error, match=match):  # the options alone say the same
+        StallOptions(**kwargs)
+
+
+def test_options_or_keywords_never_both():
+    opts = StallOptions(window=7, warmup=0)
+    det = DataStallDetector(options=opts)
+    assert det.options is opts and (det.window, det.warmup, det.threshold) == (7, 0, advice.DATA_WAIT_BOUND)
+    assert DataStallDetector(window=7, warmup=0).options == opts
+    with pytest.raises(TypeError, match="both options= and window=8"):
+        DataStallDetector(window=8, options=opts)
+    sig = inspect.signature(DataStallDetector).parameters
+    for f in dataclasses.fields(StallOptions):  # every default stated once, in the dataclass
+        assert sig[f.name].default == f.default, f.name
 
 
 def test_time_blocked_outside_the_fetch_is_not_a_data_wait(tmp_path):
@@ -121,8 +140,7 @@ def test_time_blocked_outside_the_fetch_is_not_a_data_wait(tmp_path):
 def test_a_reused_trainer_keeps_one_profiler_wrapper_across_fits(tmp_path):
     """A Trainer reused for several fits with DataStallDetector and NVTX: the profiler is wrapped once at most while
     a fit runs, and left exactly as it was after each (no wrapper per fit holding an old callback)."""
-    from lightning_gh.profiling import NVTXRangeCallback
-    from lightning_gh.profiling import _actions
+    from lightning_gh.profiling import NVTXRangeCallback, _actions
 
     L.seed_everything(0, verbose=False)
     model = LlamaLM.from_preset("tiny")

@@ -189,6 +189,45 @@ def test_cli_reports_bad_files(tmp_path, capsys):
         main(["summarize", str(SMALL), "--top", "0"])
 
 
+def _event_list(*durations):
+    return {"traceEvents": [_event("kernel", f"k{i}", 10 * i, d) for i, d in enumerate(durations)]}
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("empty.json", "", "is empty (0 bytes): no events"),
+    ("garbage.json", "\x00\x01 not json at all", "is not a Kineto trace: not a readable JSON"),
+    ("numbers.json", "[1, 2, 3]", "is not a Kineto trace: none of its 3 entries is a trace event"),
+    ("object.json", '{"not": "a trace"}', "is not a Kineto trace: not a chrome trace"),
+    ("no_events.json", '{"traceEvents": []}', "has no events"),
+    ("instants.json", '{"traceEvents": [{"ph": "i", "name": "x", "ts": 1}]}', "has no events"),
+    ("negative.json", json.dumps(_event_list(5, -3)), "1 event(s) with a negative duration, e.g. 'k1' at ts=10 us"),
+])
+def test_cli_names_what_is_wrong_with_a_trace_and_fails(tmp_path, capsys, name, content, problem):
+    from lightning_gh.profiling.__main__ import main
+
+    path = tmp_path / name
+    path.write_text(content)
+    assert main(["summarize", str(path), "--no-plot"]) == 1
+    captured = capsys.readouterr()
+    assert problem in captured.err and captured.out == ""  # no verdict printed for it
+    assert not summary_paths(path)["json"].exists()
+
+
+def test_cli_on_a_folder_summarizes_the_traces_under_it(tmp_path, capsys):
+    from lightning_gh.profiling.__main__ import main
+
+    (tmp_path / "steps2-4").mkdir()
+    shutil.copy(SMALL, tmp_path / "steps2-4" / "rank0_steps2-4.pt.trace.json")
+    assert main(["summarize", str(tmp_path), "--no-plot"]) == 0
+    assert "verdict: **launch-bound**" in capsys.readouterr().out
+    assert (tmp_path / "steps2-4" / "rank0_steps2-4.summary.json").exists()
+    assert main(["summarize", str(tmp_path / "steps2-4"), "--no-plot"]) == 0  # its own summaries are not traces
+    (tmp_path / "empty").mkdir()
+    assert main(["summarize", str(tmp_path / "empty"), "--no-plot"]) == 1
+    err = capsys.readouterr().err
+    assert "a folder with no Kineto traces" in err and "does not exist" not in err
+
+
 @pytest.fixture(scope="module")
 def cpu_trace(tmp_path_factory):
     """A real trace: the tiny model on the CPU, steps 2-4, through SelectiveProfiler."""
@@ -282,7 +321,7 @@ print("LOADED " + json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in
 
 
 def test_summarize_cli_parses_a_trace_without_torch_lightning_or_other_parts(tmp_path):
-    """Issue 17: ``python -m lightning_gh.profiling summarize FILE`` works on a laptop without the training stack.
+    """``python -m lightning_gh.profiling summarize FILE`` works on a laptop without the training stack.
 
     The profiling package is run as ``__main__`` under an empty ``lightning_gh`` package, so this checks the
     profiling modules' own imports whatever the package's ``__init__`` loads."""

@@ -96,17 +96,20 @@ def test_reversed_window_is_rejected(stop, delta):
 def test_bad_specs_name_the_part_and_the_grammar(spec, match):
     with pytest.raises(ValueError, match=match) as e:
         StepSchedule.parse(spec)
-    assert STEPS_GRAMMAR in str(e.value) and "`steps`" in str(e.value)
+    assert STEPS_GRAMMAR in str(e.value) and str(e.value).startswith(f"steps={spec!r}: ")
+    with pytest.raises(ValueError) as e:
+        StepSchedule.parse(spec, where="SelectiveProfiler")
+    assert str(e.value).startswith(f"SelectiveProfiler(steps={spec!r}): ")
 
 
 @pytest.mark.parametrize("spec", [7.0, True, [7], None])
-def test_non_string_spec(spec):
-    with pytest.raises(ValueError, match="must be a string"):
+def test_non_string_spec_is_a_type_error(spec):
+    with pytest.raises(TypeError, match="expected a string"):
         StepSchedule.parse(spec)  # type: ignore[arg-type]
 
 
 def test_an_int_is_that_single_step():
-    # Issue 17: `steps=7` in Python or `steps: 3` in YAML (jsonargparse hands an int) means that one step.
+    # `steps=7` in Python or `steps: 3` in YAML (jsonargparse hands an int) means that one step.
     assert StepSchedule.parse(7) == StepSchedule.parse("7") and StepSchedule.parse(7).windows == (StepWindow(7, 7),)
     assert StepSchedule.parse(0).windows == (StepWindow(0, 0),)
     with pytest.raises(ValueError, match="negative steps are not allowed"):

@@ -41,9 +41,9 @@ from typing import Any, Callable
 import lightning as L
 import torch
 
-from common import BenchContext, Result, Timing, reset_memory
-
 from lightning_gh.demo import LlamaLM, MarkovDataModule, preset
+
+from common import BenchContext, Result, Timing, reset_memory
 
 DEFAULT_PRESETS = ["small"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,10 +146,10 @@ def run(ctx: BenchContext) -> list[Result]:
         cfg = preset(name)
         variants: list[tuple[str, Callable[[], list[Any]], Callable[[], Any]]] = [
             ("plain", lambda: [], contextlib.nullcontext),
-            ("nvtx", lambda: [NVTXRangeCallback(domain=f"{name}.nvtx")], contextlib.nullcontext),
-            ("nvtx+modules+gc", lambda: [NVTXRangeCallback(domain=f"{name}.modules", module_ranges=True,
-                                                           gc_ranges=True)], contextlib.nullcontext),
-            ("nvtx outside window", lambda: [NVTXRangeCallback(domain=f"{name}.outside", steps="1000000")],
+            ("nvtx", lambda name=name: [NVTXRangeCallback(domain=f"{name}.nvtx")], contextlib.nullcontext),
+            ("nvtx+modules+gc", lambda name=name: [NVTXRangeCallback(domain=f"{name}.modules", module_ranges=True,
+                                                                     gc_ranges=True)], contextlib.nullcontext),
+            ("nvtx outside window", lambda name=name: [NVTXRangeCallback(domain=f"{name}.outside", steps="1000000")],
              contextlib.nullcontext),
         ]
         if ctx.cuda:

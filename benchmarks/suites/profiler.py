@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from common import BenchContext, Result, Timing, lightning_steps, peak_memory, reset_memory
-
 from lightning_gh.demo import LlamaLM, preset
 from lightning_gh.profiling import DataStallDetector, SelectiveProfiler, StepSchedule
 from lightning_gh.profiling.profiler import BACKENDS, ENV_VAR, under_nsys
+
+from common import BenchContext, Result, Timing, lightning_steps, peak_memory, reset_memory
 
 DEFAULT_PRESETS = ["small", "medium"]
 VARIANTS = {
@@ -187,7 +187,7 @@ def run(ctx: BenchContext) -> list[Result]:
                                     shutil.copy(f, dest / Path(f).name)
                     elif "torch" in backends:
                         print(f"CHECK {name}: no summary was written (windows: {prof.written})", flush=True)
-                trainer = None
+                del trainer  # free the model before the next variant
             except Exception as e:  # an OOM is a result, not a crash of the suite
                 r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 traceback.print_exc()

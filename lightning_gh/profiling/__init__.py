@@ -1,8 +1,8 @@
 """Profiling: step windows, SelectiveProfiler, NVTXRangeCallback, the trace summary and the data-loader stall detector.
 
-Modules, one idea each: ``windows`` (step and rank grammar), ``phases`` (the step-phase tracker), ``_actions``
-(watching Lightning's profiler actions), ``profiler`` (SelectiveProfiler), ``nvtx`` and ``_nvtx_backend``
-(NVTXRangeCallback), ``stall`` (DataStallDetector), ``trace`` (parsing Kineto traces), ``analysis`` (numbers),
+Modules, one idea each: ``options`` (the parts' options dataclasses), ``windows`` (step and rank grammar),
+``phases`` (the step-phase tracker), ``_actions`` (watching Lightning's profiler actions), ``profiler`` and
+``_profiler_backends`` (SelectiveProfiler), ``nvtx`` and ``_nvtx_backend`` (NVTXRangeCallback), ``stall`` (DataStallDetector), ``trace`` (parsing Kineto traces), ``analysis`` (numbers),
 ``advice`` (verdict, advice and the one definition of a data stall), ``render`` and ``plot`` (files),
 ``summary`` (``summarize_trace``, the entry point).
 
@@ -25,10 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_gh.profiling.nvtx import NVTXRangeCallback
+    from lightning_gh.profiling.options import NVTXOptions, ProfilerOptions, StallOptions
     from lightning_gh.profiling.profiler import SelectiveProfiler
     from lightning_gh.profiling.stall import DataStallDetector, DataStallWarning
     from lightning_gh.profiling.summary import summarize_trace
     from lightning_gh.profiling.windows import RankSelection, StepSchedule, StepWindow
+
+__all__ = ["NVTXRangeCallback", "SelectiveProfiler", "DataStallDetector", "DataStallWarning", "summarize_trace",
+           "StepSchedule", "StepWindow", "RankSelection", "ProfilerOptions", "NVTXOptions", "StallOptions"]
 
 _WHERE = {
     "NVTXRangeCallback": "lightning_gh.profiling.nvtx",
@@ -39,9 +43,11 @@ _WHERE = {
     "StepSchedule": "lightning_gh.profiling.windows",
     "StepWindow": "lightning_gh.profiling.windows",
     "RankSelection": "lightning_gh.profiling.windows",
+    "ProfilerOptions": "lightning_gh.profiling.options",
+    "NVTXOptions": "lightning_gh.profiling.options",
+    "StallOptions": "lightning_gh.profiling.options",
 }
-
-__all__ = list(_WHERE)
+assert sorted(_WHERE) == sorted(__all__)
 
 
 def __getattr__(name: str) -> Any:

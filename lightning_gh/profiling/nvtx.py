@@ -62,24 +62,25 @@ import fnmatch
 import gc
 import os
 import threading
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_warn
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_gh import compat
-from lightning_gh.profiling.phases import StepPhaseTracker
+from lightning_gh._options import resolve
+from lightning_gh._util import warn_once
 from lightning_gh.profiling._nvtx_backend import Backend, select_backend
+from lightning_gh.profiling.options import NVTXOptions
+from lightning_gh.profiling.phases import StepPhaseTracker
 from lightning_gh.profiling.windows import RankSelection, StepSchedule
 
-
-__all__ = ["NVTXRangeCallback", "PHASES", "STEPS_ENV"]
+__all__ = ["NVTXOptions", "NVTXRangeCallback", "PHASES", "STEPS_ENV", "WARN_KEY"]
 
 #: Overrides the ``steps`` argument when set (same grammar), like ``LGH_PROFILE_START_STOP`` for the profiler.
 STEPS_ENV = "LGH_NVTX_STEPS"
@@ -109,13 +110,12 @@ _MODULE_STYLE = RangeStyle(0xFF5DADE2, "module")
 _MODULE_BACKWARD_STYLE = RangeStyle(0xFFAF7AC5, "module")
 _USER_STYLE = RangeStyle(0xFFBDC3C7, "user")
 
-_WARNED: set[str] = set()
+#: The prefix of this module's keys in :func:`lightning_gh._util.warn_once` (tests reset them by it).
+WARN_KEY = "nvtx:"
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
+    warn_once(WARN_KEY + key, message, UserWarning, stacklevel=4)
 
 
 def _count_tokens(batch: Any) -> int | None:
@@ -178,9 +178,9 @@ def _matching_modules(root: nn.Module, patterns: Sequence[str]) -> list[tuple[st
         types = sorted({type(m).__name__ for _, m in named})
         names = [n for n, _ in named][:4]
         raise ValueError(
-            f"NVTXRangeCallback(module_ranges={list(patterns)!r}): `module_ranges` patterns {unmatched} match no "
-            f"module of {type(root).__name__}; its module types are {types}, and names look like {names}. Patterns "
-            "are fnmatch globs on qualified names or class names."
+            f"NVTXRangeCallback(module_ranges={list(patterns)!r}): expected fnmatch globs on qualified names or class "
+            f"names of modules; patterns {unmatched} match no module of {type(root).__name__}, whose module types "
+            f"are {types}, and names look like {names}."
         )
     for n, m in named:
         if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(type(m).__name__, p) for p in patterns):
@@ -215,22 +215,14 @@ class NVTXRangeCallback(Callback):
     no work at all.
 
     Args:
-        steps: optimizer steps to annotate, e.g. ``"20-24"`` or ``"10-14,50"`` (the grammar of
-            :class:`~lightning_gh.profiling.windows.StepSchedule`); ``None`` annotates every step.
-            The environment variable ``LGH_NVTX_STEPS`` overrides it. Outside the selected steps
-            nothing is pushed, and module hooks are removed.
-        ranks: which processes annotate: ``"all"``, ``"0"``, ``"0,3"``, ``"local0"``, ``"last"``.
-        domain: the NVTX domain name (Nsight Systems shows it as its own row).
-        module_ranges: ``True`` for a range around each module two levels below the
-            LightningModule (containers such as ``nn.ModuleList`` are looked through: for an LLM,
-            the network, its embedding, each block, the final norm and the head); a list of fnmatch
-            patterns on qualified names or class names (``["Block", "model.head"]``) to choose; ``False``
-            for none. Modules inside a ``torch.compile`` wrapper are skipped with a warning.
-        gc_ranges: a ``gc`` range around every Python garbage collection (payload: its generation).
+        steps, ranks, domain, module_ranges, gc_ranges: the options, each documented once in
+            :class:`~lightning_gh.profiling.options.NVTXOptions` (defaults there too).
+        options: the same options as one :class:`NVTXOptions`, instead of the keywords (never both).
 
     Raises:
-        ValueError: an argument is out of its allowed values (the message names it and the grammar); at setup,
-            ``module_ranges`` patterns that match no module (always, whether or not a tool is attached).
+        TypeError: an argument of the wrong type; ``options`` together with a keyword that differs from its default.
+        ValueError: a value out of its allowed values (the message names the argument, the value and the grammar);
+            at setup, ``module_ranges`` patterns that match no module (always, whether or not a tool is attached).
 
     Example::
 
@@ -244,47 +236,28 @@ class NVTXRangeCallback(Callback):
 
     def __init__(
         self,
-        steps: str | int | None = None,
-        ranks: str = "all",
-        domain: str = "lightning_gh",
-        module_ranges: bool | Sequence[str] = False,
-        gc_ranges: bool = False,
+        steps: str | int | None = NVTXOptions.steps,
+        ranks: str = NVTXOptions.ranks,
+        domain: str = NVTXOptions.domain,
+        module_ranges: bool | Sequence[str] = NVTXOptions.module_ranges,
+        gc_ranges: bool = NVTXOptions.gc_ranges,
+        *,
+        options: NVTXOptions | None = None,
     ) -> None:
-        if steps is not None and (not isinstance(steps, (str, int)) or isinstance(steps, bool)):
-            raise ValueError(f"`steps`={steps!r} must be None (every step), a string such as '20-24' or an int "
-                             "(that single step).")
-        self._schedule = StepSchedule.resolve(steps, STEPS_ENV, argument="steps")
-        self._ranks = RankSelection.parse(ranks, argument="ranks")
-        if not isinstance(domain, str) or not domain.strip():
-            raise ValueError(f"`domain`={domain!r} must be a non-empty string, e.g. 'lightning_gh'.")
-        if isinstance(module_ranges, str):
-            raise ValueError(
-                f"`module_ranges`={module_ranges!r} must be True/False or a list of patterns; "
-                f"write [{module_ranges!r}] for one pattern."
-            )
-        if not isinstance(module_ranges, bool):
-            try:
-                patterns = list(module_ranges)
-            except TypeError:
-                raise ValueError(
-                    f"`module_ranges`={module_ranges!r} must be True/False or a list of module name / class "
-                    "name patterns such as ['Block', 'model.head']."
-                ) from None
-            if not patterns or not all(isinstance(p, str) and p.strip() for p in patterns):
-                raise ValueError(
-                    f"`module_ranges`={module_ranges!r} must be a non-empty list of non-empty strings "
-                    "(fnmatch patterns on module names or class names), or True/False."
-                )
-            module_ranges = tuple(patterns)
-        if not isinstance(gc_ranges, bool):
-            raise ValueError(f"`gc_ranges`={gc_ranges!r} must be True or False.")
-        self.steps = steps
-        self.ranks = ranks
-        self.domain = domain
-        self.module_ranges: bool | tuple[str, ...] = module_ranges
-        self.gc_ranges = gc_ranges
+        self.options = resolve(NVTXOptions, options, "NVTXRangeCallback", steps=steps, ranks=ranks, domain=domain,
+                               module_ranges=module_ranges, gc_ranges=gc_ranges)
+        self._schedule = StepSchedule.resolve(self.options.steps, STEPS_ENV, argument="steps",
+                                              where="NVTXRangeCallback")
+        self._ranks = RankSelection.parse(self.options.ranks, argument="ranks", where="NVTXRangeCallback")
         self._backend: Backend | None = None
         self._reset()
+
+    # The options, read-only (set them through the constructor or ``options=``).
+    steps = property(lambda self: self.options.steps, doc="See :attr:`NVTXOptions.steps`.")
+    ranks = property(lambda self: self.options.ranks, doc="See :attr:`NVTXOptions.ranks`.")
+    domain = property(lambda self: self.options.domain, doc="See :attr:`NVTXOptions.domain`.")
+    module_ranges = property(lambda self: self.options.module_ranges, doc="See :attr:`NVTXOptions.module_ranges`.")
+    gc_ranges = property(lambda self: self.options.gc_ranges, doc="See :attr:`NVTXOptions.gc_ranges`.")
 
     # ------------------------------------------------------------------ state
 
@@ -696,7 +669,7 @@ class NVTXRangeCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the callbacks into each process: keep the configuration, not the run's state
         # (thread-locals, hooks, the backend's native handles are rebuilt in setup there).
-        keep = ("steps", "ranks", "domain", "module_ranges", "gc_ranges", "_schedule", "_ranks")
+        keep = ("options", "_schedule", "_ranks")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -35,16 +35,13 @@ Example::
     from lightning_gh.profiling import SelectiveProfiler
 
     trainer = L.Trainer(callbacks=[SelectiveProfiler(steps="20-24", ranks="0")])
-    trainer.fit(model, datamodule)   # -> profiles/steps20-24/rank0_steps20-24.{pt.trace.json.gz,summary.md,...}
+    trainer.fit(model, datamodule)   # -> <log dir>/profiles/steps20-24/rank0_steps20-24.{pt.trace.json.gz,...}
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shlex
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,66 +50,76 @@ from typing import Any, Mapping, Sequence
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_gh import compat
 from lightning_gh._lightning import is_last_training_batch, log_to_loggers
+from lightning_gh._options import resolve
+from lightning_gh._util import warn_once
+from lightning_gh.profiling._profiler_backends import (
+    WARN_KEY,
+    Backend,
+    MemoryBackend,
+    NsysBackend,
+    TorchBackend,
+    nsys_command,
+    under_nsys,
+)
+from lightning_gh.profiling.options import BACKENDS, ProfilerOptions
 from lightning_gh.profiling.phases import StepPhaseTracker
 from lightning_gh.profiling.windows import RankSelection, StepSchedule, StepWindow
 
-__all__ = ["SelectiveProfiler", "ENV_VAR", "DEFAULT_STEPS", "BACKENDS", "under_nsys", "nsys_command"]
+__all__ = ["SelectiveProfiler", "ProfilerOptions", "ENV_VAR", "DEFAULT_STEPS", "BACKENDS", "under_nsys",
+           "nsys_command", "unreached_windows"]
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "LGH_PROFILE_START_STOP"
-DEFAULT_STEPS = "5-7"
-BACKENDS = ("torch", "nsys", "memory")
-NSYS_ENV_VARS = ("NSYS_PROFILING_SESSION_ID",)
-
-_warned: set[str] = set()
+#: The windows profiled when ``steps`` is not given (the default of :attr:`ProfilerOptions.steps`).
+DEFAULT_STEPS: str = ProfilerOptions.steps  # type: ignore[assignment]
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
+    warn_once(WARN_KEY + key, message, UserWarning, stacklevel=4)
 
 
-def under_nsys(environ: Mapping[str, str] | None = None) -> str | None:
-    """Which environment variable shows this process runs under Nsight Systems, or ``None``.
+def _announce(rank: int, message: str) -> None:
+    """Log ``message`` on the rank that has something to say: through ``rank_zero_info`` (shown with Lightning's
+    own lines) on global rank 0, through this module's logger elsewhere (``rank_zero_info`` would drop it)."""
+    if rank == 0:
+        rank_zero_info(message)
+    else:
+        log.info(message)
 
-    nsys sets ``NSYS_PROFILING_SESSION_ID`` in every process it profiles; as a fallback, a ``CUDA_INJECTION64_PATH``
-    pointing at an Nsight ``ToolsInjection`` library also counts.
+
+def unreached_windows(schedule: StepSchedule, end: int) -> list[StepWindow]:
+    """The windows of ``schedule`` that a run whose last optimizer step is ``end - 1`` never reaches.
+
+    >>> [str(w) for w in unreached_windows(StepSchedule.parse("2-3,8-9,20"), end=9)]
+    ['20']
     """
-    env = os.environ if environ is None else environ
-    for name in NSYS_ENV_VARS:
-        if env.get(name):
-            return name
-    if "ToolsInjection" in env.get("CUDA_INJECTION64_PATH", ""):
-        return "CUDA_INJECTION64_PATH"
-    return None
+    return [w for w in schedule.windows if w.start >= end]
 
 
-def nsys_command(output: str | os.PathLike, argv: Sequence[str] | None = None) -> str:
-    """The ``nsys profile`` command line that captures exactly the windows of this process's command."""
-    # sys.orig_argv is the command exactly as the interpreter got it (``python -m pkg ...`` stays that way).
-    argv = list(argv) if argv is not None else list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
-    cmd = ["nsys", "profile", "--capture-range=cudaProfilerApi", "--capture-range-end=repeat",
-           "--trace=cuda,nvtx,osrt", "--sample=none", "--cpuctxsw=none", "-o", f"{output}/nsys_%p"]
-    return shlex.join(cmd + argv)
+def _prepare_folder(output_dir: Path) -> None:
+    """Create ``output_dir`` now, or fail naming the path, so that no window is lost after training started."""
+    head = f"SelectiveProfiler(output_dir={str(output_dir)!r}): expected a folder the windows can be written to"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in (output_dir, *output_dir.parents) if _is_file(p)), None)
+        if blocker is not None:
+            raise ValueError(f"{head}; {str(blocker)!r} is a file.") from e
+        raise ValueError(f"{head}; it cannot be created ({type(e).__name__}: {e.strerror or e}).") from e
+    if not os.access(output_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"{head}; {str(output_dir)!r} is not writable by this process.")
 
 
-def _check_writable(output_dir: Path) -> None:
-    """Fail now, naming the path, if ``output_dir`` cannot be created or written (not after the first window)."""
-    existing = output_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        raise ValueError(f"SelectiveProfiler(output_dir={str(output_dir)!r}): {str(existing)!r} is a file, not a "
-                         "folder; pick a folder the windows can be written to.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"SelectiveProfiler(output_dir={str(output_dir)!r}): {str(existing)!r} is not writable by "
-                         "this process, so no window could be saved; pick a writable folder.")
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name the file system refuses (too long, ...)
+        return False
 
 
 def window_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
@@ -129,157 +136,19 @@ def window_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- backends
-class _Backend:
-    name = ""
-    suffix: str | None = None  # file written per window, or None
+def _outcome(files: Mapping[str, str], lost: Mapping[str, str], backends: Sequence[str]) -> str:
+    """What a window left behind, for its closing line: the files written, the nsys capture, what was lost.
 
-    def start(self, step: int, meta: dict[str, Any]) -> bool:
-        raise NotImplementedError
-
-    def step(self, step: int) -> None:
-        """The previous step finished; ``step`` begins."""
-
-    def push(self, name: str) -> None:
-        """Open a named range (phases)."""
-
-    def pop(self) -> None:
-        """Close the innermost range opened by :meth:`push`."""
-
-    def stop(self, path: Path | None) -> Path | None:
-        raise NotImplementedError
-
-
-def _record_always(step: int) -> Any:
-    # A schedule makes torch.profiler emit ProfilerStep#<n> markers; recording every step keeps the window whole.
-    return torch.profiler.ProfilerAction.RECORD
-
-
-class _TorchBackend(_Backend):
-    name = "torch"
-    suffix = ".pt.trace.json.gz"
-
-    def __init__(self, record_shapes: bool, with_stack: bool, profile_memory: bool) -> None:
-        self.kwargs = dict(record_shapes=record_shapes, with_stack=with_stack, profile_memory=profile_memory)
-        self.prof: Any = None
-        self._ranges: list[Any] = []
-
-    def start(self, step: int, meta: dict[str, Any]) -> bool:
-        enabled = getattr(torch.autograd, "_profiler_enabled", lambda: False)()
-        if enabled:
-            _warn_once("torch-busy", "SelectiveProfiler: another torch.profiler session is already active in this "
-                                     "process, so the 'torch' backend skips this window (the other backends run).")
-            return False
-        acts = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(activities=acts, schedule=_record_always, **self.kwargs)
-        self.prof.step_num = step
-        self.prof.start()
-        self.note("lgh", meta)
-        return True
-
-    def note(self, key: str, value: Any) -> None:
-        """Add ``key: value`` (JSON) to the trace's top level; only while recording."""
-        try:
-            self.prof.add_metadata_json(key, json.dumps(value))
-        except Exception:
-            pass
-
-    def step(self, step: int) -> None:
-        # step() advances step_num by one; set it so the new marker is ProfilerStep#<global step> even when an
-        # optimizer step moved global_step by more than one.
-        self.prof.step_num = step - 1
-        self.prof.step()
-
-    def push(self, name: str) -> None:
-        rf = torch.autograd.profiler.record_function(name)
-        rf.__enter__()
-        self._ranges.append(rf)
-
-    def pop(self) -> None:
-        if self._ranges:
-            self._ranges.pop().__exit__(None, None, None)
-
-    def stop(self, path: Path | None) -> Path | None:
-        while self._ranges:
-            self.pop()
-        prof, self.prof = self.prof, None
-        prof.stop()
-        if path is None:
-            return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))  # gzip because the name ends in .gz
-        return path
-
-
-class _NsysBackend(_Backend):
-    name = "nsys"
-
-    def __init__(self, output_dir: Path) -> None:
-        self.output_dir = output_dir
-        self._depth = 0
-
-    def start(self, step: int, meta: dict[str, Any]) -> bool:
-        if not torch.cuda.is_available():
-            _warn_once("nsys-cpu", "SelectiveProfiler: backend 'nsys' needs a CUDA GPU (cudaProfilerStart); "
-                                   "none is available, so it is skipped.")
-            return False
-        if under_nsys() is None and "nsys-cmd" not in _warned:
-            _warned.add("nsys-cmd")
-            log.warning("SelectiveProfiler: backend 'nsys' is on but this process is not running under Nsight Systems "
-                        "(%s is not set). To capture exactly the profiled windows, run:\n  %s",
-                        NSYS_ENV_VARS[0], nsys_command(self.output_dir))
-        torch.cuda.profiler.start()
-        self.push(f"lgh/step {step}")
-        return True
-
-    def step(self, step: int) -> None:
-        self.pop()
-        self.push(f"lgh/step {step}")
-
-    def push(self, name: str) -> None:
-        torch.cuda.nvtx.range_push(name)
-        self._depth += 1
-
-    def pop(self) -> None:
-        if self._depth:
-            torch.cuda.nvtx.range_pop()
-            self._depth -= 1
-
-    def stop(self, path: Path | None) -> Path | None:
-        while self._depth:
-            self.pop()
-        # Let the window's GPU work finish inside the capture range.
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
-        return None
-
-
-class _MemoryBackend(_Backend):
-    name = "memory"
-    suffix = ".memory.pickle"
-
-    def __init__(self, max_entries: int = 100_000) -> None:
-        self.max_entries = max_entries
-
-    def start(self, step: int, meta: dict[str, Any]) -> bool:
-        if not torch.cuda.is_available():
-            _warn_once("memory-cpu", "SelectiveProfiler: backend 'memory' records the CUDA caching allocator and "
-                                     "needs a CUDA GPU; none is available, so it is skipped.")
-            return False
-        # Python stacks only: C++ stacks make every allocation and the snapshot's symbolisation far slower.
-        torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python")
-        return True
-
-    def stop(self, path: Path | None) -> Path | None:
-        try:
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.cuda.memory._dump_snapshot(str(path))
-        finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
-        return path
+    >>> _outcome({"torch": "a.json.gz", "memory": "a.pickle"}, {}, ["torch", "memory"])
+    'a.json.gz, a.pickle'
+    >>> _outcome({}, {"torch": "OSError: disk full"}, ["torch", "nsys"])
+    'nsys capture (no file of ours); LOST torch (OSError: disk full)'
+    """
+    parts = [", ".join(files.values())] if files else []
+    if "nsys" in backends:
+        parts.append("nsys capture (no file of ours)")
+    parts += [f"LOST {name} ({why})" for name, why in lost.items()]
+    return "; ".join(parts) if parts else "no files"
 
 
 # ---------------------------------------------------------------------------------------------- callback
@@ -288,7 +157,7 @@ class _Window:
     window: StepWindow
     first: int
     current: int
-    backends: list[_Backend]
+    backends: list[Backend]
     batches: int = 0
     last_run: int = -1  # the last step that started a batch
     open: list[str] = field(default_factory=list)
@@ -300,32 +169,30 @@ class SelectiveProfiler(Callback):
     """Profile chosen optimizer steps on chosen ranks with torch.profiler / nsys / CUDA memory history.
 
     Args:
-        steps: inclusive windows of optimizer steps (``trainer.global_step``): ``"10-14"``, ``"10-14,50-52"``,
-            ``"7"`` or ``7`` (an int is that single step). ``None`` means ``"5-7"``. The environment variable
-            ``LGH_PROFILE_START_STOP`` (same grammar) overrides it, and says so once.
-        ranks: ``"0"``, ``"0,3"``, ``"all"``, ``"local0"`` (local rank 0 of every node) or ``"last"``. Other ranks
-            do nothing.
-        backends: any of ``"torch"``, ``"nsys"``, ``"memory"``. GPU-only backends warn once and step aside off-GPU.
-        output_dir: where windows are written, one folder per window (``steps10-14/``) holding every rank's files.
-            Checked at setup: a folder that cannot be created or written fails the run before its first step.
-        summary: after each window, analyse the torch trace into ``*.summary.{json,md,png}``.
-        record_shapes / with_stack / profile_memory: passed to ``torch.profiler.profile`` (they grow the trace).
+        steps, ranks, backends, output_dir, summary, record_shapes, with_stack, profile_memory: the options, each
+            documented once in :class:`~lightning_gh.profiling.options.ProfilerOptions` (defaults there too).
+        options: the same options as one :class:`ProfilerOptions`, instead of the keywords (never both).
 
     Raises:
-        ValueError: a bad argument (the message names it, the value and what is allowed); at setup, a
-            ``Trainer(profiler=PyTorchProfiler(...))`` together with the ``"torch"`` backend, or an ``output_dir``
-            that cannot be written.
+        TypeError: an argument of the wrong type; ``options`` together with a keyword that differs from its default.
+        ValueError: a bad value (the message names the argument, the value and what is allowed); at setup, a
+            ``Trainer(profiler=PyTorchProfiler(...))`` together with the ``"torch"`` backend, or an output folder
+            that cannot be created or written.
 
     Attributes:
-        written: one entry per finished window: ``{"window", "steps", "files", "reason"}``. Each written window
-            is also announced in one line on stdout, and its verdict logged through ``trainer.loggers``
-            (``lgh/profile_gpu_idle_frac``, ``lgh/profile_data_wait_frac``, ``lgh/profile_step_time_ms``).
+        options: the :class:`ProfilerOptions` in force.
+        written: one entry per finished window: ``{"window", "steps", "files", "lost", "reason"}`` (``lost``: the
+            backends whose file could not be written, with why). Each window is also announced in one log line
+            (``rank_zero_info`` on rank 0, this module's logger on other ranks), and its verdict logged through
+            ``trainer.loggers`` (``lgh/profile_gpu_idle_frac``, ``lgh/profile_data_wait_frac``,
+            ``lgh/profile_step_time_ms``). A window that training never reaches is warned about at setup when
+            ``max_steps`` tells, else at the end of training.
 
     Example::
 
         trainer = L.Trainer(callbacks=[SelectiveProfiler(steps="20-24", ranks="0,last", backends=("torch", "memory"))])
         trainer.fit(model, datamodule)
-        # profiles/steps20-24/rank0_steps20-24.summary.md: step times, GPU busy/idle, top kernels, phases, verdict
+        # <log dir>/profiles/steps20-24/rank0_steps20-24.summary.md: step times, GPU idle, top kernels, verdict
     """
 
     lgh_part = "SelectiveProfiler"
@@ -334,52 +201,52 @@ class SelectiveProfiler(Callback):
 
     def __init__(
         self,
-        steps: str | int | None = None,
-        ranks: str = "0",
-        backends: Sequence[str] = ("torch",),
-        output_dir: str | Path = "profiles",
-        summary: bool = True,
-        record_shapes: bool = False,
-        with_stack: bool = False,
-        profile_memory: bool = False,
+        steps: str | int | None = ProfilerOptions.steps,
+        ranks: str = ProfilerOptions.ranks,
+        backends: Sequence[str] | str = ProfilerOptions.backends,
+        output_dir: str | Path | None = ProfilerOptions.output_dir,
+        summary: bool = ProfilerOptions.summary,
+        record_shapes: bool = ProfilerOptions.record_shapes,
+        with_stack: bool = ProfilerOptions.with_stack,
+        profile_memory: bool = ProfilerOptions.profile_memory,
+        *,
+        options: ProfilerOptions | None = None,
     ) -> None:
-        if steps is not None and (not isinstance(steps, (str, int)) or isinstance(steps, bool)):
-            raise ValueError(f"SelectiveProfiler(steps={steps!r}): must be a string such as '10-14', an int (that "
-                             "single step) or None.")
-        self.steps = steps
+        self.options = resolve(ProfilerOptions, options, "SelectiveProfiler", steps=steps, ranks=ranks,
+                               backends=backends, output_dir=output_dir, summary=summary, record_shapes=record_shapes,
+                               with_stack=with_stack, profile_memory=profile_memory)
         self._schedule = self._resolve()
-        self.ranks = ranks
-        self._ranks = RankSelection.parse(ranks, argument="ranks")
-        if isinstance(backends, str):
-            backends = (backends,)
-        if not isinstance(backends, (list, tuple)) or not backends:
-            raise ValueError(f"SelectiveProfiler(backends={backends!r}): must be a non-empty sequence of {BACKENDS}.")
-        bad = [b for b in backends if b not in BACKENDS]
-        if bad:
-            raise ValueError(f"SelectiveProfiler(backends={tuple(backends)!r}): unknown backend(s) {bad}; "
-                             f"allowed: {BACKENDS}.")
-        if len(set(backends)) != len(backends):
-            raise ValueError(f"SelectiveProfiler(backends={tuple(backends)!r}): each backend may appear once.")
-        self.backends = tuple(backends)
-        if not isinstance(output_dir, (str, os.PathLike)) or not str(output_dir):
-            raise ValueError(f"SelectiveProfiler(output_dir={output_dir!r}): must be a non-empty path.")
-        self.output_dir = Path(output_dir)
-        for name, value in (("summary", summary), ("record_shapes", record_shapes), ("with_stack", with_stack),
-                            ("profile_memory", profile_memory)):
-            if not isinstance(value, bool):
-                raise ValueError(f"SelectiveProfiler({name}={value!r}): must be True or False.")
-        self.summary = summary
-        self.record_shapes, self.with_stack, self.profile_memory = record_shapes, with_stack, profile_memory
+        self._ranks = RankSelection.parse(self.options.ranks, argument="ranks", where="SelectiveProfiler")
+        self._folder: Path | None = None  # the output folder in use, decided at setup
         self.written: list[dict[str, Any]] = []
         self._selected = False
         self._rank, self._world = 0, 1
         self._arm_start: int | None = None
         self._active: _Window | None = None
-        self._backend_objs: list[_Backend] = []
+        self._backend_objs: list[Backend] = []
         self._tracker: StepPhaseTracker | None = None
+        self._warned_unreached: set[StepWindow] = set()
+
+    # The options, read-only (set them through the constructor or ``options=``).
+    steps = property(lambda self: self.options.steps, doc="See :attr:`ProfilerOptions.steps`.")
+    ranks = property(lambda self: self.options.ranks, doc="See :attr:`ProfilerOptions.ranks`.")
+    backends = property(lambda self: self.options.backends, doc="See :attr:`ProfilerOptions.backends`.")
+    summary = property(lambda self: self.options.summary, doc="See :attr:`ProfilerOptions.summary`.")
+    record_shapes = property(lambda self: self.options.record_shapes, doc="See :attr:`ProfilerOptions.record_shapes`.")
+    with_stack = property(lambda self: self.options.with_stack, doc="See :attr:`ProfilerOptions.with_stack`.")
+    profile_memory = property(lambda self: self.options.profile_memory,
+                              doc="See :attr:`ProfilerOptions.profile_memory`.")
+
+    @property
+    def output_dir(self) -> Path | None:
+        """The folder windows are written to: decided at setup (see :attr:`ProfilerOptions.output_dir`); before
+        setup, the folder given, or ``None`` for the trainer's log dir."""
+        if self._folder is not None:
+            return self._folder
+        return None if self.options.output_dir is None else Path(self.options.output_dir)
 
     def _resolve(self) -> StepSchedule:
-        schedule = StepSchedule.resolve(self.steps if self.steps is not None else DEFAULT_STEPS, ENV_VAR)
+        schedule = StepSchedule.resolve(self.options.schedule_spec, ENV_VAR, where="SelectiveProfiler")
         assert schedule is not None
         return schedule
 
@@ -402,18 +269,23 @@ class SelectiveProfiler(Callback):
         compat.check(trainer, self.lgh_part)
         self._schedule = self._resolve()  # the environment may have changed since __init__
         env = os.environ.get(ENV_VAR, "").strip()
-        if env and f"env:{env}" not in _warned and trainer.global_rank == 0:
-            # stdout, once per process: a run profiling other steps than its config says must say why.
-            _warned.add(f"env:{env}")
-            print(f"SelectiveProfiler: {ENV_VAR}={env!r} overrides steps={self.steps!r}; profiling steps "
-                  f"{self._schedule}.", flush=True)
+        if env:
+            # A run profiling other steps than its config says must say why.
+            rank_zero_info(f"SelectiveProfiler: {ENV_VAR}={env!r} overrides steps={self.steps!r}; profiling steps "
+                           f"{self._schedule}.")
+        self._warned_unreached = set()
+        if stage == "fit" and trainer.max_steps is not None and trainer.max_steps >= 0:
+            self._warn_unreached(trainer.max_steps, f"max_steps={trainer.max_steps} ends training first")
         self._rank = trainer.global_rank
         unmatched = self._ranks.unmatched(trainer.world_size, trainer.num_devices)
         if unmatched:
             rank_zero_warn(f"SelectiveProfiler: {unmatched}")
+        # Lightning's convention (its own profilers, ModelCheckpoint): the trainer's log dir. trainer.log_dir is a
+        # broadcast, so every rank asks, selected or not.
+        self._folder = self.options.folder(trainer.log_dir if self.options.output_dir is None else None)
         self._selected = self._ranks.selects(trainer.global_rank, trainer.local_rank, trainer.world_size)
         if self._selected:
-            _check_writable(self.output_dir)
+            _prepare_folder(self._folder)
         self._world = trainer.world_size
         if self._tracker is not None:
             self._tracker.detach()
@@ -423,11 +295,11 @@ class SelectiveProfiler(Callback):
         self._backend_objs = []
         for name in self.backends:
             if name == "torch":
-                self._backend_objs.append(_TorchBackend(self.record_shapes, self.with_stack, self.profile_memory))
+                self._backend_objs.append(TorchBackend(self.record_shapes, self.with_stack, self.profile_memory))
             elif name == "nsys":
-                self._backend_objs.append(_NsysBackend(self.output_dir))
+                self._backend_objs.append(NsysBackend(self._folder))
             else:
-                self._backend_objs.append(_MemoryBackend())
+                self._backend_objs.append(MemoryBackend())
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # global_step is restored from a checkpoint by now: a resumed run arms what remains of its windows.
@@ -512,6 +384,17 @@ class SelectiveProfiler(Callback):
     # -- ends that are not a window's last step
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._finish(trainer, "end of training")
+        self._warn_unreached(trainer.global_step, f"training ended after step {trainer.global_step - 1}")
+
+    def _warn_unreached(self, end: int, why: str) -> None:
+        """Warn once per window about windows that start at or after optimizer step ``end``."""
+        missed = [w for w in unreached_windows(self._schedule, end) if w not in self._warned_unreached]
+        if not missed:
+            return
+        self._warned_unreached.update(missed)
+        shown = ",".join(str(w) for w in missed)
+        rank_zero_warn(f"SelectiveProfiler: steps {shown} of steps={str(self._schedule)!r} will not be profiled: "
+                       f"{why} (optimizer steps run 0..{end - 1}). Pick steps below {end}.")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._finish(trainer, f"exception: {type(exception).__name__}: {str(exception)[:200]}")
@@ -618,13 +501,14 @@ class SelectiveProfiler(Callback):
         # leave the last marker without a batch.
         last = max(win.last_run, win.first)
         for b in win.backends:
-            if isinstance(b, _TorchBackend):
+            if isinstance(b, TorchBackend):
                 b.note("lgh_steps", [win.first, last])  # the summary ignores a trailing marker without a batch
                 if win.fetch_ms:
                     b.note("lgh_fetch_ms", {str(k): round(v, 6) for k, v in sorted(win.fetch_ms.items())})
         stem = f"rank{self._rank}_steps{win.first}" + (f"-{last}" if last != win.first else "")
         stem = self._unique(folder, stem, [b.suffix for b in win.backends if b.suffix])
         files: dict[str, str] = {}
+        lost: dict[str, str] = {}
         for b in win.backends:
             path = folder / f"{stem}{b.suffix}" if (b.suffix and not discard) else None
             try:
@@ -632,8 +516,9 @@ class SelectiveProfiler(Callback):
                 if written is not None:
                     files[b.name] = str(written)
             except Exception as e:
+                lost[b.name] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"SelectiveProfiler: backend {b.name!r} failed to stop or write for window "
-                              f"{win.window} ({type(e).__name__}: {e}).", UserWarning, stacklevel=2)
+                              f"{win.window} ({type(e).__name__}: {e}); its file is lost.", UserWarning, stacklevel=2)
         if discard:
             return
         if self.summary and "torch" in files:
@@ -654,11 +539,11 @@ class SelectiveProfiler(Callback):
             except Exception as e:  # the trace is written; a failed analysis must not end the run
                 warnings.warn(f"SelectiveProfiler: could not summarise {files['torch']} ({type(e).__name__}: {e}).",
                               UserWarning, stacklevel=2)
-        entry = {"window": str(win.window), "steps": [win.first, last], "files": files, "reason": reason}
+        entry = {"window": str(win.window), "steps": [win.first, last], "files": files, "lost": lost,
+                 "reason": reason}
         self.written.append(entry)
-        # One line on stdout per window, on the rank that wrote it (rank_zero_info would hide other ranks' files).
-        print(f"SelectiveProfiler: rank {self._rank} steps {win.first}-{last} ({reason}): "
-              + (", ".join(files.values()) or "no files (nsys capture only)"), flush=True)
+        _announce(self._rank, f"SelectiveProfiler: rank {self._rank} steps {win.first}-{last} ({reason}): "
+                  + _outcome(files, lost, [b.name for b in win.backends]))
 
     @staticmethod
     def _unique(folder: Path, stem: str, suffixes: list[str]) -> str:

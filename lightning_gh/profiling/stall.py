@@ -23,7 +23,7 @@ Example::
     import lightning as L
     from lightning_gh.profiling import DataStallDetector
 
-    trainer = L.Trainer(callbacks=[DataStallDetector(threshold=0.1, window=50)])
+    trainer = L.Trainer(callbacks=[DataStallDetector(threshold=0.1, window=50)])   # options: StallOptions
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_gh import compat, hardware
 from lightning_gh._lightning import log_to_loggers, should_update_logs
-from lightning_gh.profiling.advice import DATA_WAIT_BOUND, data_wait_share, is_input_bound, stall_advice
+from lightning_gh._options import resolve
+from lightning_gh.profiling.advice import data_wait_share, is_input_bound, stall_advice
+from lightning_gh.profiling.options import StallOptions
 from lightning_gh.profiling.phases import StepPhaseTracker
 
-__all__ = ["DataStallDetector", "DataStallWarning", "loader_info", "stall_advice", "METRIC"]
+__all__ = ["DataStallDetector", "DataStallWarning", "StallOptions", "loader_info", "stall_advice", "METRIC"]
 
 METRIC = "lgh/data_wait_frac"
 
@@ -96,13 +98,16 @@ class DataStallDetector(Callback):
     """Measure on every training batch how long it waited for data; log the share and warn once when material.
 
     Args:
-        threshold: warn when ``sum(wait) / sum(wait + step)`` over a full window reaches this share (0 < x < 1);
-            the default is the summary's input-bound threshold, ``advice.DATA_WAIT_BOUND``.
-        window: batches in the rolling window (>= 1).
-        warmup: batches not counted at the start of every epoch (DataLoader workers start up), >= 0.
-        log_metric: log ``lgh/data_wait_frac`` through ``trainer.loggers``.
+        threshold, window, warmup, log_metric: the options, each documented once in
+            :class:`~lightning_gh.profiling.options.StallOptions` (defaults there too).
+        options: the same options as one :class:`StallOptions`, instead of the keywords (never both).
+
+    Raises:
+        TypeError: an argument of the wrong type; ``options`` together with a keyword that differs from its default.
+        ValueError: a value out of range (the message names the argument, the value and what is allowed).
 
     Attributes:
+        options: the :class:`StallOptions` in force.
         data_wait_frac: the latest rolling share (``None`` before the first counted batch).
         warned: whether the warning has fired.
 
@@ -110,24 +115,16 @@ class DataStallDetector(Callback):
 
         trainer = L.Trainer(callbacks=[DataStallDetector()])
         trainer.fit(model, datamodule)
-        # DataStallWarning: the training loop waited for data 47.3% of the time over the last 50 batches ...
+        # DataStallWarning: the training loop waited for data <share> of the time over the last <window> batches ...
     """
 
     lgh_part = "DataStallDetector"
 
-    def __init__(self, threshold: float = DATA_WAIT_BOUND, window: int = 50, warmup: int = 5, log_metric: bool = True) -> None:
-        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 < threshold < 1:
-            raise ValueError(f"DataStallDetector(threshold={threshold!r}): must be a share strictly between 0 and 1.")
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"DataStallDetector(window={window!r}): must be an int >= 1 (batches).")
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-            raise ValueError(f"DataStallDetector(warmup={warmup!r}): must be an int >= 0 (batches per epoch).")
-        if not isinstance(log_metric, bool):
-            raise TypeError(f"DataStallDetector(log_metric={log_metric!r}): must be True or False.")
-        self.threshold = float(threshold)
-        self.window = window
-        self.warmup = warmup
-        self.log_metric = log_metric
+    def __init__(self, threshold: float = StallOptions.threshold, window: int = StallOptions.window,
+                 warmup: int = StallOptions.warmup, log_metric: bool = StallOptions.log_metric, *,
+                 options: StallOptions | None = None) -> None:
+        self.options = resolve(StallOptions, options, "DataStallDetector", threshold=threshold, window=window,
+                               warmup=warmup, log_metric=log_metric)
         self.data_wait_frac: float | None = None
         self.warned = False
         self._samples: deque[tuple[float, float]] = deque()
@@ -139,7 +136,13 @@ class DataStallDetector(Callback):
         self._fetched = 0.0
         self._saw_fetch = False
         self._tracker: StepPhaseTracker | None = None
-        self._skip = warmup
+        self._skip = self.options.warmup
+
+    # The options, read-only (set them through the constructor or ``options=``).
+    threshold = property(lambda self: self.options.threshold, doc="See :attr:`StallOptions.threshold`.")
+    window = property(lambda self: self.options.window, doc="See :attr:`StallOptions.window`.")
+    warmup = property(lambda self: self.options.warmup, doc="See :attr:`StallOptions.warmup`.")
+    log_metric = property(lambda self: self.options.log_metric, doc="See :attr:`StallOptions.log_metric`.")
 
     # -- watching the fetch (Lightning reports it only to its profiler; the phase tracker watches it)
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-__all__ = ["Event", "Step", "KinetoTrace", "load_trace", "parse_trace", "STEP_RE"]
+__all__ = ["Event", "Step", "KinetoTrace", "load_trace", "parse_trace", "trace_files", "STEP_RE"]
 
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 
@@ -134,11 +134,18 @@ def load_trace(path: str | os.PathLike) -> KinetoTrace:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is not JSON, or not a chrome trace (no ``traceEvents``).
+        IsADirectoryError: ``path`` is a folder (see :func:`trace_files` for the traces inside one).
+        ValueError: the file is empty, not JSON, not a chrome trace, holds no events, or holds an event with a
+            negative duration (see :func:`parse_trace`).
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{str(path)!r} is a folder, not a trace file; give the traces in it "
+                                "(*.pt.trace.json.gz, *.json)")
     if not path.is_file():
         raise FileNotFoundError(f"trace {str(path)!r} does not exist")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{str(path)!r} is empty (0 bytes): no events")
     with path.open("rb") as f:
         gzipped = f.read(2) == b"\x1f\x8b"
     opener = gzip.open if gzipped else open
@@ -146,20 +153,45 @@ def load_trace(path: str | os.PathLike) -> KinetoTrace:
         with opener(path, "rt", encoding="utf-8") as f:
             obj = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError, EOFError, OSError) as e:
-        raise ValueError(f"{str(path)!r} is not a readable JSON chrome trace: {e}") from e
+        raise ValueError(f"{str(path)!r} is not a Kineto trace: not a readable JSON chrome trace ({e})") from e
     return parse_trace(obj, path=path)
 
 
+def trace_files(folder: str | os.PathLike) -> list[Path]:
+    """The Kineto traces under ``folder`` (recursively), sorted: ``*.json`` and ``*.json.gz`` but summaries."""
+    root = Path(folder)
+    found = [p for pattern in ("*.json", "*.json.gz") for p in root.rglob(pattern)
+             if p.is_file() and ".summary." not in p.name]
+    return sorted(set(found))
+
+
 def parse_trace(obj: Mapping[str, Any] | list[Any], path: Path | None = None) -> KinetoTrace:
-    """Group the events of a loaded chrome-trace object (see :func:`load_trace`)."""
+    """Group the events of a loaded chrome-trace object (see :func:`load_trace`).
+
+    Raises:
+        ValueError: ``obj`` is not a chrome trace ("not a Kineto trace"), holds no complete (``"ph": "X"``) events
+            ("no events"), or holds a complete event with a negative duration.
+    """
+    where = f"{str(path)!r}" if path else "the trace"
     if isinstance(obj, list):
         raw, metadata = obj, {}
     elif isinstance(obj, Mapping) and isinstance(obj.get("traceEvents"), list):
         raw = obj["traceEvents"]
         metadata = {k: v for k, v in obj.items() if k != "traceEvents"}
     else:
-        where = f"{str(path)!r}" if path else "the object"
-        raise ValueError(f"{where} is not a chrome trace: expected a list of events or an object with 'traceEvents'")
+        raise ValueError(f"{where} is not a Kineto trace: not a chrome trace, expected a list of events or an object "
+                         "with 'traceEvents'")
+    if raw and not any(isinstance(r, Mapping) and "ph" in r for r in raw):
+        raise ValueError(f"{where} is not a Kineto trace: none of its {len(raw)} entries is a trace event (an object "
+                         "with 'ph', 'ts')")
+    events = list(_complete_events(raw))
+    if not events:
+        raise ValueError(f"{where} has no events: no complete ('ph': 'X') event among its {len(raw)} entries")
+    negative = [e for e in events if e.dur < 0]
+    if negative:
+        e = negative[0]
+        raise ValueError(f"{where} is not a valid Kineto trace: {len(negative)} event(s) with a negative duration, "
+                         f"e.g. {e.name!r} at ts={e.ts:g} us with dur={e.dur:g} us")
     steps: list[Step] = []
     kernels: list[Event] = []
     memcpys: list[Event] = []
@@ -168,7 +200,7 @@ def parse_trace(obj: Mapping[str, Any] | list[Any], path: Path | None = None) ->
     annotations: list[Event] = []
     cpu_ops: list[Event] = []
     lo, hi = float("inf"), float("-inf")
-    for e in _complete_events(raw):
+    for e in events:
         lo, hi = min(lo, e.ts), max(hi, e.end)
         if e.kind == "kernel":
             kernels.append(e)
@@ -188,8 +220,8 @@ def parse_trace(obj: Mapping[str, Any] | list[Any], path: Path | None = None) ->
                 annotations.append(e)
         elif e.kind == "cpu_op":
             cpu_ops.append(e)
-    for events in (kernels, memcpys, memsets, annotations, cpu_ops):
-        events.sort(key=lambda e: e.ts)
+    for group in (kernels, memcpys, memsets, annotations, cpu_ops):
+        group.sort(key=lambda e: e.ts)
     steps.sort(key=lambda s: s.ts)
     return KinetoTrace(path, metadata, steps, kernels, memcpys, memsets, runtime, annotations, cpu_ops,
                        (lo, hi) if lo <= hi else None)
@@ -206,4 +238,4 @@ def _complete_events(raw: Iterable[Any]) -> Iterable[Event]:
         cat = str(r.get("cat", "")).lower()
         kind = _KINDS.get(cat, "other")
         args = r.get("args") if isinstance(r.get("args"), Mapping) else {}
-        yield Event(str(r.get("name", "")), kind, ts, max(dur, 0.0), r.get("pid"), r.get("tid"), args)
+        yield Event(str(r.get("name", "")), kind, ts, dur, r.get("pid"), r.get("tid"), args)

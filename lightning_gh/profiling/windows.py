@@ -34,6 +34,11 @@ RANKS_GRAMMAR = (
 _WINDOW_RE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
+def _named(where: str, argument: str, value: object) -> str:
+    """The head of an error: ``Part(argument=value)``, or ``argument=value`` for an environment variable."""
+    return f"{where}({argument}={value!r})" if where else f"{argument}={value!r}"
+
+
 @dataclass(frozen=True, order=True)
 class StepWindow:
     """An inclusive range of optimizer steps ``[start, stop]``."""
@@ -59,45 +64,51 @@ class StepSchedule:
         self._starts = [w.start for w in self.windows]
 
     @classmethod
-    def parse(cls, spec: str | int, argument: str = "steps") -> StepSchedule:
-        """Parse ``spec``; raise ``ValueError`` naming ``argument``, the bad part and the grammar.
+    def parse(cls, spec: str | int, argument: str = "steps", where: str = "") -> StepSchedule:
+        """Parse ``spec``; raise naming ``where`` (the part), ``argument``, the bad part and the grammar.
 
         An int is that single step (``steps=7``, or ``steps: 3`` in a LightningCLI YAML, which arrives as an int).
+
+        Raises:
+            TypeError: ``spec`` is neither a string nor an int.
+            ValueError: ``spec`` does not follow the grammar.
         """
         if isinstance(spec, int) and not isinstance(spec, bool):
             spec = str(spec)
+        head = _named(where, argument, spec)
         if not isinstance(spec, str):
-            raise ValueError(f"`{argument}` must be a string of {STEPS_GRAMMAR}; got {spec!r} ({type(spec).__name__}).")
+            raise TypeError(f"{head}: expected a string of {STEPS_GRAMMAR}; got {type(spec).__name__}.")
         if not spec.strip():
-            raise ValueError(f"`{argument}`={spec!r} is empty; expected {STEPS_GRAMMAR}.")
+            raise ValueError(f"{head}: expected {STEPS_GRAMMAR}; got an empty string.")
         windows = []
         for part in spec.split(","):
             m = _WINDOW_RE.match(part)
             if m is None:
                 hint = " (negative steps are not allowed)" if part.strip().startswith("-") else ""
-                raise ValueError(f"`{argument}`={spec!r}: bad window {part.strip()!r}{hint}; expected {STEPS_GRAMMAR}.")
+                raise ValueError(f"{head}: bad window {part.strip()!r}{hint}; expected {STEPS_GRAMMAR}.")
             start = int(m.group(1))
             stop = int(m.group(2)) if m.group(2) is not None else start
             if stop < start:
                 raise ValueError(
-                    f"`{argument}`={spec!r}: window {part.strip()!r} is reversed ({start} > {stop}); expected {STEPS_GRAMMAR}."
+                    f"{head}: window {part.strip()!r} is reversed ({start} > {stop}); expected {STEPS_GRAMMAR}."
                 )
             windows.append(StepWindow(start, stop))
         windows.sort()
         for a, b in zip(windows, windows[1:]):
             if b.start <= a.stop:
-                raise ValueError(f"`{argument}`={spec!r}: windows {a} and {b} overlap; expected {STEPS_GRAMMAR}.")
+                raise ValueError(f"{head}: windows {a} and {b} overlap; expected {STEPS_GRAMMAR}.")
         return cls(tuple(windows))
 
     @classmethod
-    def resolve(cls, steps: str | int | None, env_var: str | None = None, argument: str = "steps") -> StepSchedule | None:
+    def resolve(cls, steps: str | int | None, env_var: str | None = None, argument: str = "steps",
+                where: str = "") -> StepSchedule | None:
         """``steps`` unless the environment variable ``env_var`` is set (it wins); ``None`` means every step."""
         env = os.environ.get(env_var) if env_var else None
         if env is not None and env.strip():
             return cls.parse(env, argument=env_var)
         if steps is None:
             return None
-        return cls.parse(steps, argument=argument)
+        return cls.parse(steps, argument=argument, where=where)
 
     def window_for(self, step: int) -> StepWindow | None:
         """The window holding ``step``, or ``None``."""
@@ -144,9 +155,18 @@ class RankSelection:
     last: bool = False
 
     @classmethod
-    def parse(cls, spec: str, argument: str = "ranks") -> RankSelection:
-        if not isinstance(spec, str) or not spec.strip():
-            raise ValueError(f"`{argument}`={spec!r} is not valid; expected {RANKS_GRAMMAR}.")
+    def parse(cls, spec: str, argument: str = "ranks", where: str = "") -> RankSelection:
+        """Parse ``spec``; raise naming ``where`` (the part), ``argument``, the bad item and the grammar.
+
+        Raises:
+            TypeError: ``spec`` is not a string.
+            ValueError: ``spec`` does not follow the grammar.
+        """
+        head = _named(where, argument, spec)
+        if not isinstance(spec, str):
+            raise TypeError(f"{head}: expected a string, {RANKS_GRAMMAR}; got {type(spec).__name__}.")
+        if not spec.strip():
+            raise ValueError(f"{head}: expected {RANKS_GRAMMAR}; got an empty string.")
         if spec.strip().lower() == "all":
             return cls(all_ranks=True)
         global_ranks, local_ranks, last = set(), set(), False
@@ -159,7 +179,7 @@ class RankSelection:
             elif item.startswith("local") and item[5:].isdigit():
                 local_ranks.add(int(item[5:]))
             else:
-                raise ValueError(f"`{argument}`={spec!r}: bad item {part.strip()!r}; expected {RANKS_GRAMMAR}.")
+                raise ValueError(f"{head}: bad item {part.strip()!r}; expected {RANKS_GRAMMAR}.")
         return cls(False, frozenset(global_ranks), frozenset(local_ranks), last)
 
     def unmatched(self, world_size: int, local_world_size: int, argument: str = "ranks") -> str | None:

@@ -68,8 +68,9 @@ RULES: tuple[Rule, ...] = (
          "SuperOffload's gradient hooks, host copies and CPU worker cannot run inside a captured CUDA graph"),
     Rule("CUDAGraphCapture", "fp8", False,
          "capturing the fp8 plugins' step (scaling state, amax history) is not verified yet"),
-    Rule("fp8", "SuperOffload", False,
-         "the fp8 plugins and the SuperOffload strategy are not verified together yet"),
+    Rule("fp8", "SuperOffload", True,
+         "the fp8 layers compute from bf16 weights on the GPU; SuperOffload keeps their fp32 masters and the AdamW "
+         "state in host memory (Transformer Engine recipes with master_weights=False)"),
     Rule("SuperOffload", "ManagedOptimizerState", False,
          "both move the optimizer state: SuperOffload to pinned host memory updated on the CPU, "
          "ManagedOptimizerState to managed memory updated by the GPU; pick one"),

@@ -131,11 +131,13 @@ class SuperOffloadStrategy(DDPStrategy):
             self.set_world_ranks()
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        fit_fp8_weights(self.precision_plugin, model)
         return model  # never DistributedDataParallel: the optimizer reduces the gradients itself
 
     def configure_ddp(self) -> None:
         """No ``DistributedDataParallel``: the optimizer's hooks reduce the gradients. What the wrapper would have
         done at construction, making every rank start from rank 0's weights and buffers, is done here."""
+        fit_fp8_weights(self.precision_plugin, self.model)
         if self._several and torch.distributed.is_initialized():
             with torch.no_grad():
                 for tensor in self.model.state_dict().values():
@@ -302,6 +304,32 @@ def _stats_metrics(opt: HeterogeneousAdamW) -> dict[str, float]:
         "lgh/superoffload/skipped_steps": float(st.get("skipped_steps", 0)),
         "lgh/superoffload/rollbacks": float(st.get("rollbacks", 0)),
     }
+
+
+def fit_fp8_weights(plugin: Any, model: torch.nn.Module) -> None:
+    """Under an fp8 precision plugin, keep bf16 weights on the GPU: SuperOffload holds the fp32 masters.
+
+    The fp8 layers cast their weights to fp8 on the fly from whatever the module holds; the torchao plugins run
+    under ``bf16-mixed`` with fp32 module weights, which would put 4 B per parameter on the GPU next to the fp32
+    master SuperOffload already keeps in host memory. Their fp32 parameters become bf16 here (after the plugin
+    converted the layers, before the optimizer is built, so the host masters start from the exact fp32 values).
+    A Transformer Engine plugin that keeps fp32 master weights of its own (``master_weights=True``) would
+    duplicate SuperOffload's: that is refused with the way out.
+    """
+    if getattr(plugin, "lgh_part", None) != "fp8":
+        return
+    if getattr(plugin, "backend", None) == "te" and getattr(plugin, "master_weights", False):
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        raise MisconfigurationException(
+            f"{type(plugin).__name__}(master_weights=True) with strategy='superoffload': the plugin's fp32 master "
+            "weights on the GPU would duplicate SuperOffload's, which keeps them (and the AdamW moments) in host "
+            f"memory. Use lgh.precision({getattr(plugin, 'name', 'fp8-te-delayed')!r}, master_weights=False), or a "
+            "torchao recipe (lgh.precision('fp8-ao-tensorwise')).")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype == torch.float32:
+                p.data = p.data.to(torch.bfloat16)
 
 
 def _unsupported_optimizer_message(opt: Any) -> str:

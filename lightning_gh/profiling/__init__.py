@@ -4,7 +4,7 @@ Modules, one idea each: ``options`` (the parts' options dataclasses), ``windows`
 ``phases`` (the step-phase tracker), ``_actions`` (watching Lightning's profiler actions), ``profiler`` and
 ``_profiler_backends`` (SelectiveProfiler), ``nvtx`` and ``_nvtx_backend`` (NVTXRangeCallback), ``stall`` (DataStallDetector), ``trace`` (parsing Kineto traces), ``analysis`` (numbers),
 ``advice`` (verdict, advice and the one definition of a data stall), ``render`` and ``plot`` (files),
-``summary`` (``summarize_trace``, the entry point).
+``summary`` (``summarize_trace``, the entry point), ``throughput`` (ThroughputMonitor: tokens/s, TFLOP/s, MFU).
 
 Names load on first use (PEP 562): importing this package alone does not import the profiler, the summary or NVTX.
 
@@ -29,10 +29,12 @@ if TYPE_CHECKING:
     from lightning_gh.profiling.profiler import SelectiveProfiler
     from lightning_gh.profiling.stall import DataStallDetector, DataStallWarning
     from lightning_gh.profiling.summary import summarize_trace
+    from lightning_gh.profiling.throughput import ThroughputMonitor, ThroughputOptions
     from lightning_gh.profiling.windows import RankSelection, StepSchedule, StepWindow
 
 __all__ = ["NVTXRangeCallback", "SelectiveProfiler", "DataStallDetector", "DataStallWarning", "summarize_trace",
-           "StepSchedule", "StepWindow", "RankSelection", "ProfilerOptions", "NVTXOptions", "StallOptions"]
+           "StepSchedule", "StepWindow", "RankSelection", "ProfilerOptions", "NVTXOptions", "StallOptions",
+           "ThroughputMonitor", "ThroughputOptions"]
 
 _WHERE = {
     "NVTXRangeCallback": "lightning_gh.profiling.nvtx",
@@ -46,6 +48,8 @@ _WHERE = {
     "ProfilerOptions": "lightning_gh.profiling.options",
     "NVTXOptions": "lightning_gh.profiling.options",
     "StallOptions": "lightning_gh.profiling.options",
+    "ThroughputMonitor": "lightning_gh.profiling.throughput",
+    "ThroughputOptions": "lightning_gh.profiling.throughput",
 }
 assert sorted(_WHERE) == sorted(__all__)
 

@@ -17,6 +17,8 @@ deepspeed_offload   Lightning ``strategy="deepspeed_stage_2_offload"`` + ``DeepS
                     HF gradient checkpointing (DeepSpeed ZeRO-Offload, the anchor users know)
 torchao_offload     torchao's ``CPUOffloadOptimizer`` (fused AdamW on the CPU), ``bf16-mixed``, HF checkpointing
                     (Lightning refuses it: it is not a ``torch.optim.Optimizer``; the row says so)
+gpu_bf16_budget     as gpu_bf16_ckpt with ``ActivationOffload(budget=--budget)`` instead of HF checkpointing
+superoffload_budget as superoffload with ``ActivationOffload(budget=--budget)`` instead of HF checkpointing
 gpu_fp32master      GPU-only ``bf16-mixed`` (fp32 weights and state on the GPU), ``AdamW(foreach=True)``: the
                     reference of ``--check-loss`` on a model that fits
 ==================  ==========================================================================================
@@ -51,7 +53,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = ("gpu_bf16_ckpt", "superoffload", "superoffload_fp8", "deepspeed_offload", "torchao_offload",
-            "gpu_fp32master")
+            "gpu_fp32master", "gpu_bf16_budget", "superoffload_budget")
+#: Variants that replace HF gradient checkpointing by ``ActivationOffload(budget=...)``.
+BUDGET_VARIANTS = ("gpu_bf16_budget", "superoffload_budget")
 
 #: Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from NVIDIA's datasheets, by a substring of the
 #: device name. MFU is reported against these.
@@ -78,6 +82,7 @@ class Job:
     seed: int = 0
     checkpointing: bool = True
     record_losses: bool = False
+    budget: str = "8GiB"
 
 
 @dataclass
@@ -150,7 +155,7 @@ def _child(job: Job, out_file: Path) -> None:
                               vocab_size=job.vocab, max_position_embeddings=job.seq, attn_implementation="sdpa",
                               use_cache=False)
             self.model = LlamaForCausalLM(cfg)
-            if job.checkpointing:
+            if job.checkpointing and job.variant not in BUDGET_VARIANTS:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -192,11 +197,11 @@ def _child(job: Job, out_file: Path) -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=job.batch)
 
     kw: dict[str, Any] = {}
-    if job.variant == "gpu_bf16_ckpt":
+    if job.variant in ("gpu_bf16_ckpt", "gpu_bf16_budget"):
         kw = {"precision": "bf16-true"}
     elif job.variant == "gpu_fp32master":
         kw = {"precision": "bf16-mixed"}
-    elif job.variant == "superoffload":
+    elif job.variant in ("superoffload", "superoffload_budget"):
         kw = {"precision": "bf16-true", "strategy": "superoffload"}
     elif job.variant == "superoffload_fp8":
         kw = {"plugins": [lgh.precision("fp8-ao-tensorwise")], "strategy": "superoffload"}
@@ -207,10 +212,11 @@ def _child(job: Job, out_file: Path) -> None:
     else:
         raise SystemExit(f"unknown variant {job.variant!r}; expected one of {VARIANTS}")
     clock = Clock()
+    extra = [lgh.ActivationOffload(budget=job.budget)] if job.variant in BUDGET_VARIANTS else []
     memory = lgh.MemoryReport(folder=f"/tmp/lgh-memory-{job.variant}", measure_steps=job.warmup)  # plan in notes
     trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=job.steps, gradient_clip_val=job.clip,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[clock, memory], **kw)
+                        enable_model_summary=False, callbacks=[clock, memory, *extra], **kw)
     torch.cuda.reset_peak_memory_stats()
     try:
         trainer.fit(LM(), loader)
@@ -306,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps of the SuperOffload variants (its GPU tail settles over the first pipelined steps)")
     ap.add_argument("--offload-warmup", type=int, default=35, help="untimed steps of the SuperOffload variants")
     ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
+    ap.add_argument("--budget", default="8GiB", help="ActivationOffload's budget in the *_budget variants")
     ap.add_argument("--check-loss", action="store_true",
                     help="record every step's loss of gpu_fp32master and superoffload (use a model that fits)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per variant")
@@ -325,11 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Outcome] = []
     for layers in args.layers:
         for v in variants:
-            ours = v.startswith("superoffload") and not args.check_loss
+            ours = (v.startswith("superoffload") or v in BUDGET_VARIANTS) and not args.check_loss
             job = Job(v, layers=layers, hidden=args.hidden, ffn=args.ffn, vocab=args.vocab, batch=args.batch,
                       seq=args.seq, steps=args.offload_steps if ours else args.steps,
                       warmup=args.offload_warmup if ours else args.warmup,
-                      checkpointing=not args.no_checkpointing, record_losses=args.check_loss)
+                      checkpointing=not args.no_checkpointing, record_losses=args.check_loss, budget=args.budget)
             r = run_variant(job, out, args.timeout)
             r.notes["layers"] = layers
             rows.append(r)

@@ -135,12 +135,15 @@ def test_a_fit_logs_tokens_tflops_and_mfu(tmp_path, monkeypatch):
     assert mon.last["lgh/tokens_per_s"] == pytest.approx(per_s)
 
 
-def test_no_mfu_without_a_known_peak(tmp_path, monkeypatch):
+def test_no_mfu_without_a_known_peak_and_it_composes_with_the_other_parts(tmp_path, monkeypatch):
+    from lightning_gh.profiling import DataStallDetector, SelectiveProfiler
+
     monkeypatch.setattr(throughput, "_clock", _FakeClock())
     model = LlamaLM.from_preset("tiny")
     mon = ThroughputMonitor(window=2, warmup_steps=0, flops_per_token=1e9)
+    parts = [SelectiveProfiler(steps="1", output_dir=tmp_path, summary=False), DataStallDetector(), mon]
     L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, limit_val_batches=0,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              callbacks=[mon]).fit(model, MarkovDataModule.for_model(model, num_train_samples=64))
+              callbacks=parts).fit(model, MarkovDataModule.for_model(model, num_train_samples=64))
     assert mon.peak is None and set(mon.last) == {"lgh/tokens_per_s", "lgh/model_tflops"}
     assert mon.last["lgh/model_tflops"] == pytest.approx(mon.last["lgh/tokens_per_s"] * 1e9 / 1e12)

@@ -8,7 +8,6 @@ import torch
 
 from lightning_gh import _host
 from lightning_gh.memory import MemoryReport, MemoryReportOptions, Shortfall, attribute, parse_cuda_oom, suggest
-from lightning_gh.memory import plan as plan_mod
 
 GIB = 2**30
 OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
@@ -50,16 +49,14 @@ def test_suggest_fewer_tokens_in_proportion_to_the_activations():
     assert fewer and fewer[0].knob.startswith("at most 11,878 tokens")  # 16384 x (1 - 11 GiB / 40 GiB)
 
 
-def test_attribute_counts_each_storage_once(monkeypatch):
-    # On the CPU, treat host tensors as if they were on the GPU.
-    monkeypatch.setattr(plan_mod, "storage_key",
-                        lambda t: (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+def test_attribute_counts_each_storage_once():
     model = torch.nn.Linear(16, 16)  # 16x16 + 16 fp32 = 1088 B
     model.weight.grad = torch.zeros_like(model.weight)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 16)).sum().backward()
     opt.step()
-    got = attribute(model, [opt], allocated=100_000)
+    got = attribute(model, [opt], allocated=100_000, device_type="cpu")
+    assert attribute(model, [opt], allocated=100_000)["weights"] == 0  # nothing of it is on a GPU
     assert got["weights"] == 1088
     assert got["gradients"] == 1088
     assert got["optimizer state"] == 2 * 1088 + 2 * 4  # exp_avg, exp_avg_sq, two scalar steps
@@ -86,11 +83,16 @@ class Tiny(L.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
 
 
+def cb_model(cb):
+    return cb.model
+
+
 def fit(tmp_path, model, **kw):
     cb = MemoryReport(folder=str(tmp_path), **kw)
     trainer = L.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
     trainer.fit(model)
+    cb.model = model
     return cb
 
 
@@ -98,7 +100,8 @@ def test_the_plan_is_written_before_the_first_step(tmp_path):
     cb = fit(tmp_path, Tiny(), measure_steps=2)
     data = json.loads((tmp_path / "memory_plan.json").read_text())
     assert set(data["gpu"]) >= {"weights", "gradients", "optimizer state"}
-    assert cb.plan is not None and "| GPU | weights |" in cb.plan.table()
+    assert cb.plan is not None and "| CPU | weights |" in cb.plan.table()
+    assert data["gpu"]["weights"] == sum(p.numel() * p.element_size() for p in cb_model(cb).parameters())
 
 
 def test_a_cuda_oom_writes_the_report_and_the_error_is_reraised(tmp_path):

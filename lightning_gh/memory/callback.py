@@ -103,8 +103,8 @@ class MemoryReport(Callback):
         """The plan as things stand now (weights placed, optimizers built)."""
         device = pl_module.device
         cuda = device.type == "cuda"
-        owners = attribute(pl_module, trainer.optimizers,
-                           allocated=torch.cuda.memory_allocated(device) if cuda else 0)
+        owners = attribute(pl_module, trainer.optimizers, device_type=device.type,
+                           allocated=torch.cuda.memory_allocated(device) if cuda else None)
         room = hardware.gpu_memory_room(device) if cuda else None
         decisions: dict[str, str] = {}
         for opt in trainer.optimizers:
@@ -126,7 +126,8 @@ class MemoryReport(Callback):
             reserved=torch.cuda.memory_reserved(device) if cuda else None,
             host={s.part: s.held_bytes + s.declared_bytes for s in _host.PLAN.shares()},
             host_available=hardware.available_host_bytes(), decisions=decisions,
-            predicted_peak=static + budget if isinstance(budget, int) else None)
+            predicted_peak=static + budget if isinstance(budget, int) else None,
+            device="GPU" if cuda else device.type.upper())
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         cuda = pl_module.device.type == "cuda"
@@ -179,7 +180,8 @@ class MemoryReport(Callback):
         device = pl_module.device
         cuda = device.type == "cuda" and torch.cuda.is_available()
         allocated = torch.cuda.memory_allocated(device) if cuda else 0
-        owners = attribute(pl_module, trainer.optimizers, allocated=allocated)
+        owners = attribute(pl_module, trainer.optimizers, allocated=allocated if cuda else None,
+                           device_type=device.type)
         shortfall = parse_cuda_oom(str(exception))
         tokens = self._tokens * trainer.accumulate_grad_batches if self._tokens else None
         knobs = suggest(owners, shortfall, tokens_per_step=tokens,

@@ -28,15 +28,16 @@ import torch
 
 from lightning_gh._util import fmt_bytes
 
-__all__ = ["OWNERS", "MemoryPlan", "attribute", "storage_key"]
+__all__ = ["OWNERS", "MemoryPlan", "attribute", "plot_plan", "storage_key"]
 
 #: The owners live GPU memory is attributed to, in the order the tables show them.
 OWNERS = ("weights", "gradients", "optimizer state", "activations and temporaries")
 
 
-def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
-    """``(address, bytes)`` of a CUDA tensor's storage, or ``None`` for a tensor off the GPU or without storage."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+def storage_key(t: torch.Tensor, device_type: str = "cuda") -> tuple[int, int] | None:
+    """``(address, bytes)`` of the storage of a tensor on ``device_type``, or ``None`` for a tensor elsewhere or
+    without one storage."""
+    if not isinstance(t, torch.Tensor) or t.device.type != device_type:
         return None
     try:
         st = t.untyped_storage()
@@ -57,8 +58,9 @@ def _tensors_of_state(state: Any) -> Iterable[torch.Tensor]:
 
 
 def attribute(module: torch.nn.Module | None, optimizers: Iterable[Any] = (), allocated: int | None = None,
-              ) -> dict[str, int]:
-    """GPU bytes per owner (:data:`OWNERS`) of the tensors reachable from ``module`` and ``optimizers``.
+              device_type: str = "cuda") -> dict[str, int]:
+    """Bytes per owner (:data:`OWNERS`) of the tensors on ``device_type`` reachable from ``module`` and
+    ``optimizers``.
 
     ``allocated`` (default: ``torch.cuda.memory_allocated()``) minus what the owners hold is reported as
     activations and temporaries. Each storage counts once, for the first owner that reaches it.
@@ -67,7 +69,7 @@ def attribute(module: torch.nn.Module | None, optimizers: Iterable[Any] = (), al
     out = dict.fromkeys(OWNERS, 0)
 
     def add(owner: str, t: torch.Tensor | None) -> None:
-        key = storage_key(t) if t is not None else None
+        key = storage_key(t, device_type) if t is not None else None
         if key is not None and key[0] not in seen:
             seen.add(key[0])
             out[owner] += key[1]
@@ -82,9 +84,9 @@ def attribute(module: torch.nn.Module | None, optimizers: Iterable[Any] = (), al
         for value in (state.values() if isinstance(state, Mapping) else ()):
             for t in _tensors_of_state(value):
                 add("optimizer state", t)
-    if allocated is None:
-        allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     owned = out["weights"] + out["gradients"] + out["optimizer state"]
+    if allocated is None:
+        allocated = torch.cuda.memory_allocated() if device_type == "cuda" and torch.cuda.is_available() else owned
     out["activations and temporaries"] = max(0, allocated - owned)
     return out
 
@@ -95,7 +97,7 @@ class MemoryPlan:
     decisions, and the predicted and measured peaks.
 
     Attributes:
-        gpu: GPU bytes per owner (:data:`OWNERS`, plus any our parts add, e.g. ``"activation budget"``).
+        gpu: bytes per owner on the run's device (the GPU; the CPU in a CPU run, see ``device``) (:data:`OWNERS`, plus any our parts add, e.g. ``"activation budget"``).
         gpu_free: free bytes on the device (under the process's memory-fraction cap), or ``None`` off CUDA.
         gpu_total: the device's bytes, or ``None`` off CUDA.
         reserved: bytes the caching allocator holds (allocated or cached), or ``None`` off CUDA.
@@ -104,6 +106,7 @@ class MemoryPlan:
         decisions: what the parts decided and why (``{"SuperOffload": "tail 23% ...", ...}``).
         predicted_peak: the peak GPU bytes the parts predict for a step, or ``None``.
         measured_peak: the peak GPU bytes of the measured steps, or ``None`` before they ran.
+        device: the label of the device rows (``"GPU"``, or ``"CPU"`` in a CPU run).
     """
 
     gpu: dict[str, int] = field(default_factory=dict)
@@ -115,6 +118,7 @@ class MemoryPlan:
     decisions: dict[str, str] = field(default_factory=dict)
     predicted_peak: int | None = None
     measured_peak: int | None = None
+    device: str = "GPU"
 
     def headroom(self) -> int | None:
         """GPU bytes left between the predicted (else measured) peak and the device's total, or ``None``."""
@@ -130,12 +134,12 @@ class MemoryPlan:
     def table(self) -> str:
         """The plan as a markdown table (one row per owner and part), then the decisions."""
         rows = ["| where | what | bytes |", "| --- | --- | ---: |"]
-        rows += [f"| GPU | {k} | {fmt_bytes(v)} |" for k, v in self.gpu.items()]
+        rows += [f"| {self.device} | {k} | {fmt_bytes(v)} |" for k, v in self.gpu.items()]
         for label, value in (("allocator reserve", self.reserved), ("free", self.gpu_free),
                              ("total", self.gpu_total), ("predicted peak", self.predicted_peak),
                              ("measured peak", self.measured_peak), ("headroom", self.headroom())):
             if value is not None:
-                rows.append(f"| GPU | {label} | {fmt_bytes(value)} |")
+                rows.append(f"| {self.device} | {label} | {fmt_bytes(value)} |")
         rows += [f"| host | {k} | {fmt_bytes(v)} |" for k, v in self.host.items()]
         if self.host_available is not None:
             rows.append(f"| host | available | {fmt_bytes(self.host_available)} |")
@@ -151,3 +155,33 @@ class MemoryPlan:
         d["headroom"] = self.headroom()
         d["peak_error"] = self.peak_error()
         return d
+
+
+def plot_plan(plan: MemoryPlan, ax: Any = None) -> Any:
+    """The plan as two stacked bars, GPU and host, one segment per owner or part (GiB); returns the axes.
+
+    Lines mark the GPU's total and, where measured, its peak; matplotlib is imported here only."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.5))
+    gib = 2**30
+    for x, parts in ((0, plan.gpu), (1, plan.host)):  # device bar, host bar
+        bottom = 0.0
+        for name, nbytes in parts.items():
+            if nbytes <= 0:
+                continue
+            ax.bar(x, nbytes / gib, bottom=bottom, label=f"{plan.device if x == 0 else 'host'}: {name}")
+            bottom += nbytes / gib
+    for value, style, label in ((plan.gpu_total, "-", "GPU total"), (plan.measured_peak, "--", "GPU peak")):
+        if value is not None:
+            ax.hlines(value / gib, -0.4, 0.4, colors="k", linestyles=style, label=label)
+    if plan.host_available is not None:
+        top = sum(plan.host.values()) / gib
+        ax.hlines(top + plan.host_available / gib, 0.6, 1.4, colors="grey", linestyles=":",
+                  label="host: held + available")
+    ax.set_xticks([0, 1], [plan.device, "host"])
+    ax.set_ylabel("GiB")
+    ax.set_title("memory plan")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from benchmarks import run as runner  # noqa: E402  (puts benchmarks/ on sys.path: `common`, `suites`)
 from common import Result, Timing, add_ratios  # noqa: E402
-from suites import _fp8, fp8_gemm  # noqa: E402
+from suites import _fp8, fp8_gemm, fp8_steps  # noqa: E402
 
 
 def test_baseline_suite_runs_on_cpu(tmp_path):
@@ -108,3 +108,17 @@ def test_gemm_crossover_is_the_smallest_size_from_which_fp8_always_wins(wins, ex
     squares = [1024, 2048, 4096]
     table = {(8, d, d): {"bf16": 1.0, "te-delayed": 0.5 if w else 2.0} for d, w in zip(squares, wins)}
     assert fp8_gemm._crossover(table, 8, "te-delayed", squares) == expected
+
+
+def test_fp8_loss_check_flags_curves_outside_one_percent():
+    ref = [4.0 - 0.02 * i for i in range(40)]
+    rows = []
+    curves = {"bf16": ref, "te-current": [x * 1.004 for x in ref], "ao-rowwise": [x * 1.03 for x in ref]}
+    for key, curve in curves.items():
+        r = Result("fp8_steps", "large", key, None)
+        r.extra.update({"key": key, "losses": curve, "first_batch_checksum": 7})
+        rows.append(r)
+    text = fp8_steps._summary_losses("large", rows)
+    assert rows[1].extra["loss_within_tolerance"] and not rows[2].extra["loss_within_tolerance"]
+    assert abs(rows[1].extra["loss_max_rel_diff"] - 0.004) < 1e-9
+    assert "| ao-rowwise | yes |" in text and text.rstrip().endswith("| NO |")

@@ -49,6 +49,7 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], set[str]]] = {
     "ManagedOptimizerState": (lgh.ManagedOptimizerState, {"options"}),
     "MemoryReport": (lgh.MemoryReport, {"options", "folder"}),
     "MemoryReportOptions": (lgh.MemoryReportOptions, {"folder"}),
+    "TEOptions": (lgh.TEOptions, set()),
 }
 # Constructors that take their options' fields as ``**kwargs``: the fields are their parameters too.
 OPTIONS: dict[str, type] = {

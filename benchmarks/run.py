@@ -23,9 +23,8 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from lightning_gh.demo import PRESETS  # noqa: E402
-
 from common import BenchContext, format_table, machine_info, out_dir, write_report  # noqa: E402
+from lightning_gh.demo import PRESETS  # noqa: E402
 
 
 def suites() -> list[str]:

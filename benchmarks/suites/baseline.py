@@ -15,9 +15,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from lightning_gh.demo import Llama, LlamaLM, preset
-
 from common import BenchContext, Result, lightning_steps, peak_memory, random_batch, reset_memory, time_fn
+from lightning_gh.demo import Llama, LlamaLM, preset
 
 DEFAULT_PRESETS = ["small", "medium", "large"]
 

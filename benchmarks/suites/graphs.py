@@ -31,10 +31,9 @@ import traceback
 
 import torch
 
+from common import BenchContext, Result, lightning_steps, peak_memory, reset_memory
 from lightning_gh.demo import LlamaLM, preset
 from lightning_gh.graphs import CUDAGraphCapture
-
-from common import BenchContext, Result, lightning_steps, peak_memory, reset_memory
 
 DEFAULT_PRESETS = ["small"]
 # The anchors of docs/cuda_graphs.md: Lightning's eager step and a hand-written whole-step graph (d=512 GPT).

@@ -41,9 +41,8 @@ from typing import Any, Callable
 import lightning as L
 import torch
 
-from lightning_gh.demo import LlamaLM, MarkovDataModule, preset
-
 from common import BenchContext, Result, Timing, reset_memory
+from lightning_gh.demo import LlamaLM, MarkovDataModule, preset
 
 DEFAULT_PRESETS = ["small"]
 ROOT = Path(__file__).resolve().parents[2]

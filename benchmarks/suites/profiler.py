@@ -34,11 +34,10 @@ from pathlib import Path
 
 import torch
 
+from common import BenchContext, Result, Timing, lightning_steps, peak_memory, reset_memory
 from lightning_gh.demo import LlamaLM, preset
 from lightning_gh.profiling import DataStallDetector, SelectiveProfiler, StepSchedule
 from lightning_gh.profiling.profiler import BACKENDS, ENV_VAR, under_nsys
-
-from common import BenchContext, Result, Timing, lightning_steps, peak_memory, reset_memory
 
 DEFAULT_PRESETS = ["small", "medium"]
 VARIANTS = {

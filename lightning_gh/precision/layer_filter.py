@@ -18,7 +18,7 @@ A layer is converted when all of these hold:
 6. its GEMM is big enough to gain (``min_dim``): fp8 adds a cast (and, for the weight gradient, a
    transpose) of each operand, memory-bound work of order ``tokens*(in+out)``, against a saving
    proportional to ``tokens*in*out``. Below ``min(in, out) = min_dim`` the casts eat the gain. The default,
-   1024, is the measured crossover at a typical tokens-per-step; ``benchmarks/suites/fp8.py --gemm``
+   1024, is the measured crossover at a typical tokens-per-step; ``benchmarks/run.py --suite fp8_gemm``
    measures it (figures in ``docs/precision.md``).
 
 Patterns are ``fnmatch`` globs on the module's qualified name, with ``torch.compile`` wrapper segments
@@ -50,7 +50,7 @@ from torch import nn
 __all__ = ["LayerFilter", "LayerDecision", "LayerPlan", "clean_name", "DEFAULT_MIN_DIM"]
 
 # The crossover (min(in_features, out_features)) below which an fp8 GEMM is not faster than bf16 (see rule 6 in the
-# module docs); measured by `benchmarks/run.py --suite fp8 --gemm`.
+# module docs); measured by `benchmarks/run.py --suite fp8_gemm`.
 DEFAULT_MIN_DIM = 1024
 FP8_MULTIPLE = 16
 _WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")

@@ -9,6 +9,7 @@ as Lightning does, and skips a step whose gradient norm is not finite, as a Grad
 from __future__ import annotations
 
 import shutil
+import time
 import warnings
 
 import pytest
@@ -116,7 +117,8 @@ def train_ours(steps: int = STEPS, clip: float | None = CLIP, model: nn.Module |
                 g["lr"] = g["initial_lr"] / (1 + 0.3 * step)
         backward_micro_batches(model, opt, step)
         if force_speculation and opt.updater.will_speculate:
-            opt.updater.join()
+            while not opt.updater.settled:  # the speculative updates ran; the others wait for the decision
+                time.sleep(0.002)
         opt.step()
         opt.zero_grad()
         if sched is not None:
@@ -370,11 +372,14 @@ def test_unsupported_options_and_dtypes():
 
 def test_host_memory_guard_names_the_numbers(monkeypatch):
     monkeypatch.setattr(hardware, "available_host_bytes", lambda: 10_000)
-    with pytest.raises(MemoryError, match=r"offloaded parameters x 28 B .* available: 0.00 GiB"):
+    with pytest.raises(MemoryError, match=r"offloaded parameters x 28 B .* available: 9.8 KiB"):
+        HeterogeneousAdamW(make_model().parameters(), max_grad_norm=1.0, speculative=True)
+    # speculative="auto" (the default) drops the speculation backup where it does not fit: 16 B per parameter
+    with pytest.raises(MemoryError, match=r"x 16 B \(master/moments/gradient\) ="):
         HeterogeneousAdamW(make_model().parameters(), max_grad_norm=1.0)
-    # without validation there is no speculation backup: 16 B per parameter
+    # without validation there is no speculation backup either
     with pytest.raises(MemoryError, match=r"x 16 B"):
-        HeterogeneousAdamW(make_model().parameters(), skip_nonfinite=False)
+        HeterogeneousAdamW(make_model().parameters(), skip_nonfinite=False, speculative=True)
     HeterogeneousAdamW(make_model().parameters(), host_memory_check=False).close()
 
 
@@ -491,7 +496,8 @@ def test_options_are_frozen_and_validated():
     assert opts.gpu_fraction == 0.0 and isinstance(opts.gpu_fraction, float) and opts.max_gpu_fraction == 1.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.speculative = False  # type: ignore[misc]
-    for kwargs, match in [({"speculative": "no"}, r"speculative='no' must be True or False"),
+    for kwargs, match in [({"speculative": "no"}, r"speculative='no' must be True, False or 'auto'"),
+                          ({"speculative": 1}, r"speculative=1 must be True, False or 'auto'"),
                           ({"skip_nonfinite": 1}, r"skip_nonfinite=1 must be True or False"),
                           ({"host_memory_check": None}, r"host_memory_check=None must be True or False"),
                           ({"gpu_fraction": "half"}, r"gpu_fraction='half' must be a float in \[0, 1\] or 'auto'"),
@@ -681,3 +687,63 @@ def test_tail_budget_holds_back_one_cast_chunk(monkeypatch):
     mover = tail_mover.TailMover(opt.layout, None, opt.stats)  # a fixed tail has none of its own
     assert opt.device_numel > 0 and mover.budget()[0] == budgets[torch.float32]
     opt.close()
+
+
+def _host_with_room(monkeypatch, backup_params: int) -> None:
+    """A host whose available memory holds the test model's state (16 B/param, fp32 gradients) and exact-rollback
+    copies of ``backup_params`` parameters, within the 90% the optimizer may take."""
+    n = sum(p.numel() for p in make_model().parameters())
+    need = 16 * n + 12 * backup_params
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: int(need / 0.9) + 8)
+
+
+@pytest.mark.parametrize("rollback", ["auto", "copy"])
+def test_a_host_too_small_for_backups_trains_without_speculation_bitwise(monkeypatch, rollback):
+    _host_with_room(monkeypatch, backup_params=0)
+    ref_model, ref_opt, _ = train_reference()
+    model, opt = train_ours(force_speculation=True, rollback=rollback)  # speculative="auto", the default
+    plan = opt.layout.plan
+    assert plan.backup_params == 0 and "no host RAM left for a backup" in plan.reason
+    assert "no host RAM left" in opt.stats["host_plan"]
+    assert not any(b.speculative for b in opt.layout.buckets) and not opt.layout.two_copies
+    assert all(b.alt_master is None and b.backup.tensor is None for b in opt.layout.buckets)
+    assert opt.stats["speculative_buckets"] == 0 and opt.stats["rollbacks"] == 0
+    assert_same(ref_model, ref_opt, model, opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("rollback", ["auto", "copy"])
+def test_room_for_a_few_backups_speculates_on_exactly_those_buckets(monkeypatch, rollback):
+    m = make_model()
+    probe = HeterogeneousAdamW(groups(m), module=m, bucket_size=100, host_memory_check=False)
+    sizes = [b.numel for b in probe.layout.buckets]  # in gradient-arrival order
+    probe.close()
+    assert len(sizes) >= 4
+    _host_with_room(monkeypatch, backup_params=sizes[0] + sizes[1])
+    ref_model, ref_opt, _ = train_reference()
+    model, opt = train_ours(force_speculation=True, rollback=rollback, bucket_size=100)
+    assert [b.speculative for b in opt.layout.buckets] == [True, True] + [False] * (len(sizes) - 2)
+    assert f"room for backups of {sizes[0] + sizes[1]:,} of {sum(sizes):,} parameters" in opt.layout.plan.reason
+    two = opt.layout.two_copies
+    assert [b.alt_master is not None for b in opt.layout.buckets] == [two, two] + [False] * (len(sizes) - 2)
+    spec = opt.layout.buckets[:2]
+    if two:
+        assert all(b.backup.tensor is None for b in opt.layout.buckets)
+    else:  # copy rollback: only the speculating buckets ever copy their state aside
+        assert all(b.backup.tensor is not None for b in spec)
+        assert all(b.backup.tensor is None for b in opt.layout.buckets[2:])
+    assert 0 < opt.stats["rollbacks"] < opt.stats["speculative_buckets"] <= 2 * STEPS
+    assert_same(ref_model, ref_opt, model, opt)
+    opt.close()
+
+
+def test_no_configuration_fits_names_the_sizes_and_the_largest_model(monkeypatch):
+    from lightning_gh._host import HostMemoryError
+
+    model = make_model()
+    n = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: 8 * n)  # half of the 16 B/param the state needs
+    largest = int(0.9 * 8 * n) // 16
+    with pytest.raises(HostMemoryError, match=rf"{n:,} offloaded parameters x 16 B .* a model of at most "
+                                              rf"{largest:,} parameters fits this host"):
+        HeterogeneousAdamW(groups(model), module=model, max_grad_norm=CLIP)

@@ -78,3 +78,51 @@ def test_unsupported_optimizers_name_the_alternative():
     assert "returned Adam" in msg and "decoupled" in msg and "torch.optim.AdamW" in msg
     msg = _unsupported_optimizer_message(torch.optim.SGD(p, lr=0.1))
     assert "returned SGD" in msg and "strategy='auto'" in msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The host plan: which configuration fits (a pure function of the sizes), as a table
+
+GIB = 2**30
+B7 = 7_240_000_000  # the 7B job's parameters
+
+
+@pytest.mark.parametrize("kwargs,expect", [
+    # the 7B job on a 125 GiB host, bf16 gradients (14 B/param): the state fits, backups for what is left
+    (dict(params=B7, available_bytes=125 * GIB, grad_bytes=2),
+     dict(host_params=B7, backup_params=int(0.9 * 125 * GIB - 14 * B7) // 12, device_params=0, why="room for")),
+    # speculative=True keeps its meaning: a backup for every bucket, which does not fit there
+    (dict(params=B7, available_bytes=125 * GIB, grad_bytes=2, speculative=True),
+     dict(host_params=B7, backup_params=B7, fits=False, why="speculative=True")),
+    (dict(params=1000, available_bytes=40_000), dict(host_params=1000, backup_params=1000, why="every bucket")),
+    (dict(params=1000, available_bytes=22_223), dict(host_params=1000, backup_params=333, why="333 of 1,000")),
+    (dict(params=1000, available_bytes=17_780), dict(host_params=1000, backup_params=0, why="no host RAM left")),
+    (dict(params=1000, available_bytes=18_000, speculative=False), dict(backup_params=0, why="speculative=False")),
+    (dict(params=1000, available_bytes=18_000, validation=False), dict(backup_params=0, why="need no backup")),
+    (dict(params=1000, available_bytes=None), dict(host_params=1000, backup_params=1000, why="unknown")),
+    # two ranks on the host, the state sharded over both: each holds half, with half of the host
+    (dict(params=1000, available_bytes=40_000, shards=2, local_ranks=2),
+     dict(host_params=500, backup_params=500, why="every bucket")),
+    # a fixed GPU share: only the rest needs host state
+    (dict(params=1000, available_bytes=18_000, gpu_share=0.5),
+     dict(host_params=500, device_params=500, backup_params=500)),
+    # the host cannot hold the state: the auto tail keeps the rest on the GPU from the start, where it fits
+    (dict(params=1000, available_bytes=10_000, gpu_room_bytes=14 * 500),
+     dict(host_params=562, device_params=438, backup_params=0, why="cannot hold every parameter's state")),
+    (dict(params=1000, available_bytes=10_000, gpu_room_bytes=14 * 100),
+     dict(fits=False, largest=562 + 100, why="cannot hold the state")),
+    (dict(params=1000, available_bytes=10_000), dict(fits=False, largest=562)),
+    (dict(params=1000, available_bytes=7_000, gpu_share=0.5), dict(fits=False, largest=786)),
+], ids=["7B-125GiB", "7B-speculative-True", "all-backups", "some-backups", "no-backup", "speculative-False",
+        "no-validation", "host-unknown", "two-ranks", "fixed-gpu-share", "host-overflow-to-gpu", "gpu-too-small",
+        "nothing-fits", "nothing-fits-fixed-share"])
+def test_host_plan_table(kwargs, expect):
+    plan = memory.plan_host_memory(**kwargs)
+    room = None if plan.available_bytes is None else 0.9 * plan.available_bytes / kwargs.get("local_ranks", 1)
+    assert (room is None or plan.needed_bytes <= room) == expect.pop("fits", True), plan
+    if "why" in expect:
+        assert expect.pop("why") in plan.reason, plan.reason
+    if "largest" in expect:
+        assert plan.largest_params == expect.pop("largest"), plan
+    for key, value in expect.items():
+        assert getattr(plan, key) == value, (key, plan)

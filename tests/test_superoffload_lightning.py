@@ -221,7 +221,7 @@ def test_strategy_takes_options_or_keywords_not_both(tmp_path):
     assert by_options.optimizer_kwargs == opts.as_kwargs()
     with pytest.raises(TypeError, match=r"SuperOffloadStrategy got both options= and speculative=False"):
         SuperOffloadStrategy(options=SuperOffloadOptions(gpu_fraction=0.0), speculative=False)
-    with pytest.raises(ValueError, match=r"speculative='no' must be True or False"):
+    with pytest.raises(ValueError, match=r"speculative='no' must be True, False or 'auto'"):
         SuperOffloadStrategy(speculative="no")
     # the optimizer the strategy builds carries the very same options
     model, trainer = fit(SuperOffloadStrategy(options=opts), tmp_path, max_steps=2)

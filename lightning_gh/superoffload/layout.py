@@ -21,7 +21,7 @@ import torch
 from lightning_gh.superoffload import memory
 from lightning_gh.superoffload.memory import HostBuffer
 
-__all__ = ["Bucket", "HostLayout", "Slot", "chunk_by_size"]
+__all__ = ["Bucket", "HostLayout", "RollbackCopy", "Slot", "chunk_by_size"]
 
 
 @dataclass
@@ -48,6 +48,22 @@ class Slot:
 
 
 @dataclass
+class RollbackCopy:
+    """A bucket's state copied aside before a speculative update (``rollback="copy"``); see
+    Note [Speculative update and exact rollback] in :mod:`.worker`.
+
+    Attributes:
+        tensor: ``[master | exp_avg | exp_avg_sq]`` (fp32, 12 B per parameter), allocated at the first copy.
+        steps: each slot's step count, by slot index.
+        fresh: the copy equals the current state (taken since the last update).
+    """
+
+    tensor: torch.Tensor | None = None
+    steps: dict[int, float] = field(default_factory=dict)
+    fresh: bool = False
+
+
+@dataclass
 class Bucket:
     """A run of host-resident parameters, consecutive in gradient-arrival order, updated as one task."""
 
@@ -61,9 +77,8 @@ class Bucket:
     # update writes; committing flips the two (see .worker)
     alt_master: HostBuffer | None = None
     alt_moments: torch.Tensor | None = None
-    backup: torch.Tensor | None = None
-    backup_steps: dict[int, float] = field(default_factory=dict)
-    backup_fresh: bool = False  # the backup equals the current state (taken since the last update)
+    backup: RollbackCopy = field(default_factory=lambda: RollbackCopy())  # copy rollback (rollback="copy")
+    speculative: bool = True  # the host plan has room for this bucket's exact-rollback copy (see .memory)
     speculated: bool = False  # the worker's last update of this bucket ran before the step's decision was known
     ready_t: float = 0.0  # when the worker last committed this bucket (perf_counter)
     ready: threading.Event = field(default_factory=threading.Event)
@@ -91,6 +106,7 @@ class Bucket:
                 buf.release()
         self.master_buf = self.grad_buf = self.alt_master = None
         self.moments = self.alt_moments = self.staging = None
+        self.backup = RollbackCopy()
 
 
 
@@ -140,6 +156,8 @@ class HostLayout:
         self.two_copies = False  # host buckets keep two copies of their state (see Note [Speculative update ...])
         self.plan: memory.HostMemoryPlan | None = None
         self.bucket_size = 1
+        self.spec_budget: float = math.inf  # parameters whose buckets may be updated speculatively
+        self.planned_device: frozenset[int] = frozenset()  # slots the host plan put on the GPU (they stay there)
 
     # ------------------------------------------------------------------ slots
     def add_slot(self, p: torch.Tensor, group: int) -> Slot:
@@ -161,23 +179,25 @@ class HostLayout:
     def device_numel(self) -> int:
         return sum(s.numel for s in self.slots if s.residency == "device" and s.step is not None)
 
-    def device_slots(self) -> list[Slot]:
-        """The GPU tail's slots, in gradient-arrival order."""
-        return [self.slots[i] for i in self.order if self.slots[i].residency == "device"]
+    def device_slots(self, movable: bool = False) -> list[Slot]:
+        """The GPU tail's slots, in gradient-arrival order; ``movable``: only those the host may take back (not
+        those the host plan put on the GPU because the host cannot hold them)."""
+        return [self.slots[i] for i in self.order if self.slots[i].residency == "device"
+                and not (movable and i in self.planned_device)]
 
     # ------------------------------------------------------------------ build
-    def build(self, arrival: list[int], *, device_share: float, bucket_size: int, kernel: Any,
-              backup_needed: bool, memory_check: bool, step_id: int, shard: Any = None) -> None:
-        """Lay the slots out: the last-arriving ``device_share`` of the parameters (by count) on the GPU tail, the
-        rest in host buckets of about ``bucket_size`` parameters, consecutive in arrival order.
+    def build(self, arrival: list[int], *, bucket_size: int, spec_budget: float, auto_tail: bool, step_id: int,
+              shard: Any = None) -> None:
+        """Lay the slots out as :attr:`plan` says: its ``device_params`` last-arriving parameters (whole parameters,
+        at least that many) on the GPU tail, the rest in host buckets of about ``bucket_size`` parameters,
+        consecutive in arrival order; the first-arriving buckets within ``spec_budget`` parameters may be
+        updated speculatively.
 
         Args:
             arrival: slot indices in the order their gradients arrived (or are expected to).
-            device_share: share of the parameters whose state starts on the GPU.
             bucket_size: see :class:`~lightning_gh.superoffload.SuperOffloadOptions`.
-            kernel: our CPU AdamW kernel, or ``None`` (torch's fused CPU AdamW, copy rollback).
-            backup_needed: speculative updates must be undoable (a step may be clipped or skipped).
-            memory_check: refuse when host RAM cannot hold the state.
+            spec_budget: parameters whose buckets may be updated speculatively (``math.inf``: all).
+            auto_tail: the tail is the auto tail's, which must leave the plan's device parameters on the GPU.
             step_id: the optimizer step this happens in.
             shard: the :class:`~lightning_gh.superoffload.zero.RankShard` of a run over several ranks, or ``None``.
         """
@@ -186,30 +206,26 @@ class HostLayout:
             arrival = [s.index for s in reversed(self.slots) if s.param.requires_grad]
         order = [i for i in arrival if not (i in seen or seen.add(i))]
         order += [s.index for s in reversed(self.slots) if s.param.requires_grad and s.index not in seen]
-        total = sum(self.slots[i].numel for i in order)
-        device_target = int(math.ceil(device_share * total))
+        plan = self.plan
         device_idx: set[int] = set()
         acc = 0
         for i in reversed(order):  # the last-arriving gradients form the tail
-            if acc >= device_target:
+            if acc >= plan.device_params:
                 break
             device_idx.add(i)
             acc += self.slots[i].numel
-        self.order = order
-        self.bucket_size = bucket_size
+        self.order, self.bucket_size, self.spec_budget = order, bucket_size, spec_budget
+        self.planned_device = frozenset(device_idx) if auto_tail else frozenset()
+        # two copies of the state for the buckets that speculate with a copy (see Note [Speculative update ...])
+        self.two_copies = self.kernel is not None and plan.backup_params > 0
         host_slots = [self.slots[i] for i in order if i not in device_idx]
         if shard is None:
             chunks = [(c, 0) for c in chunk_by_size(host_slots, bucket_size)]
         else:
             chunks = shard.cut(host_slots, bucket_size)
-        owned_numel = sum(sum(s.numel for s in c) for c, r in chunks if r == self.rank)
-        if memory_check:
-            self.plan = memory.check_host_memory(owned_numel, backup_needed,
-                                                 local_ranks=None if shard is None else shard.group.local_size)
-        self.kernel = kernel
-        self.two_copies = kernel is not None and backup_needed
-        if shard is not None:
-            shard.alloc_block(owned_numel, alt=self.two_copies)
+            owned = [sum(s.numel for s in c) for c, r in chunks if r == self.rank]
+            alt = sum(n for n, spec in zip(owned, self._speculative_runs(owned)) if spec)
+            shard.alloc_block(sum(owned), alt_numel=alt if self.two_copies else 0)
         for chunk, owner in chunks:
             self.new_bucket(chunk, owner, shard)
         for i in sorted(device_idx):
@@ -220,18 +236,65 @@ class HostLayout:
         self.built = True
         self.built_at = step_id
 
+    def plan_host(self, options: Any, validation: bool, shard: Any, gpu_room: int) -> memory.HostMemoryPlan:
+        """Load the CPU kernel the options ask for and plan the host state of the trainable parameters (see
+        :func:`~lightning_gh.superoffload.memory.plan_host_memory`; :func:`~.memory.check_host_memory` refuses
+        when nothing fits).
+
+        Args:
+            options: the :class:`~lightning_gh.superoffload.SuperOffloadOptions`.
+            validation: steps may be clipped or skipped.
+            shard: the rank shard, or ``None``.
+            gpu_room: GPU bytes an auto tail may take from the start for what the host cannot hold.
+        """
+        if options.rollback == "auto":  # our CPU kernel where it builds and matches torch (see .cpu_adamw)
+            from lightning_gh.superoffload import cpu_adamw
+
+            self.kernel = cpu_adamw.load()
+        trainable = [s for s in self.slots if s.param.requires_grad]
+        gpu_per_param = max((8 + (0 if s.param.dtype == torch.float32 else 4) + s.param.element_size()
+                             for s in trainable), default=14)  # moments, master, gradient (see .tail_mover)
+        auto = options.gpu_fraction == "auto"
+        self.plan = memory.check_host_memory(
+            self.trainable_numel(), local_ranks=None if shard is None else shard.group.local_size,
+            speculative=options.speculative, enforce=options.host_memory_check, validation=validation,
+            grad_bytes=self.grad_bytes(self.kernel, shard is not None), gpu_share=None if auto else options.gpu_fraction,
+            gpu_room_bytes=gpu_room if auto else 0, gpu_bytes_per_param=gpu_per_param,
+            shards=1 if shard is None else shard.group.size)
+        return self.plan
+
+    def _speculative_runs(self, numels: list[int], used: int = 0) -> list[bool]:
+        """Which of the next owned buckets (``numels``, in arrival order) fit in the speculation budget, after
+        ``used`` parameters of it."""
+        out = []
+        for n in numels:
+            fits = used + n <= self.spec_budget
+            used += n if fits else 0
+            out.append(fits)
+        return out
+
+    def set_spec_budget(self, budget: float) -> None:
+        """Let the first-arriving buckets within ``budget`` parameters speculate, and no other."""
+        self.spec_budget = budget
+        owned = [b for b in self.buckets if self.owns(b)]
+        for b, spec in zip(owned, self._speculative_runs([b.numel for b in owned])):
+            b.speculative = spec
+
     def new_bucket(self, slots: list[Slot], owner: int = 0, shard: Any = None) -> Bucket:
         """A host bucket for ``slots`` (their state is written by the caller or from loaded state)."""
         numel = sum(s.numel for s in slots)
         b = Bucket(index=len(self.buckets), slots=list(slots), numel=numel, owner=owner)
         owned = self.owns(b)
+        used = sum(x.numel for x in self.buckets if x.speculative and self.owns(x))
+        b.speculative = owned and self._speculative_runs([numel], used)[0]
+        alt = self.two_copies and b.speculative
         if shard is not None and owned:  # a slice of this rank's host blocks
-            b.master_buf, b.grad_buf, b.moments, b.alt_master, b.alt_moments = shard.slice_block(numel)
+            b.master_buf, b.grad_buf, b.moments, b.alt_master, b.alt_moments = shard.slice_block(numel, alt)
         elif owned:
             b.master_buf = HostBuffer(numel, pin=self.cuda, zero=False)
             b.grad_buf = HostBuffer(numel, pin=self.cuda, zero=False, dtype=self._grad_dtype(slots, shard))
             b.moments = torch.zeros(2 * numel, dtype=torch.float32)
-            if self.two_copies:  # page-locked too: a speculative update's weights are copied from it
+            if alt:  # page-locked too: a speculative update's weights are copied from it
                 b.alt_master = HostBuffer(numel, pin=self.cuda, zero=False)
                 b.alt_moments = torch.zeros(2 * numel, dtype=torch.float32)
         if self.cuda and owned:
@@ -262,6 +325,12 @@ class HostLayout:
             s.master = b.master_buf.tensor[o:o + s.numel]
             s.exp_avg = b.moments[o:o + s.numel]
             s.exp_avg_sq = b.moments[n + o:n + o + s.numel]
+
+    def grad_bytes(self, kernel: Any, sharded: bool) -> int:
+        """Bytes per parameter of the host gradient buffers the layout will allocate (2 where every trainable
+        parameter is bf16 and ``kernel`` reads bf16 gradients on one rank, else 4)."""
+        bf16 = all(s.param.dtype == torch.bfloat16 for s in self.slots if s.param.requires_grad)
+        return 2 if kernel is not None and not sharded and bf16 and self.slots else 4
 
     def _grad_dtype(self, slots: list[Slot], shard: Any) -> torch.dtype:
         """bf16 for a bucket of bf16 parameters when our kernel updates it (it reads bf16 gradients exactly, and
@@ -341,7 +410,7 @@ class HostLayout:
         if s.residency == "host" and s.master is None:
             return  # another rank owns this parameter's state; it loads it from the same (unsharded) dict
         if s.residency == "host":
-            s.bucket.backup_fresh = False
+            s.bucket.backup.fresh = False
             s.exp_avg.copy_(st["exp_avg"].reshape(-1))
             s.exp_avg_sq.copy_(st["exp_avg_sq"].reshape(-1))
             if "master" in st:

@@ -16,12 +16,15 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lightning_gh import _host, hardware
 from lightning_gh._host import HostBuffer, HostMemoryError
+from lightning_gh._util import fmt_bytes
 
 __all__ = [
     "HostBuffer",
@@ -32,6 +35,7 @@ __all__ = [
     "check_host_memory",
     "device_memory_room",
     "host_bytes_per_param",
+    "plan_host_memory",
 ]
 
 # fp32 master weight, fp32 exp_avg, fp32 exp_avg_sq, fp32 gradient landing buffer.
@@ -59,37 +63,140 @@ def device_memory_room(device: torch.device | str) -> tuple[int, int] | None:
     return hardware.gpu_memory_room(device)
 
 
-def host_bytes_per_param(speculative_backup: bool) -> int:
-    """Host bytes one offloaded parameter costs: 16 (master, two moments, gradient buffer), plus 12
-    when speculative updates keep an exact pre-step copy."""
-    return STATE_BYTES + GRAD_BYTES + (BACKUP_BYTES if speculative_backup else 0)
+def host_bytes_per_param(speculative_backup: bool, grad_bytes: int = GRAD_BYTES) -> int:
+    """Host bytes one offloaded parameter costs: master and two moments (12), its gradient landing buffer
+    (``grad_bytes``: 4 for fp32, 2 for bf16), plus 12 when its speculative updates keep an exact pre-step copy."""
+    return STATE_BYTES + grad_bytes + (BACKUP_BYTES if speculative_backup else 0)
 
 
 @dataclass(frozen=True)
 class HostMemoryPlan:
-    """What the optimizer will allocate in host memory.
+    """What the optimizer will allocate in host memory, and why.
 
     Attributes:
-        host_params: parameters whose state lives in host memory.
-        speculative_backup: whether exact-rollback copies are allocated too.
+        host_params: parameters whose state this rank keeps in host memory.
+        speculative_backup: whether exact-rollback copies (or second copies) of the state are allocated.
         available_bytes: the host memory available when the plan was made, or ``None`` when unknown.
+        speculative_params: parameters whose buckets may be updated speculatively, each with a 12 B copy;
+            ``None``: all of ``host_params`` (when ``speculative_backup``).
+        grad_bytes: bytes of one parameter's gradient landing buffer (4: fp32, 2: bf16).
+        device_params: parameters whose state starts on the GPU tail (a fixed ``gpu_fraction``, or what the host
+            cannot hold).
+        reason: why, in words (the one log line).
+        largest_params: the most parameters this host (and GPU) could hold with the leanest configuration.
     """
 
     host_params: int
     speculative_backup: bool
     available_bytes: int | None
+    speculative_params: int | None = None
+    grad_bytes: int = GRAD_BYTES
+    device_params: int = 0
+    reason: str = ""
+    largest_params: int | None = None
+
+    @property
+    def backup_params(self) -> int:
+        """Parameters with a 12 B exact-rollback copy."""
+        if not self.speculative_backup:
+            return 0
+        return self.host_params if self.speculative_params is None else self.speculative_params
 
     @property
     def needed_bytes(self) -> int:
-        return self.host_params * host_bytes_per_param(self.speculative_backup)
+        return self.host_params * host_bytes_per_param(False, self.grad_bytes) + self.backup_params * BACKUP_BYTES
 
     def describe(self) -> str:
-        gib = 2**30
-        avail = "unknown" if self.available_bytes is None else f"{self.available_bytes / gib:.2f} GiB"
-        backup = " + 12 B speculation backup" if self.speculative_backup else ""
-        return (f"{self.host_params:,} offloaded parameters x {host_bytes_per_param(self.speculative_backup)} B "
-                f"(16 B master/moments/gradient{backup}) = {self.needed_bytes / gib:.2f} GiB of host RAM; "
-                f"available: {avail}")
+        avail = "unknown" if self.available_bytes is None else fmt_bytes(self.available_bytes)
+        per = host_bytes_per_param(False, self.grad_bytes)
+        if self.backup_params and self.backup_params == self.host_params:
+            what = (f"{self.host_params:,} offloaded parameters x {per + BACKUP_BYTES} B ({per} B "
+                    f"master/moments/gradient + 12 B speculation backup)")
+        else:
+            what = f"{self.host_params:,} offloaded parameters x {per} B (master/moments/gradient)"
+            if self.backup_params:
+                what += f" + {self.backup_params:,} speculatively updated x 12 B (backup)"
+        return f"{what} = {fmt_bytes(self.needed_bytes)} of host RAM; available: {avail}"
+
+
+def plan_host_memory(params: int, *, available_bytes: int | None, speculative: bool | str = "auto",
+                     validation: bool = True, grad_bytes: int = GRAD_BYTES, gpu_share: float | None = None,
+                     gpu_room_bytes: int = 0, gpu_bytes_per_param: int = 14, shards: int = 1, local_ranks: int = 1,
+                     headroom: float = 0.9) -> HostMemoryPlan:
+    """The fastest configuration of host state that fits: a pure function of the sizes (no probing).
+
+    Every offloaded parameter needs its master, moments and gradient buffer on the host; the 12 B exact-rollback
+    copy is needed only for the buckets updated speculatively. With ``speculative="auto"`` the buckets whose
+    gradients arrive first speculate, as many as the host's room for copies allows (none if none fits). When the
+    host cannot hold even the state, an auto tail (``gpu_share=None``) keeps the last-arriving parameters' state on
+    the GPU from the start, within ``gpu_room_bytes``. A plan whose :attr:`~HostMemoryPlan.needed_bytes` exceed the
+    room is what the leanest configuration needs: nothing fits (:func:`check_host_memory` then refuses).
+
+    Args:
+        params: trainable parameters to place (all ranks together).
+        available_bytes: host memory available, or ``None`` when unknown (then everything may speculate).
+        speculative: ``True`` (a copy for every bucket), ``False`` (no speculation) or ``"auto"``.
+        validation: steps may be clipped or skipped (without, speculation needs no copy).
+        grad_bytes: bytes of a gradient landing buffer per parameter.
+        gpu_share: a fixed share of the parameters on the GPU tail, or ``None`` for the auto tail.
+        gpu_room_bytes: GPU memory the auto tail may take from the start.
+        gpu_bytes_per_param: GPU bytes of one tail parameter's state.
+        shards: ranks that share the state (each holds ``1/shards`` of the host part).
+        local_ranks: ranks on this host, each with its own share of host memory.
+        headroom: the share of the available host memory the optimizers of this host may take.
+
+    Example::
+
+        >>> p = plan_host_memory(1000, available_bytes=40_000)  # 36,000 B may be used: state 16,000, copies 12,000
+        >>> p.host_params, p.speculative_params, p.needed_bytes
+        (1000, 1000, 28000)
+        >>> plan_host_memory(1000, available_bytes=22_223).speculative_params  # 4,000 B left: copies of 333
+        333
+    """
+    per = host_bytes_per_param(False, grad_bytes)
+    device = 0 if gpu_share is None else int(math.ceil(gpu_share * params))
+    host = -(-(params - device) // shards)
+    wanted = validation and speculative is not False  # speculation that needs a copy
+    room = None if available_bytes is None else int(headroom * available_bytes / local_ranks)
+
+    def plan(host_params: int, spec: int | None, reason: str, largest: int | None = None) -> HostMemoryPlan:
+        return HostMemoryPlan(host_params, wanted and spec != 0, available_bytes, spec, grad_bytes, device, reason,
+                              largest)
+
+    if not wanted:
+        why = ("speculative=False: every bucket waits for the step's decision" if speculative is False else
+               "no clipping or non-finite skip: speculative updates need no backup")
+        if room is None or host * per <= room:
+            return plan(host, 0, why)
+    if room is None:
+        return plan(host, None, "host memory unknown: every bucket may be updated speculatively")
+    prefix = ""
+    if host * per > room:
+        over = host - room // per  # this rank's parameters the host cannot hold
+        if gpu_share is None and over * shards * gpu_bytes_per_param <= gpu_room_bytes:
+            device, host = over * shards, host - over
+            prefix = (f"the host cannot hold every parameter's state: the last-arriving {device:,} keep theirs on "
+                      f"the GPU from the start; ")
+        else:
+            largest = (room // per) * shards
+            largest = int(largest / (1 - gpu_share)) if gpu_share and gpu_share < 1 else \
+                largest + (gpu_room_bytes // gpu_bytes_per_param if gpu_share is None else 0)
+            return plan(host, None if speculative is True else 0, "the host cannot hold the state", largest=largest)
+    spare = room - host * per
+    if not wanted:
+        return plan(host, 0, prefix + why)
+    if speculative is True:
+        return plan(host, None, prefix + "speculative=True: a backup for every bucket",
+                    largest=None if host * (per + BACKUP_BYTES) <= room else (room // (per + BACKUP_BYTES)) * shards)
+    spec = min(host, spare // BACKUP_BYTES)
+    if spec == host:
+        why = "room for a backup of every bucket: all may be updated speculatively"
+    elif spec > 0:
+        why = (f"room for backups of {spec:,} of {host:,} parameters: the buckets whose gradients arrive first "
+               f"speculate, the rest wait for the step's decision")
+    else:
+        why = "no host RAM left for a backup: every bucket waits for the step's decision"
+    return plan(host, spec, prefix + why)
 
 
 def local_world_size() -> int:
@@ -116,20 +223,27 @@ def local_world_size() -> int:
     return 1
 
 
-def check_host_memory(host_params: int, speculative_backup: bool, headroom: float = 0.9,
-                      local_ranks: int | None = None) -> HostMemoryPlan:
-    """Raise :class:`~lightning_gh._host.HostMemoryError` (a ``MemoryError``) naming the numbers when the host
-    cannot hold this rank's offloaded state.
+def check_host_memory(params: int, speculative_backup: bool = True, headroom: float = 0.9,
+                      local_ranks: int | None = None, *, speculative: bool | str | None = None,
+                      enforce: bool = True, **sizes: Any) -> HostMemoryPlan:
+    """Plan this rank's host state from the host memory available now (:func:`plan_host_memory`) and raise
+    :class:`~lightning_gh._host.HostMemoryError` (a ``MemoryError``) naming the numbers, and the largest model that
+    would fit, when no configuration fits.
 
-    Each rank on a host checks its own share against the available host memory divided by the ranks on that
-    host, so a job whose ranks would together exhaust the host fails on every rank, before anything is allocated,
+    Each rank on a host plans its own share against the available host memory divided by the ranks on that host,
+    so a job whose ranks would together exhaust the host fails on every rank, before anything is allocated,
     instead of one rank being killed by the OOM killer later.
 
     Args:
-        host_params: parameters whose state this rank keeps in host memory.
-        speculative_backup: whether exact-rollback copies are allocated too (12 B per parameter).
+        params: parameters to place (with ``speculative=None``: whose state this rank keeps in host memory).
+        speculative_backup: with ``speculative=None``, whether every parameter gets an exact-rollback copy.
         headroom: the share of the available host memory the optimizers of this host may take.
         local_ranks: ranks sharing this host's memory; ``None``: :func:`local_world_size`.
+        speculative: ``True`` / ``False`` / ``"auto"``: plan the speculation too (see :func:`plan_host_memory`).
+        enforce: read the host's memory and refuse when nothing fits; ``False``: plan as if the host's memory were
+            unknown (``host_memory_check=False``).
+        **sizes: the other arguments of :func:`plan_host_memory` (``validation``, ``grad_bytes``, ``gpu_share``,
+            ``gpu_room_bytes``, ``gpu_bytes_per_param``, ``shards``).
 
     Returns:
         The plan, with the available bytes the decision used.
@@ -142,12 +256,20 @@ def check_host_memory(host_params: int, speculative_backup: bool, headroom: floa
     ranks = local_world_size() if local_ranks is None else local_ranks
     if not (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1):
         raise ValueError(f"local_ranks={local_ranks!r} must be an int >= 1 or None.")
-    plan = HostMemoryPlan(host_params, speculative_backup, available_host_bytes())
+    if speculative is None:
+        speculative = bool(speculative_backup)
+    plan = plan_host_memory(params, available_bytes=available_host_bytes() if enforce else None,
+                            speculative=speculative, local_ranks=ranks, headroom=headroom, **sizes)
+    if not enforce:
+        return plan
     tips = ["raise gpu_fraction (keep more parameters on the GPU)"]
-    if speculative_backup:
-        tips.append("speculative=False or no gradient clipping/non-finite skipping (drops the 12 B backup)")
+    if plan.backup_params:
+        tips.append("speculative='auto' or False, or no gradient clipping/non-finite skipping (drops the 12 B "
+                    "backup)")
     if ranks > 1:
         tips.append(f"run fewer ranks per host (this host runs {ranks}, each with its own copy of the state)")
+    if plan.largest_params is not None:
+        tips.append(f"a model of at most {plan.largest_params:,} parameters fits this host")
     share = "" if ranks == 1 else f", this rank's share: 1/{ranks} of the host"
     _host.check_host_room(plan.needed_bytes, what=f"HeterogeneousAdamW ({plan.describe()}{share})",
                           headroom=headroom / ranks, tips=tips, opt_out="host_memory_check=False")

@@ -3,13 +3,12 @@ CPU update behind the backward pass.
 
 What lives where
     GPU: the model's weights (bf16 under ``precision="bf16-true"``, fp32 under ``"bf16-mixed"``) and, only
-    while they are in flight, the gradients of offloaded parameters. Host: fp32 master weights, both
-    AdamW moments and a gradient landing buffer (bf16 for bf16 parameters when our CPU kernel runs, else
-    fp32), 14-16 B per offloaded parameter (master and gradient page-locked), plus 12 B when speculation
-    keeps its exact-rollback copy (or second copy of the state). The parameters whose
-    gradients arrive last (the first layers) may stay on the GPU with the fused GPU AdamW (the "GPU
-    tail", ``gpu_fraction``): the next forward needs them first, so updating them on the CPU would make
-    the step end waiting for the CPU.
+    while they are in flight, the gradients of offloaded parameters. Host: fp32 master weights, both AdamW
+    moments and a gradient landing buffer (bf16 for bf16 parameters when our CPU kernel runs, else fp32),
+    14-16 B per offloaded parameter, plus 12 B for each bucket updated speculatively (the host plan,
+    :func:`~lightning_gh.superoffload.memory.plan_host_memory`, picks those from the RAM it measures). The
+    parameters whose gradients arrive last (the first layers) may stay on the GPU with the fused GPU AdamW
+    (the "GPU tail", ``gpu_fraction``): the next forward needs them first.
 
 The pipeline (one optimizer step)
     1. Backward: a post-accumulate-grad hook fires as each gradient becomes final. It adds the
@@ -74,6 +73,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -84,7 +84,9 @@ from torch import nn
 
 from lightning_gh import hardware
 from lightning_gh._util import warn_once
+from lightning_gh.superoffload import memory
 from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot
+from lightning_gh.superoffload.memory import HostMemoryPlan
 from lightning_gh.superoffload.options import (
     SuperOffloadOptions,
     resolve_options,
@@ -92,6 +94,7 @@ from lightning_gh.superoffload.options import (
     validate_knobs,
 )
 from lightning_gh.superoffload.state import (
+    adamw_arguments,
     adamw_group_defaults,
     check_group,
     check_param,
@@ -100,7 +103,12 @@ from lightning_gh.superoffload.state import (
 )
 from lightning_gh.superoffload.step import GradNorms, StepCtx
 from lightning_gh.superoffload.tail import StepTimes
-from lightning_gh.superoffload.tail_mover import TailMover, update_device_tail
+from lightning_gh.superoffload.tail_mover import (
+    TAIL_HEADROOM_MIN_BYTES,
+    TAIL_HEADROOM_SHARE,
+    TailMover,
+    update_device_tail,
+)
 from lightning_gh.superoffload.worker import CpuUpdater
 from lightning_gh.superoffload.zero import RankShard, current_group, rank_cpu_threads
 
@@ -144,15 +152,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
     layout (:attr:`layout`), the CPU updater (:attr:`updater`), the auto tail's mover (:attr:`tail`, or ``None``)
     and, over several ranks, the rank shard.
 
-    Example::
-
-        model = Llama(cfg).cuda().bfloat16()
-        opt = HeterogeneousAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, max_grad_norm=1.0, module=model)
-        for tokens, targets in loader:
-            loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+    Example: see the module's.
     """
 
     def __init__(
@@ -206,7 +206,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
                                       "tail_decision": None, "cpu_phases_ms": {},
                                       "loop_phases_ms": {"grad_hooks": 0.0, "forward_hooks": 0.0}}
         threads = opts.cpu_threads or _default_cpu_threads(cuda, None if group is None else group.local_size)
-        self._updater = CpuUpdater(layout, self._streams[1], threads, opts.speculative, self.stats)
+        self._updater = CpuUpdater(layout, self._streams[1], threads, opts.speculative is not False, self.stats)
         auto = opts.gpu_fraction == "auto"
         self._tail = TailMover(layout, opts.max_gpu_fraction, self.stats, self._shard) if auto else None
         self._times = StepTimes()
@@ -218,14 +218,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         self._module: nn.Module | None = None
         self._module_hooks: list[Any] = []
         self._closed = False
-        if opts.host_memory_check and module is None:  # early, before the first step allocates anything
-            from lightning_gh.superoffload.memory import check_host_memory
-
-            total = layout.trainable_numel()
-            share = 1.0 if opts.gpu_fraction == "auto" or not cuda else 1.0 - float(opts.gpu_fraction)
-            ranks = 1 if group is None else group.size
-            check_host_memory(int(total * share / ranks), self._backup_needed(),
-                              local_ranks=None if group is None else group.local_size)
+        self._plan_host()  # before anything is allocated
         if module is not None:
             self.attach(module)
             # Lay the buckets out now, in the order the module registers its parameters, reversed (the usual
@@ -270,16 +263,31 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
     def _backup_needed(self) -> bool:
         return self.options.needs_backup(self._needs_validation())
 
+    def _plan_host(self) -> HostMemoryPlan:
+        """The host plan (see :meth:`HostLayout.plan_host`), logged in one line (rank 0) and kept in
+        ``stats["host_plan"]``; refuses with a HostMemoryError when no configuration fits."""
+        gpu_room = 0
+        room = memory.device_memory_room(self.device) if self.options.gpu_fraction == "auto" else None
+        if room is not None:  # the auto tail may start with what the host cannot hold: half the GPU's room beyond
+            # its headroom (the other half is the activations' until a step is measured)
+            gpu_room = max(0, room[0] - max(TAIL_HEADROOM_MIN_BYTES, int(TAIL_HEADROOM_SHARE * room[1]))) // 2
+        plan = self._layout.plan_host(self.options, self._needs_validation(), self._shard, gpu_room)
+        self.stats["host_plan"] = text = f"SuperOffload host plan: {plan.describe()}; {plan.reason}."
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info  # Lightning's rank-0 logger
+
+        rank_zero_info(text)
+        return plan
+
+    def _spec_budget(self) -> float:
+        """Parameters whose buckets may be updated speculatively: all when no step needs validation (no copy is
+        needed then), else what the host plan has room to copy."""
+        if self.options.speculative is False:
+            return 0
+        return math.inf if not self._needs_validation() else self._layout.plan.backup_params
+
     def _build_layout(self, arrival: list[int]) -> None:
         opts = self.options
-        kernel = None
-        if opts.rollback == "auto":  # our CPU kernel where it builds and matches torch (see .cpu_adamw)
-            from lightning_gh.superoffload import cpu_adamw
-
-            kernel = cpu_adamw.load()
-        share = 0.0 if opts.gpu_fraction == "auto" else float(opts.gpu_fraction)
-        self._layout.build(arrival, device_share=share, bucket_size=opts.bucket_size, kernel=kernel,
-                           backup_needed=self._backup_needed(), memory_check=opts.host_memory_check,
+        self._layout.build(arrival, bucket_size=opts.bucket_size, spec_budget=self._spec_budget(), auto_tail=opts.gpu_fraction == "auto",
                            step_id=self._step_id, shard=self._shard)
 
     # ------------------------------------------------------------------ collaborators and per-run knobs
@@ -324,7 +332,12 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
     def set_max_grad_norm(self, value: float | None) -> None:
         """Clip the global gradient norm to ``value`` from the next ``step()`` on (``None``: no clipping)."""
         validate_knobs(max_grad_norm=value)
+        was = self._needs_validation()
         self._max_grad_norm = None if value is None else float(value)
+        if self._needs_validation() != was:  # speculation now needs (or no longer needs) exact-rollback copies
+            self._plan_host()
+            if self._layout.built:
+                self._layout.set_spec_budget(self._spec_budget())
 
     def set_max_grad_value(self, value: float | None) -> None:
         """Clamp gradients to ``[-value, value]`` from the next backward on (``None``: no clamping)."""
@@ -676,22 +689,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         """Build from a ``torch.optim.AdamW``: its param groups (the same dict objects, shared with ``optimizer``
         so schedulers bound to either see one learning rate), hyper-parameters and any state. Use the new
         optimizer only afterwards."""
-        decoupled = isinstance(optimizer, torch.optim.Adam) and \
-            getattr(optimizer, "defaults", {}).get("decoupled_weight_decay")
-        if not (isinstance(optimizer, torch.optim.AdamW) or decoupled):
-            raise TypeError(f"HeterogeneousAdamW.from_optimizer needs a torch.optim.AdamW, got "
-                            f"{type(optimizer).__name__} (Adam's weight decay is L2, not decoupled).")
-        for g in optimizer.param_groups:
-            for key in ("amsgrad", "maximize"):
-                if g.get(key):
-                    raise ValueError(f"the AdamW sets {key}=True, which HeterogeneousAdamW does not support.")
-        # The new optimizer takes over the very same param-group dicts (torch's add_param_group keeps the dict it
-        # is given), so an LR scheduler still bound to the old optimizer, e.g. inside a SequentialLR, writes the
-        # learning rate this optimizer reads.
-        groups = list(optimizer.param_groups)
-        d = optimizer.defaults
-        new = cls(groups, lr=float(d["lr"]), betas=tuple(d["betas"]), eps=d["eps"], weight_decay=d["weight_decay"],
-                  **kwargs)
+        groups, hp = adamw_arguments(optimizer)
+        new = cls(groups, **hp, **kwargs)
         if optimizer.state:
             new.load_state_dict(optimizer.state_dict())
         return new

@@ -14,7 +14,7 @@ Example::
     >>> SuperOffloadOptions(speculative="no")
     Traceback (most recent call last):
     ...
-    ValueError: speculative='no' must be True or False.
+    ValueError: speculative='no' must be True, False or 'auto'.
 """
 
 from __future__ import annotations
@@ -52,7 +52,12 @@ class SuperOffloadOptions:
             ``None`` (bounded by free GPU memory only: what is left after a step's peak, less a headroom; a move
             that runs out of memory anyway leaves its bucket on the host). Ignored unless ``gpu_fraction="auto"``.
         speculative: start CPU updates before the gradient norm is known and undo them exactly if the step
-            must be clipped or skipped.
+            must be clipped or skipped (see Note [Speculative update and exact rollback] in :mod:`.worker`); each
+            speculatively updated bucket needs a 12 B/parameter copy in host RAM while the step may be clipped or
+            skipped. ``"auto"``: speculate on as many buckets (those whose gradients arrive first) as the host's
+            RAM has room for, none if none fits (see :func:`~lightning_gh.superoffload.memory.plan_host_memory`);
+            ``True``: every bucket (refused when the host cannot hold the copies); ``False``: none, every bucket
+            waits for the step's decision.
         skip_nonfinite: skip the whole step (no state change) when the gradient norm is inf/NaN.
         cpu_threads: threads of the CPU update, or ``None`` (all CPUs this process may use but two with CUDA,
             else torch's setting).
@@ -65,12 +70,12 @@ class SuperOffloadOptions:
             nothing; that kernel then makes every CPU update, and reads the gradients of bf16 parameters in
             bf16 (one rank); where it cannot be built or differs, as ``"copy"``. ``"copy"``: torch's fused CPU
             AdamW in place, fp32 gradients on the host, the state copied aside before each speculative update
-            and back on a rollback. Both need 12 B/parameter more host RAM.
+            and back on a rollback. Both need 12 B/parameter more host RAM for each bucket updated speculatively.
     """
 
     gpu_fraction: float | str = "auto"
     max_gpu_fraction: float | None = None
-    speculative: bool = True
+    speculative: bool | str = "auto"
     skip_nonfinite: bool = True
     cpu_threads: int | None = None
     bucket_size: int = 1 << 24
@@ -84,7 +89,9 @@ class SuperOffloadOptions:
         mgf = self.max_gpu_fraction
         if mgf is not None and not (_is_number(mgf) and 0.0 <= mgf <= 1.0):
             raise ValueError(f"max_gpu_fraction={mgf!r} must be a float in [0, 1] or None.")
-        for name in ("speculative", "skip_nonfinite", "host_memory_check"):
+        if not (isinstance(self.speculative, bool) or self.speculative == "auto"):
+            raise ValueError(f"speculative={self.speculative!r} must be True, False or 'auto'.")
+        for name in ("skip_nonfinite", "host_memory_check"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False.")
@@ -101,8 +108,9 @@ class SuperOffloadOptions:
             object.__setattr__(self, "max_gpu_fraction", float(mgf))
 
     def needs_backup(self, validation: bool) -> bool:
-        """Whether speculative updates keep an exact pre-step copy (only when the step may be clipped/skipped)."""
-        return self.speculative and validation
+        """Whether speculative updates may need an exact pre-step copy (only when the step may be clipped or
+        skipped, and speculation is not off)."""
+        return self.speculative is not False and validation
 
     def as_kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments of :class:`HeterogeneousAdamW` / :class:`SuperOffloadStrategy`."""

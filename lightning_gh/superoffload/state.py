@@ -13,7 +13,7 @@ import torch
 from lightning_gh.superoffload.layout import HostLayout, Slot
 from lightning_gh.superoffload.options import validate_hyperparameters
 
-__all__ = ["SHARDED_ALTERNATIVES", "adamw_group_defaults", "check_group", "check_param", "load_into",
+__all__ = ["SHARDED_ALTERNATIVES", "adamw_arguments", "adamw_group_defaults", "check_group", "check_param", "load_into",
            "pack_state_dict"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,6 +70,24 @@ def adamw_group_defaults() -> dict[str, Any]:
     """The keys torch.optim.AdamW keeps in a param group, so our state_dict loads into it and back."""
     probe = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     return dict(probe.defaults)
+
+
+def adamw_arguments(optimizer: torch.optim.Optimizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A ``torch.optim.AdamW``'s param groups (the same dict objects: torch's add_param_group keeps the dict it is
+    given, so an LR scheduler still bound to the old optimizer, e.g. inside a SequentialLR, writes the learning
+    rate the new one reads) and its default hyper-parameters; refuses anything else."""
+    decoupled = isinstance(optimizer, torch.optim.Adam) and \
+        getattr(optimizer, "defaults", {}).get("decoupled_weight_decay")
+    if not (isinstance(optimizer, torch.optim.AdamW) or decoupled):
+        raise TypeError(f"HeterogeneousAdamW.from_optimizer needs a torch.optim.AdamW, got "
+                        f"{type(optimizer).__name__} (Adam's weight decay is L2, not decoupled).")
+    for g in optimizer.param_groups:
+        for key in ("amsgrad", "maximize"):
+            if g.get(key):
+                raise ValueError(f"the AdamW sets {key}=True, which HeterogeneousAdamW does not support.")
+    d = optimizer.defaults
+    return list(optimizer.param_groups), {"lr": float(d["lr"]), "betas": tuple(d["betas"]), "eps": d["eps"],
+                                          "weight_decay": d["weight_decay"]}
 
 
 def pack_state_dict(param_groups: list[dict[str, Any]], layout: HostLayout,

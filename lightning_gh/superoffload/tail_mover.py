@@ -108,7 +108,7 @@ class TailMover:
         lay = self.layout
         ready = self.stage is TailStage.SEARCHING and steps >= tail.FIRST_CHECK and len(times.periods) >= tail.WINDOW
         host = sum(b.numel for b in lay.buckets)
-        device = lay.device_numel()
+        device = sum(s.numel for s in lay.device_slots(movable=True))
         asks_retries = ready or (self.stage is TailStage.FINAL and device > 0)
         return TailWindow(
             steps=steps, periods=tuple(times.periods), stalls=tuple(times.stalls),
@@ -151,7 +151,7 @@ class TailMover:
         elif kind is TailActionKind.SHRINK:
             sync()
             take, size = [], 0
-            for s in self.layout.device_slots():  # arrival order: the device slots right after the host set first
+            for s in self.layout.device_slots(movable=True):  # arrival order: right after the host set first
                 if size >= action.numel:
                     break
                 take.append(s)
@@ -163,7 +163,7 @@ class TailMover:
         elif kind is TailActionKind.SEND_HOME:
             self.stage = TailStage.SENT_HOME
             sync()
-            self.to_host(self.layout.device_slots())
+            self.to_host(self.layout.device_slots(movable=True))
             self.blocked = True
             warnings.warn(f"HeterogeneousAdamW (gpu_fraction='auto'): {action.why}; the tail went back to the host "
                           f"so the activations have the memory.", stacklevel=4)

@@ -66,12 +66,19 @@ class CpuUpdater:
         # the last decided step had to redo its speculation: the next step waits for its decision
         self._speculation_paused = False
         self._uncounted: list[StepCtx] = []  # validated steps with no host work: their decision is counted here
+        self._waiting_for_decision = False  # the worker is blocked until a step's decision is posted
 
     # ------------------------------------------------------------------ the training thread's side
     @property
     def will_speculate(self) -> bool:
         """Whether the next bucket the worker reaches before its step's decision is updated speculatively."""
         return self.speculative and not self._speculation_paused
+
+    @property
+    def settled(self) -> bool:
+        """Nothing the worker could run now is left: every queued task has run, or the worker waits for a step's
+        decision (tests use this to have speculative updates finish before ``step()``)."""
+        return self._queue.unfinished_tasks == 0 or self._waiting_for_decision
 
     def submit(self, b: Bucket, ctx: StepCtx) -> None:
         """Queue bucket ``b``'s update for step ``ctx`` (its gradients are on their way to the host)."""
@@ -172,9 +179,11 @@ class CpuUpdater:
         if self.layout.cuda:
             b.d2h_event.synchronize()
         self._phase("wait_d2h", t0)
-        speculate = self.will_speculate
+        speculate = self.will_speculate and b.speculative
         t0 = time.perf_counter()
+        self._waiting_for_decision = not speculate
         dec = ctx.poll(block=not speculate)
+        self._waiting_for_decision = False
         self._phase("wait_decision", t0)
         t0 = time.perf_counter()  # CPU time only: waiting for gradients or the decision is not work
         b.speculated = dec is None
@@ -187,7 +196,7 @@ class CpuUpdater:
             ctx.spec.append(b)
             self.stats["speculative_buckets"] += 1
         else:  # speculate: assume no clip/skip; keep an exact copy to undo
-            if not b.backup_fresh:
+            if not b.backup.fresh:
                 self._backup(b, "backup")
             self._update(b, ctx.hp, None)
             self._push(b)
@@ -208,7 +217,7 @@ class CpuUpdater:
             return False
         try:
             for b in list(self.layout.buckets):
-                if (b.speculated and not b.backup_fresh and b.ready.is_set() and b.master_buf is not None
+                if (b.speculated and not b.backup.fresh and b.ready.is_set() and b.master_buf is not None
                         and b.alt_master is None):
                     self._backup(b, "backup_idle")
                     self.stats["prefetched_backups"] += 1
@@ -281,7 +290,7 @@ class CpuUpdater:
             b.h2d_event.synchronize()  # the previous copy back must have read the master weights
         self._phase("wait_h2d", t0)
         t0 = time.perf_counter()
-        b.backup_fresh = False
+        b.backup.fresh = False
         if self.layout.kernel is not None:
             # One kernel for every update, not torch's for some: the two thread pools would otherwise take turns
             # on the same cores, and ours reads bf16 gradients as they are.
@@ -356,17 +365,18 @@ class CpuUpdater:
         self.layout.bind_views(b, b.slots)
         for s in b.active:
             s.step.add_(1)
-        b.backup_fresh = False
+        b.backup.fresh = False
 
     def _backup(self, b: Bucket, phase: str) -> None:
         t0 = time.perf_counter()
         n = b.numel
-        if b.backup is None:
-            b.backup = torch.empty(3 * n, dtype=torch.float32)
-        b.backup[:n].copy_(b.master_buf.tensor)
-        b.backup[n:].copy_(b.moments)
-        b.backup_steps = {s.index: float(s.step) for s in b.slots}
-        b.backup_fresh = True
+        copy = b.backup
+        if copy.tensor is None:
+            copy.tensor = torch.empty(3 * n, dtype=torch.float32)
+        copy.tensor[:n].copy_(b.master_buf.tensor)
+        copy.tensor[n:].copy_(b.moments)
+        copy.steps = {s.index: float(s.step) for s in b.slots}
+        b.backup.fresh = True
         self._phase(phase, t0)
 
     def _restore(self, b: Bucket) -> None:
@@ -374,11 +384,11 @@ class CpuUpdater:
         if self.layout.cuda:
             b.h2d_event.synchronize()  # the speculative copy back may still read the master weights
         n = b.numel
-        b.master_buf.tensor.copy_(b.backup[:n])
-        b.moments.copy_(b.backup[n:])
+        b.master_buf.tensor.copy_(b.backup.tensor[:n])
+        b.moments.copy_(b.backup.tensor[n:])
         for s in b.slots:
-            s.step.fill_(b.backup_steps[s.index])
-        b.backup_fresh = True
+            s.step.fill_(b.backup.steps[s.index])
+        b.backup.fresh = True
         self._phase("restore", t0)
 
     def _push(self, b: Bucket, master: torch.Tensor | None = None) -> None:

@@ -155,8 +155,9 @@ class RankShard:
         self.copy_stream = copy_stream
         self._block: Any = None  # one page-locked block: master weights, gradients (and second master copies)
         self._moments: torch.Tensor | None = None
-        self._copies = 1
+        self._owned_numel = 0
         self._offset = 0
+        self._alt_offset = 0
 
     @property
     def _cuda(self) -> bool:
@@ -176,25 +177,30 @@ class RankShard:
             out += [(c, r) for c in chunk_by_size(run, bucket_size)]
         return out
 
-    def alloc_block(self, owned_numel: int, alt: bool = False) -> None:
+    def alloc_block(self, owned_numel: int, alt_numel: int = 0) -> None:
         """One page-locked block for this rank's master weights and gradient buffers (and the second copy of the
-        master weights with two-copy rollback), one for its moments (twice as long with two-copy rollback)."""
+        master weights of the ``alt_numel`` parameters that speculate with two-copy rollback), one for its moments
+        (and their second copy)."""
         from lightning_gh._host import HostBuffer
 
-        self._copies = 2 if alt else 1
-        self._block = HostBuffer((1 + self._copies) * owned_numel, pin=self._cuda, zero=False)
-        self._moments = torch.zeros(2 * self._copies * owned_numel, dtype=torch.float32)
-        self._offset = 0
+        self._block = HostBuffer(2 * owned_numel + alt_numel, pin=self._cuda, zero=False)
+        self._moments = torch.zeros(2 * (owned_numel + alt_numel), dtype=torch.float32)
+        self._owned_numel = owned_numel
+        self._offset = self._alt_offset = 0
 
-    def slice_block(self, numel: int) -> tuple[_Slice, _Slice, torch.Tensor, _Slice | None, torch.Tensor | None]:
+    def slice_block(self, numel: int, alt: bool) -> tuple[_Slice, _Slice, torch.Tensor, _Slice | None,
+                                                          torch.Tensor | None]:
         """A bucket's (master, gradient, moments, second master or None, second moments or None)."""
-        total = self._block.numel // (1 + self._copies)
-        o = self._offset
+        total, o = self._owned_numel, self._offset
         self._offset += numel
         t, mb = self._block.tensor, self._moments
-        alt = (_Slice(t[2 * total + o:2 * total + o + numel]), mb[2 * total + 2 * o:2 * total + 2 * o + 2 * numel])
-        return (_Slice(t[o:o + numel]), _Slice(t[total + o:total + o + numel]), mb[2 * o:2 * o + 2 * numel],
-                *(alt if self._copies == 2 else (None, None)))
+        out = (_Slice(t[o:o + numel]), _Slice(t[total + o:total + o + numel]), mb[2 * o:2 * o + 2 * numel])
+        if not alt:
+            return (*out, None, None)
+        a = self._alt_offset
+        self._alt_offset += numel
+        return (*out, _Slice(t[2 * total + a:2 * total + a + numel]),
+                mb[2 * total + 2 * a:2 * total + 2 * a + 2 * numel])
 
     def release(self) -> None:
         """Unpin the rank's host block (its buckets' buffers are slices of it)."""

@@ -24,6 +24,11 @@ to 1):
 * **phases** come from ``lgh/<phase>`` ``record_function`` ranges (``data_wait``, ``forward``, ``backward``,
   ``optimizer``) that SelectiveProfiler adds inside its windows; GPU time is attributed to the phase during which
   its launch was issued.
+* idle time is also split **by cause**, each instant once, in this order: the loop waited for data (inside
+  ``lgh/data_wait``), the CPU optimizer update ran on another thread while no launching thread ran a host
+  operator (the GPU waited for the update), the host was launching (as above), other.
+* the **CPU update**, the **host link** (HtoD / DtoH copies, their owners and the time they ran with no kernel),
+  **activation offload** copies and **fp8** casts are defined in :mod:`lightning_gh.profiling.offload_analysis`.
 * the **data wait** (``data_wait``) is the share of the window the loop spent fetching its next batch, as
   :func:`lightning_gh.profiling.advice.data_wait_share` defines it: from SelectiveProfiler's record of
   Lightning's fetch (trace metadata ``lgh_fetch_ms``) when present, else from the ``lgh/data_wait`` ranges.
@@ -43,8 +48,12 @@ import json
 import re
 import statistics
 from collections import defaultdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Mapping, Sequence
 
+from lightning_gh.profiling import offload_analysis as off
+from lightning_gh.profiling._intervals import Interval, intersect, length, subtract, union
+from lightning_gh.profiling._intervals import clip as _clip
+from lightning_gh.profiling._intervals import gaps as _gaps
 from lightning_gh.profiling.advice import data_wait_share
 from lightning_gh.profiling.trace import Event, KinetoTrace, Step
 
@@ -52,8 +61,6 @@ __all__ = ["analyze", "kernel_kind", "PHASES", "PHASE_PREFIX", "TENSOR_CORE_KIND
 
 PHASE_PREFIX = "lgh/"
 PHASES = ("data_wait", "forward", "backward", "optimizer")
-
-Interval = tuple[float, float]
 
 # Order matters: attention kernels are often CUTLASS kernels, and cuBLAS names contain "gemm".
 _KIND_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
@@ -77,61 +84,6 @@ def kernel_kind(name: str) -> str:
         if pattern.search(name):
             return kind
     return "other"
-
-
-# ---------------------------------------------------------------------------------------------- intervals
-def _union(intervals: Iterable[Interval]) -> list[Interval]:
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _clip(merged: list[Interval], lo: float, hi: float) -> list[Interval]:
-    """The parts of a merged interval list inside [lo, hi]."""
-    starts = [a for a, _ in merged]
-    i = max(bisect.bisect_right(starts, lo) - 1, 0)
-    out = []
-    for a, b in merged[i:]:
-        if a >= hi:
-            break
-        a, b = max(a, lo), min(b, hi)
-        if b > a:
-            out.append((a, b))
-    return out
-
-
-def _length(intervals: Iterable[Interval]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _intersect(x: list[Interval], y: list[Interval]) -> list[Interval]:
-    out, i, j = [], 0, 0
-    while i < len(x) and j < len(y):
-        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if b > a:
-            out.append((a, b))
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def _gaps(lo: float, hi: float, merged: list[Interval]) -> list[Interval]:
-    out, cur = [], lo
-    for a, b in merged:
-        if a > cur:
-            out.append((cur, a))
-        cur = max(cur, b)
-    if hi > cur:
-        out.append((cur, hi))
-    return out
 
 
 def _ms(us: float) -> float:
@@ -163,7 +115,7 @@ def _phase_ranges(trace: KinetoTrace) -> dict[str, list[Interval]]:
         if e.name.startswith(PHASE_PREFIX):
             ranges[e.name[len(PHASE_PREFIX):]].append((e.ts, e.end))
     ordered = [p for p in PHASES if p in ranges] + sorted(p for p in ranges if p not in PHASES)
-    return {p: _union(ranges[p]) for p in ordered}
+    return {p: union(ranges[p]) for p in ordered}
 
 
 def _phase_of(launch_ts: float, labelled: list[tuple[float, float, str]], starts: list[float]) -> str | None:
@@ -176,12 +128,14 @@ def _phase_of(launch_ts: float, labelled: list[tuple[float, float, str]], starts
     return None
 
 
-def analyze(trace: KinetoTrace, top: int = 10) -> dict[str, Any]:
+def analyze(trace: KinetoTrace, top: int = 10, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The numbers of a parsed trace, as a JSON-ready dict (``summary.json`` without its ``verdict``).
 
     Args:
         trace: from :func:`~lightning_gh.profiling.trace.load_trace`.
         top: how many kernels and host operators to list.
+        context: facts about the run the trace cannot know; here ``"link"`` (the host link's measured
+            ``h2d_gbps`` / ``d2h_gbps``, see :func:`~lightning_gh.profiling.offload_analysis.link_rate`).
     """
     if top <= 0:
         raise ValueError(f"top={top!r} must be a positive number of rows.")
@@ -194,35 +148,59 @@ def analyze(trace: KinetoTrace, top: int = 10) -> dict[str, Any]:
         gpu_end = max(e.end for e in gpu)
         if gpu_end > spans[-1].end:
             tail_us = gpu_end - spans[-1].end
-            spans[-1] = Step(spans[-1].number, spans[-1].ts, gpu_end - spans[-1].ts)
+            last = spans[-1]
+            spans[-1] = Step(last.number, last.ts, gpu_end - last.ts, last.pid, last.tid)
     window_us = sum(s.dur for s in spans)
     comm = [k for k in trace.kernels if kernel_kind(k.name) == "communication"]
     compute = [k for k in trace.kernels if kernel_kind(k.name) != "communication"]
-    comp_u = _union((e.ts, e.end) for e in compute)
-    cc_u = _union((e.ts, e.end) for e in compute + comm)
-    all_u = _union((e.ts, e.end) for e in gpu)
-    comm_u = _union((e.ts, e.end) for e in comm)
+    comp_u = union((e.ts, e.end) for e in compute)
+    cc_u = union((e.ts, e.end) for e in compute + comm)
+    all_u = union((e.ts, e.end) for e in gpu)
+    comm_u = union((e.ts, e.end) for e in comm)
     phases = _phase_ranges(trace)
     wait_u = phases.get("data_wait", [])
     gpu_starts = [e.ts for e in gpu]
+    labelled = sorted((a, b, p) for p, r in phases.items() for a, b in r)
+    starts = [a for a, _, _ in labelled]
+
+    def phase_of(ts: float) -> str | None:
+        return _phase_of(ts, labelled, starts)
+
+    def in_window(u: list[Interval]) -> list[Interval]:
+        return [iv for s in spans for iv in _clip(u, s.ts, s.end)]
+
+    # The CPU update, and when it leaves the GPU waiting: see offload_analysis.
+    update_u, update_source, update_threads = off.cpu_update_spans(trace)
+    update_free = subtract(update_u, off.host_busy(trace, update_threads)) if update_u else []
+    copies = off.link_copies(trace, phase_of, update_threads) if trace.memcpys else []
+    link_u = union((e.ts, e.end) for e, _, _ in copies)
 
     steps_out = []
     totals: dict[str, float] = defaultdict(float)
     for s, host in zip(spans, host_spans):
         a, b = s.ts, s.end
-        compute_t = _length(_clip(comp_u, a, b))
-        cc_t = _length(_clip(cc_u, a, b))
+        compute_t = length(_clip(comp_u, a, b))
+        cc_t = length(_clip(cc_u, a, b))
         busy_clip = _clip(all_u, a, b)
-        busy_t = _length(busy_clip)
+        busy_t = length(busy_clip)
         idle = _gaps(a, b, busy_clip)
-        host_t = 0.0
+        host_iv = []
         for g0, g1 in idle:
             k = bisect.bisect_left(gpu_starts, g1 - 1e-9)
             if k < len(gpu):
                 launch = trace.runtime.get(gpu[k].correlation) if gpu[k].correlation is not None else None
                 if launch is not None:
-                    host_t += min(max(launch.end, g0), g1) - g0
-        wait_idle_t = _length(_intersect(idle, _clip(wait_u, a, b)))
+                    host_iv.append((g0, min(max(launch.end, g0), g1)))
+        host_iv = union(host_iv)
+        host_t = length(host_iv)
+        # Idle time by cause, each instant counted once: data wait > CPU update > waiting for launches > other.
+        idle_wait = intersect(idle, _clip(wait_u, a, b))
+        rest = subtract(idle, idle_wait)
+        idle_update = intersect(rest, _clip(update_free, a, b))
+        rest = subtract(rest, idle_update)
+        launch_t = length(intersect(rest, host_iv))
+        wait_idle_t, update_idle_t = length(idle_wait), length(idle_update)
+        step_copies = [(e, d) for e, d, _ in copies if a <= e.ts < b]
         row = {
             "step": s.number,
             "start_ms": _ms(s.ts - spans[0].ts),
@@ -235,12 +213,19 @@ def analyze(trace: KinetoTrace, top: int = 10) -> dict[str, Any]:
             "idle_ms": _ms(s.dur - busy_t),
             "host_bound_idle_ms": _ms(host_t),
             "data_wait_idle_ms": _ms(wait_idle_t),
-            "phases_ms": {p: _ms(_length(_clip(r, a, b))) for p, r in phases.items()},
+            "cpu_update_ms": _ms(length(_clip(update_u, a, b))),
+            "cpu_update_idle_ms": _ms(update_idle_t),
+            "link_alone_ms": _ms(length(subtract(_clip(link_u, a, b), _clip(cc_u, a, b)))),
+            "htod_bytes": sum(int(e.args.get("bytes", 0) or 0) for e, d in step_copies if d == "HtoD"),
+            "dtoh_bytes": sum(int(e.args.get("bytes", 0) or 0) for e, d in step_copies if d == "DtoH"),
+            "phases_ms": {p: _ms(length(_clip(r, a, b))) for p, r in phases.items()},
         }
         steps_out.append(row)
+        idle_t = s.dur - busy_t
         for key, val in (("busy", busy_t), ("compute", compute_t), ("comm", cc_t - compute_t),
-                         ("copy", busy_t - cc_t), ("idle", s.dur - busy_t), ("host", host_t),
-                         ("wait_idle", wait_idle_t)):
+                         ("copy", busy_t - cc_t), ("idle", idle_t), ("host", host_t),
+                         ("wait_idle", wait_idle_t), ("update_idle", update_idle_t), ("launch_idle", launch_t),
+                         ("other_idle", max(idle_t - wait_idle_t - update_idle_t - launch_t, 0.0))):
             totals[key] += val
 
     step_times = [s.dur / 1e3 for s in host_spans]
@@ -265,6 +250,12 @@ def analyze(trace: KinetoTrace, top: int = 10) -> dict[str, Any]:
         "communication": None,
         "phases": None,
         "top_cpu_ops": _top_cpu_ops(trace, host_spans, window_us, top),
+        "cpu_update": off.cpu_update_section(
+            in_window(update_u), update_source, update_threads, trace, _backward_spans(trace, phases, gpu), comp_u,
+            totals["update_idle"], window_us, len(host_spans)),
+        "link": None,
+        "activation_offload": None,
+        "fp8": None,
     }
     if trace.has_gpu:
         kernel_us = sum(k.dur for k in trace.kernels)
@@ -279,6 +270,10 @@ def analyze(trace: KinetoTrace, top: int = 10) -> dict[str, Any]:
                 "host_bound_share": _share(totals["host"], window_us),
                 "other_share": _share(totals["idle"] - totals["host"], window_us),
                 "during_data_wait_share": _share(totals["wait_idle"], window_us),
+                "by_cause": {"data_wait": _share(totals["wait_idle"], window_us),
+                             "cpu_update": _share(totals["update_idle"], window_us),
+                             "launch": _share(totals["launch_idle"], window_us),
+                             "other": _share(totals["other_idle"], window_us)},
             },
             "kernel_count": len(trace.kernels),
             "kernel_time_ms": _ms(kernel_us),
@@ -291,18 +286,40 @@ def analyze(trace: KinetoTrace, top: int = 10) -> dict[str, Any]:
         out["kernel_kinds"] = {k: _share(v, kernel_us) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
         out["copies"] = _copies(trace, window_us)
         if comm:
-            comm_t = _length(comm_u)
+            comm_t = length(comm_u)
             out["communication"] = {
                 "kernels": len(comm),
                 "time_ms": _ms(sum(k.dur for k in comm)),
                 "share": _share(sum(k.dur for k in comm), window_us),
                 "exposed_share": _share(totals["comm"], window_us),
-                "overlapped_fraction": _share(_length(_intersect(comm_u, comp_u)), comm_t),
+                "overlapped_fraction": _share(length(intersect(comm_u, comp_u)), comm_t),
             }
+        rate, rate_source = off.link_rate(trace, context)
+        out["link"] = off.link_section(copies, in_window, cc_u, window_us, len(host_spans), rate, rate_source)
+        out["activation_offload"] = off.activation_section(copies, in_window, comp_u, window_us)
+        out["fp8"] = off.fp8_section(trace.kernels, kernel_kind, kernel_us)
     if phases:
         out["phases"] = _phase_table(trace, phases, spans, window_us, gpu)
     out["data_wait"] = _data_wait(trace, out, host_spans, window_us)
     return out
+
+
+def _backward_spans(trace: KinetoTrace, phases: dict[str, list[Interval]], gpu: list[Event]) -> list[Interval] | None:
+    """Each ``lgh/backward`` range, stretched over the GPU work launched inside it (the host only launches the
+    backward; the GPU runs it later), or ``None`` without such ranges."""
+    ranges = phases.get("backward")
+    if not ranges:
+        return None
+    starts = [a for a, _ in ranges]
+    spans = [[a, b] for a, b in ranges]
+    for e in gpu:
+        launch = trace.runtime.get(e.correlation) if e.correlation is not None else None
+        if launch is None:
+            continue
+        i = bisect.bisect_right(starts, launch.ts) - 1
+        if i >= 0 and launch.ts <= ranges[i][1]:
+            spans[i][0], spans[i][1] = min(spans[i][0], e.ts), max(spans[i][1], e.end)
+    return union((a, b) for a, b in spans)
 
 
 def _data_wait(trace: KinetoTrace, out: dict[str, Any], host_spans: list[Step], window_us: float) -> dict[str, Any]:
@@ -343,14 +360,10 @@ def _top_kernels(kernels: Sequence[Event], kernel_us: float, top: int) -> list[d
              "share": _share(sum(d), kernel_us), "mean_us": round(sum(d) / len(d), 3)} for n, d in rows]
 
 
-_DIRECTION_RE = re.compile(r"\b(HtoD|DtoH|DtoD|HtoH|PtoP)\b")
-
-
 def _copies(trace: KinetoTrace, window_us: float) -> dict[str, Any]:
     groups: dict[str, list[Event]] = defaultdict(list)
     for e in trace.memcpys:
-        m = _DIRECTION_RE.search(e.name)
-        groups[m.group(1) if m else "other"].append(e)
+        groups[off.copy_direction(e.name) or "other"].append(e)
     for e in trace.memsets:
         groups["memset"].append(e)
     out = {}
@@ -378,7 +391,7 @@ def _phase_table(trace: KinetoTrace, phases: dict[str, list[Interval]], spans: l
     table: dict[str, Any] = {}
     covered = 0.0
     for p, r in phases.items():
-        t = sum(_length(_clip(r, s.ts, s.end)) for s in spans)
+        t = sum(length(_clip(r, s.ts, s.end)) for s in spans)
         covered += t
         table[p] = {"ms": _ms(t), "share": _share(t, window_us),
                     "gpu_ms": _ms(gpu_by_phase.get(p, 0.0)) if gpu else None}

@@ -1,7 +1,7 @@
 """The summary's picture: per-step stacked bars of where the time went, and the top kernels.
 
 With GPU activity the bars are compute / communication / copies / idle (the exclusive split of
-:mod:`lightning_gh.profiling.summary`) and the right panel ranks kernels by share of kernel time. A CPU-only trace
+:mod:`lightning_gh.profiling.analysis`; idle time the GPU spent waiting for a CPU optimizer update is its own bar) and the right panel ranks kernels by share of kernel time. A CPU-only trace
 shows the host phases per step and the top host operators instead.
 
 Example::
@@ -19,7 +19,8 @@ from typing import Any, Mapping
 __all__ = ["plot_summary"]
 
 _GPU_PARTS = (("compute_ms", "compute", "#4C72B0"), ("comm_ms", "communication", "#DD8452"),
-              ("copy_ms", "copies/memsets", "#55A868"), ("idle_ms", "GPU idle", "#C8C8C8"))
+              ("copy_ms", "copies/memsets", "#55A868"), ("cpu_update_idle_ms", "idle: CPU update", "#C44E52"),
+              ("idle_ms", "GPU idle", "#C8C8C8"))
 _PHASE_COLORS = {"data_wait": "#C44E52", "forward": "#4C72B0", "backward": "#8172B3", "optimizer": "#55A868",
                  "validation": "#CCB974", "other": "#C8C8C8"}
 
@@ -43,7 +44,12 @@ def plot_summary(summary: Mapping[str, Any], path: str | os.PathLike) -> Path:
     bottom = [0.0] * len(steps)
     if summary.get("gpu") is not None:
         for key, label, color in _GPU_PARTS:
-            vals = [r[key] for r in steps]
+            if key == "cpu_update_idle_ms" and not any(r.get(key) for r in steps):
+                continue
+            if key == "idle_ms":  # the rest of the idle time
+                vals = [r[key] - r.get("cpu_update_idle_ms", 0.0) for r in steps]
+            else:
+                vals = [r.get(key, 0.0) for r in steps]
             left.bar(x, vals, bottom=bottom, label=label, color=color)
             bottom = [b + v for b, v in zip(bottom, vals)]
         left.set_title("per step: GPU compute / communication / copies / idle")

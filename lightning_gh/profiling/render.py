@@ -80,6 +80,12 @@ def render_markdown(s: Mapping[str, Any]) -> str:
                            ("idle: other (syncs, dependencies, latency)", "other_share"),
                            ("idle while the loop waited for data", "during_data_wait_share")):
             lines.append(f"| {label} | {g['idle'][key] * w:.3f} | {_pct(g['idle'][key])} |")
+        causes = g["idle"].get("by_cause")
+        if causes:
+            lines += ["", "Idle time by cause (each instant once): " + ", ".join(
+                f"{label} {_pct(causes[key])}" for key, label in (
+                    ("data_wait", "waiting for data"), ("cpu_update", "waiting for the CPU optimizer update"),
+                    ("launch", "waiting for launches"), ("other", "other"))) + "."]
         lines += ["", f"{g['kernel_count']} kernels, {g['kernel_time_ms']:.3f} ms of kernel time, "
                       f"median kernel {g['median_kernel_us']} µs."]
         lines += ["", "## Top kernels (share of kernel time)", "",
@@ -101,6 +107,7 @@ def render_markdown(s: Mapping[str, Any]) -> str:
                      f"{c['kernels']} NCCL kernels, {c['time_ms']:.3f} ms ({_pct(c['share'])} of the window); "
                      f"{_pct(c['overlapped_fraction'])} of it overlaps compute, {_pct(c['exposed_share'])} "
                      "of the window is exposed communication.")
+    lines += _offload_lines(s)
     ph = s.get("phases")
     if ph:
         lines += ["", "## Phases (lgh/ ranges on the host)", "",
@@ -115,6 +122,56 @@ def render_markdown(s: Mapping[str, Any]) -> str:
             lines.append(f"| `{_short(o['name'])}` | {o['calls']} | {o['self_ms']:.3f} | {_pct(o['share'])} |")
     lines += ["", "Definitions: lightning_gh/profiling/analysis.py and advice.py (docs/profiling.md)."]
     return "\n".join(lines) + "\n"
+
+
+def _offload_lines(s: Mapping[str, Any]) -> list[str]:
+    """The CPU update, host link, activation offload and fp8 sections (only those the trace shows)."""
+    cu, link, act, fp8 = (s.get(k) for k in ("cpu_update", "link", "activation_offload", "fp8"))
+    if not (cu or link or act or fp8):
+        return []
+    lines = ["", "## Offload, host link and fp8"]
+    if cu:
+        under = cu["under_backward_fraction"]
+        lines += ["", f"**CPU optimizer update** ({cu['source']}, on {', '.join(cu['threads'])}): "
+                     f"{cu['per_step_ms']:.3f} ms per step, {_pct(cu['share'])} of the window; "
+                     f"{'-' if under is None else _pct(under)} of it under backward, "
+                     f"{_pct(cu['under_gpu_compute_fraction'])} while GPU kernels ran; the GPU waited for it "
+                     f"{cu['exposed_ms']:.3f} ms ({_pct(cu['exposed_share'])} of the window)."]
+    if link:
+        lines += ["", "**Host link** (rate: " + (link["rate_source"] or "unknown") + ")", "",
+                  "| direction | copies | MB per step | copy ms | busy ms | GB/s | rate GB/s | utilisation | "
+                  "pageable MB |", "|---|---|---|---|---|---|---|---|---|"]
+        for d in ("HtoD", "DtoH"):
+            c = link.get(d)
+            if c:
+                lines.append(f"| {d} | {c['count']} | {c['bytes_per_step'] / 1e6:.3f} | {c['time_ms']:.3f} | "
+                             f"{c['busy_ms']:.3f} | {_f(c['gbps'], 1)} | {_f(c['rate_gbps'], 0)} | "
+                             f"{_pct(c['utilization'])} | {c['pageable_bytes'] / 1e6:.3f} |")
+        lines += ["", f"Link copies ran with no kernel {_pct(link['alone_share'])} of the window. By owner:", "",
+                  "| owner | HtoD MB | DtoH MB | busy ms | with no kernel |", "|---|---|---|---|---|"]
+        for owner, o in link["owners"].items():
+            lines.append(f"| {owner} | {o['HtoD'] / 1e6:.3f} | {o['DtoH'] / 1e6:.3f} | {o['busy_ms']:.3f} | "
+                         f"{_pct(o['alone_share'])} |")
+    if act:
+        lines += ["", f"**Activation offload**: {act['offload']['count']} copies to the host "
+                      f"({act['offload']['bytes'] / 1e6:.3f} MB, {act['offload']['time_ms']:.3f} ms), "
+                      f"{act['prefetch']['count']} back ({act['prefetch']['bytes'] / 1e6:.3f} MB, "
+                      f"{act['prefetch']['time_ms']:.3f} ms); {_pct(act['overlap_fraction'])} of their time "
+                      f"overlapped compute kernels, {_pct(act['alone_share'])} of the window without."]
+    if fp8:
+        top = ", ".join(f"`{_short(t['name'], 50)}` {_pct(t['share'])}" for t in fp8["top_casts"])
+        lines += ["", f"**fp8**: casts, amax and scales {_pct(fp8['cast_share'])} of kernel time "
+                      f"({fp8['cast_kernels']} kernels, {fp8['cast_time_ms']:.3f} ms"
+                      + (f"; {top}" if top else "") + f"); fp8 GEMMs {_pct(fp8['gemm_share'])} of kernel time."]
+    steps = s["steps"]
+    if cu or link:
+        lines += ["", "| step | CPU update ms | GPU waited for it ms | link alone ms | HtoD MB | DtoH MB |",
+                  "|---|---|---|---|---|---|"]
+        for r in steps:
+            lines.append(f"| {r['step'] if r['step'] is not None else 'all'} | {r['cpu_update_ms']:.3f} | "
+                         f"{r['cpu_update_idle_ms']:.3f} | {r['link_alone_ms']:.3f} | {r['htod_bytes'] / 1e6:.3f} | "
+                         f"{r['dtoh_bytes'] / 1e6:.3f} |")
+    return lines
 
 
 _TRACE_SUFFIXES = (".pt.trace.json.gz", ".pt.trace.json", ".json.gz", ".json", ".gz")

@@ -20,7 +20,16 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from lightning_gh.profiling.advice import DATA_WAIT_BOUND, IDLE_BOUND, TENSOR_CORE_BOUND, stall_advice, verdict
+from lightning_gh.profiling.advice import (
+    BOUNDS,
+    DATA_WAIT_BOUND,
+    IDLE_BOUND,
+    TENSOR_CORE_BOUND,
+    BoundFacts,
+    decide,
+    stall_advice,
+    verdict,
+)
 from lightning_gh.profiling.analysis import PHASES, analyze, kernel_kind
 from lightning_gh.profiling.render import render_markdown, summary_paths, write_summary
 from lightning_gh.profiling.trace import KinetoTrace, load_trace
@@ -37,6 +46,9 @@ __all__ = [
     "DATA_WAIT_BOUND",
     "PHASES",
     "stall_advice",
+    "BOUNDS",
+    "BoundFacts",
+    "decide",
 ]
 
 
@@ -47,9 +59,10 @@ def summarize(trace: KinetoTrace, top: int = 10, context: Mapping[str, Any] | No
         trace: from :func:`~lightning_gh.profiling.trace.load_trace`.
         top: how many kernels and host operators to list.
         context: optional facts about the run the trace cannot know (``"loader"``: the DataLoader settings from
-            :func:`lightning_gh.profiling.stall.loader_info`), used for concrete advice.
+            :func:`lightning_gh.profiling.stall.loader_info`, used for concrete advice; ``"link"``: the host
+            link's measured ``{"h2d_gbps": ..., "d2h_gbps": ...}``, which the link's achieved rate is set against).
     """
-    out = analyze(trace, top=top)
+    out = analyze(trace, top=top, context=context)
     out["verdict"] = verdict(out, context)
     return out
 

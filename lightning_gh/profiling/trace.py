@@ -75,11 +75,14 @@ class Event:
 
 @dataclass(frozen=True)
 class Step:
-    """A ``ProfilerStep#<number>`` span on the host (``number`` is ``None`` for a whole-trace span)."""
+    """A ``ProfilerStep#<number>`` span on the host (``number`` is ``None`` for a whole-trace span); ``pid`` and
+    ``tid`` name the thread that marked it (the training loop's)."""
 
     number: int | None
     ts: float
     dur: float
+    pid: Any = None
+    tid: Any = None
 
     @property
     def end(self) -> float:
@@ -99,6 +102,8 @@ class KinetoTrace:
         annotations: host ``record_function`` ranges (``ProfilerStep#n`` excluded).
         cpu_ops: host operators (``aten::mm`` ...).
         bounds: (first start, last end) over every complete event, in microseconds.
+        thread_names: ``(pid, tid) -> name`` from the trace's ``thread_name`` metadata events (Kineto names host
+            threads ``"thread <tid> (python)"``, not by their Python name).
     """
 
     path: Path | None
@@ -111,6 +116,7 @@ class KinetoTrace:
     annotations: list[Event]
     cpu_ops: list[Event]
     bounds: tuple[float, float] | None
+    thread_names: dict[tuple[Any, Any], str] = field(default_factory=dict)
 
     @property
     def gpu_events(self) -> list[Event]:
@@ -215,7 +221,7 @@ def parse_trace(obj: Mapping[str, Any] | list[Any], path: Path | None = None) ->
         elif e.kind == "annotation":
             m = STEP_RE.match(e.name)
             if m:
-                steps.append(Step(int(m.group(1)), e.ts, e.dur))
+                steps.append(Step(int(m.group(1)), e.ts, e.dur, e.pid, e.tid))
             else:
                 annotations.append(e)
         elif e.kind == "cpu_op":
@@ -224,7 +230,17 @@ def parse_trace(obj: Mapping[str, Any] | list[Any], path: Path | None = None) ->
         group.sort(key=lambda e: e.ts)
     steps.sort(key=lambda s: s.ts)
     return KinetoTrace(path, metadata, steps, kernels, memcpys, memsets, runtime, annotations, cpu_ops,
-                       (lo, hi) if lo <= hi else None)
+                       (lo, hi) if lo <= hi else None, _thread_names(raw))
+
+
+def _thread_names(raw: Iterable[Any]) -> dict[tuple[Any, Any], str]:
+    out = {}
+    for r in raw:
+        if isinstance(r, Mapping) and r.get("ph") == "M" and r.get("name") == "thread_name":
+            args = r.get("args")
+            if isinstance(args, Mapping) and isinstance(args.get("name"), str):
+                out[(r.get("pid"), r.get("tid"))] = args["name"]
+    return out
 
 
 def _complete_events(raw: Iterable[Any]) -> Iterable[Event]:

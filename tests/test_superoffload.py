@@ -564,18 +564,18 @@ def test_host_memory_error_is_the_shared_one(monkeypatch):
 
 
 def test_worker_runs_final_updates_in_forward_order():
-    """Once a step's decision is known, queued bucket updates run earliest layer first (what the next forward needs
-    first); before it, and across steps or a "finish" task, the queue keeps its order."""
+    """Once a step's decision is known, queued bucket updates and redos run earliest layer first (what the next
+    forward needs first); before it, and across steps or a "finish" task, the queue keeps its order."""
     from types import SimpleNamespace
 
     from lightning_gh.superoffload.worker import next_task
 
-    def bucket(*indexes):
-        return SimpleNamespace(slots=[SimpleNamespace(index=i) for i in indexes])
+    def bucket(index):  # numbered in gradient-arrival order
+        return SimpleNamespace(index=index)
 
     known = SimpleNamespace(poll=lambda block: "decision")
     unknown = SimpleNamespace(poll=lambda block: None)
-    late, mid, early = bucket(9, 10), bucket(5, 6), bucket(1, 2)  # arrival order: last layer first
+    late, mid, early = bucket(0), bucket(1), bucket(2)  # arrival order: last layer first
     pending = [("bucket", late, known), ("bucket", mid, known), ("bucket", early, known), ("finish", None, known)]
     assert next_task(pending) == 2
     assert next_task([("bucket", late, unknown), ("bucket", early, unknown)]) == 0  # speculative: FIFO
@@ -583,6 +583,10 @@ def test_worker_runs_final_updates_in_forward_order():
     assert next_task([("bucket", late, known), ("bucket", early, unknown)]) == 0
     assert next_task([("finish", None, known), ("bucket", early, known)]) == 0
     assert next_task([None]) == 0
+    # the redos of a rolled-back speculation join the step's decided updates, in forward order
+    pending = [("redo", late, known), ("redo", mid, known), ("bucket", early, known), ("finish", None, known)]
+    assert next_task(pending) == 2
+    assert next_task([("redo", late, known), ("redo", mid, known)]) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -747,3 +751,39 @@ def test_no_configuration_fits_names_the_sizes_and_the_largest_model(monkeypatch
     with pytest.raises(HostMemoryError, match=rf"{n:,} offloaded parameters x 16 B .* a model of at most "
                                               rf"{largest:,} parameters fits this host"):
         HeterogeneousAdamW(groups(model), module=model, max_grad_norm=CLIP)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["decided", "redo-after-rollback"])
+def test_updates_known_to_be_final_run_in_forward_order_and_stay_bitwise(monkeypatch, speculative):
+    """When a step's decision is known before a bucket's CPU update runs (every bucket with speculative=False; the
+    redo after a rollback otherwise), the worker updates the buckets in the order the next forward needs them:
+    the earliest layer first, i.e. the reverse of gradient arrival (bucket 0 arrives first). Bitwise as before."""
+    from lightning_gh.superoffload.worker import CpuUpdater
+
+    order: list[tuple[int, bool]] = []  # (bucket index, clipped or redone) per CPU update, in the order they ran
+    real_update, real_other = CpuUpdater._update, CpuUpdater._update_other
+
+    def update(self, b, hp, coef):
+        order.append((b.index, coef is not None))
+        return real_update(self, b, hp, coef)
+
+    def update_other(self, b, hp, coef):
+        order.append((b.index, coef is not None))
+        return real_other(self, b, hp, coef)
+
+    monkeypatch.setattr(CpuUpdater, "_update", update)
+    monkeypatch.setattr(CpuUpdater, "_update_other", update_other)
+    ref_model, ref_opt, clipped = train_reference(steps=8)
+    model, opt = train_ours(steps=8, speculative=speculative, force_speculation=True, rollback="copy", bucket_size=100)
+    n = len(opt.layout.buckets)
+    assert n >= 4
+    forward = list(range(n - 1, -1, -1))
+    steps = [order[i:i + n] for i in range(0, len(order), n)]
+    if not speculative:  # every update waited for its decision
+        assert len(order) == 7 * n and all([b for b, _ in step] == forward for step in steps)  # one step skipped
+    else:  # the clipped steps: n speculative updates in arrival order, then n redos in forward order
+        redos = [step for step in steps if all(c for _, c in step)]
+        assert redos and all([b for b, _ in step] == forward for step in redos)
+        assert any([b for b, _ in step] == list(range(n)) for step in steps)  # speculation: arrival order
+    assert_same(ref_model, ref_opt, model, opt)
+    opt.close()

@@ -154,6 +154,23 @@ class CpuUpdater:
             self._thread.start()
 
     # ------------------------------------------------------------------ the worker thread
+    def wait_for_decision(self, ctx: StepCtx) -> Decision:
+        """Block the worker until step ``ctx``'s decision is known."""
+        t0 = time.perf_counter()
+        self._waiting_for_decision = True
+        dec = ctx.poll(block=True)
+        self._waiting_for_decision = False
+        self._phase("wait_decision", t0)
+        return dec
+
+    def needs_decision(self, task: Task) -> bool:
+        """Whether ``task`` cannot run before its step's decision is known: a bucket that will not be updated
+        speculatively, the redo of one that was, or the end of the step."""
+        kind, b, ctx = task
+        if ctx.poll(block=False) is not None:
+            return False
+        return kind != "bucket" or not (self.will_speculate and b.speculative)
+
     def setup_thread(self) -> None:
         torch.set_num_threads(self.cpu_threads)
         if self.layout.cuda:
@@ -167,12 +184,18 @@ class CpuUpdater:
                 with torch.no_grad():
                     if kind == "bucket":
                         self._work_bucket(b, ctx)
+                    elif kind == "redo":
+                        self._redo(b, ctx.poll(block=True))
                     else:
                         self._work_finish(ctx)
         except BaseException as e:  # surfaced on the main thread at the next step/forward
-            self._error = e
-            for bk in self.layout.buckets:
-                bk.ready.set()
+            self.fail(e)
+
+    def fail(self, error: BaseException) -> None:
+        """Keep ``error`` for the training thread and release everyone waiting for a bucket."""
+        self._error = error
+        for bk in self.layout.buckets:
+            bk.ready.set()
 
     def _work_bucket(self, b: Bucket, ctx: StepCtx) -> None:
         t0 = time.perf_counter()
@@ -235,36 +258,45 @@ class CpuUpdater:
         self.stats["finish_ms"] = (time.perf_counter() - t0) * 1e3
 
     def _resolve_speculation(self, ctx: StepCtx, dec: Decision) -> None:
-        """Commit, or undo and redo, the step's speculative updates. See Note [Speculative update and exact
+        """Commit, or undo and redo, the step's speculative updates now. See Note [Speculative update and exact
         rollback]."""
-        if not ctx.spec:
-            return
+        redo = self.take_speculation(ctx, dec)
+        for b in redo:
+            self._redo(b, dec)
+
+    def take_speculation(self, ctx: StepCtx, dec: Decision) -> list[Bucket]:
+        """Commit the step's speculative updates that stand; return the buckets whose update must be redone
+        (the caller redoes them with :meth:`run`, as ``("redo", bucket, ctx)`` tasks, in the order it likes)."""
         spec, ctx.spec = ctx.spec, []
+        if dec.redo:
+            return spec
         for b in spec:
-            t0 = time.perf_counter()
             if b.alt_master is not None:
-                if dec.redo:
-                    self.stats["rollbacks"] += 1
-                    if dec.skip:
-                        self._push(b)  # the current copy was never touched: put its weights back on the GPU
-                    else:
-                        self._update_other(b, dec.hp, dec.coef)
-                        self._push(b, b.alt_master.tensor)
-                        self._flip(b)
-                    self._account(b, t0)
-                else:
-                    self._flip(b)
-            elif dec.redo:
-                self.stats["rollbacks"] += 1
-                self._restore(b)
-                if dec.skip:
-                    self._push(b)  # put the restored weights back on the GPU
-                else:
-                    self._update(b, dec.hp, dec.coef)
-                    self._push(b)
-                self._account(b, t0)
+                self._flip(b)
             b.ready_t = time.perf_counter()
             b.ready.set()
+        return []
+
+    def _redo(self, b: Bucket, dec: Decision) -> None:
+        """Undo a speculative update exactly and redo it with the decision's coefficient and hyper-parameters, or
+        leave it undone (a skipped step), and copy the weights back."""
+        t0 = time.perf_counter()
+        self.stats["rollbacks"] += 1
+        if b.alt_master is not None:
+            if dec.skip:
+                self._push(b)  # the current copy was never touched: put its weights back on the GPU
+            else:
+                self._update_other(b, dec.hp, dec.coef)
+                self._push(b, b.alt_master.tensor)
+                self._flip(b)
+        else:
+            self._restore(b)
+            if not dec.skip:
+                self._update(b, dec.hp, dec.coef)
+            self._push(b)  # the redone (or restored) weights back on the GPU
+        self._account(b, t0)
+        b.ready_t = time.perf_counter()
+        b.ready.set()
 
     def _final_update(self, b: Bucket, dec: Decision) -> None:
         if not dec.skip:
@@ -429,18 +461,38 @@ def _drain(q: queue.Queue, pending: list[Any]) -> None:
 
 def next_task(pending: list[Task | None]) -> int:
     """Index in ``pending`` of the task to run next: the oldest, except that once a step's decision is known its
-    queued bucket updates run in the order the next forward needs them (the earliest layer first; gradients
-    arrive last layer first). Speculative updates keep the arrival order: the backward is still producing them.
-    The order of final updates does not change any number, only how soon the forward may go on."""
+    queued bucket updates and redos run in the order the next forward needs them (the earliest layer first;
+    gradients arrive last layer first), so the next forward's per-module waits can end while the CPU still
+    updates later layers. Speculative updates keep the arrival order: the backward is still producing them. The
+    order of updates of different buckets does not change any number, only how soon the forward may go on."""
     head = pending[0]
-    if head is None or head[0] != "bucket" or head[2].poll(block=False) is None:
+    if head is None or head[0] == "finish" or head[2].poll(block=False) is None:
         return 0
     ctx = head[2]
     run = 0
-    while run < len(pending) and pending[run] is not None and pending[run][0] == "bucket" and pending[run][2] is ctx:
+    while run < len(pending) and pending[run] is not None and pending[run][0] != "finish" and pending[run][2] is ctx:
         run += 1
-    # parameter registration order follows the forward (embedding, layer 0, ..., head) in the models users bring
-    return min(range(run), key=lambda j: min(s.index for s in pending[j][1].slots))
+    # buckets are numbered in gradient-arrival order (see HostLayout), so the forward needs the highest first
+    return max(range(run), key=lambda j: pending[j][1].index)
+
+
+def _prepare(updater: CpuUpdater, q: queue.Queue, pending: list[Any]) -> None:
+    """Before choosing the next task: when it needs its step's decision, wait for it and take in what was queued
+    meanwhile (the rest of the step); once the decision is known, commit the step's speculative updates or queue
+    their redos (worker-made ``("redo", bucket, ctx)`` tasks, not counted in ``q``)."""
+    head = pending[0]
+    if head is None:
+        return
+    ctx = head[2]
+    try:
+        if updater.needs_decision(head):
+            updater.wait_for_decision(ctx)
+            _drain(q, pending)
+        dec = ctx.poll(block=False)
+        if dec is not None and ctx.spec:
+            pending[:0] = [("redo", b, ctx) for b in updater.take_speculation(ctx, dec)]
+    except BaseException as e:  # surfaced on the main thread at the next step/forward
+        updater.fail(e)
 
 
 def worker_loop(wself: Callable[[], CpuUpdater | None], q: queue.Queue) -> None:
@@ -466,6 +518,7 @@ def worker_loop(wself: Callable[[], CpuUpdater | None], q: queue.Queue) -> None:
             updater = wself()
             if updater is None:
                 return
+            _prepare(updater, q, pending)
             task = pending.pop(next_task(pending))
             try:
                 if task is None:
@@ -473,7 +526,9 @@ def worker_loop(wself: Callable[[], CpuUpdater | None], q: queue.Queue) -> None:
                 updater.run(task)
             finally:
                 del updater
-                q.task_done()
+                if task is None or task[0] != "redo":  # the worker's own redo tasks were never in the queue
+                    q.task_done()
     finally:
-        for _ in pending:  # never run (the thread is stopping): release anyone joining the queue
-            q.task_done()
+        for task in pending:  # never run (the thread is stopping): release anyone joining the queue
+            if task is None or task[0] != "redo":
+                q.task_done()

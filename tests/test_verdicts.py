@@ -398,3 +398,15 @@ def test_verdict_reads_a_summary_written_before_idle_causes(summaries):
     del s["gpu"]["idle"]["by_cause"]
     s.pop("link")
     assert bound_facts(s).idle_launch > IDLE_BOUND and verdict(s)["bound"] == "launch-bound"
+
+
+def test_a_gpu_adamw_on_autograd_thread_is_not_a_cpu_update():
+    """A GPU tail updated with torch's fused AdamW from a backward hook launches a kernel: not a CPU update."""
+    b = TraceBuilder()
+    b.step(1, optimizer="superoffload", update_us=300.0, update_ranges=False, grad_mb=20, push_mb=10)
+    backward = next(e for e in b.events if e["name"] == "lgh/backward")
+    b.clock[AUTOGRAD] = backward["ts"] + backward["dur"] / 2  # inside the step
+    b.op(AUTOGRAD, "aten::_fused_adamw_", 40, ADAM, 150.0)
+    s = summarize(parse_trace({"traceEvents": b.events}))
+    assert s["cpu_update"]["per_step_ms"] == pytest.approx(4 * 0.3)
+    assert s["cpu_update"]["threads"] == [f"thread {WORKER[1]} (python)"]

@@ -10,7 +10,8 @@ CPU AdamW off the training thread). Its spans are, in order of preference:
 * ``record_function`` ranges whose name holds ``cpu_update`` (what :data:`CPU_UPDATE_RANGE` names), on any thread
   but the one that marks ``ProfilerStep``;
 * otherwise host operators and ranges whose names show a CPU AdamW (``adamw``, ``cpu_adam``,
-  ``HeterogeneousAdamW``, ``_fused_adamw_``) on such a thread, and everything on a thread whose name shows one.
+  ``HeterogeneousAdamW``, ``_fused_adamw_``) on such a thread, and everything on a thread whose name shows one,
+  but not those that launch a kernel (a GPU AdamW, e.g. a GPU tail updated from autograd's thread).
   torch's own ``Optimizer.step#...`` ranges, which the training thread opens around a step, never count.
 
 torch.profiler records the host operators of other Python threads only with
@@ -135,7 +136,20 @@ def cpu_update_spans(trace: KinetoTrace) -> tuple[list[Interval], str | None, li
     source = "ranges"
     if not picked:
         named = {k for k, n in trace.thread_names.items() if k not in main and _UPDATE_THREAD_RE.search(n)}
-        picked = [e for e in off_main if _UPDATE_OP_RE.search(e.name) or (e.pid, e.tid) in named]
+        launches: dict[ThreadKey, list[float]] = defaultdict(list)
+        for r in trace.runtime.values():
+            if "Launch" in r.name:
+                launches[(r.pid, r.tid)].append(r.ts)
+        for ts in launches.values():
+            ts.sort()
+
+        def launches_kernel(e: Event) -> bool:  # a GPU optimizer (a GPU tail's fused AdamW) is not a CPU update
+            ts = launches.get((e.pid, e.tid), [])
+            i = bisect.bisect_left(ts, e.ts)
+            return i < len(ts) and ts[i] <= e.end
+
+        picked = [e for e in off_main if (_UPDATE_OP_RE.search(e.name) or (e.pid, e.tid) in named)
+                  and not launches_kernel(e)]
         source = "operators"
     if not picked:
         return [], None, []

@@ -12,7 +12,6 @@ import logging
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lightning_gh.activation_offload import ActivationOffload, ActivationOffloadOptions, offload_activations
 from lightning_gh.activation_offload.budget import (
@@ -217,7 +216,7 @@ def test_hf_budget_plain_offload_activations_loop():
 def test_hf_budget_above_need_is_a_noop(caplog):
     cb = ActivationOffload(budget="64GiB", backend="host-copy", min_tensor_bytes=1, profile_steps=1)
     with caplog.at_level(logging.INFO):
-        _fit(HFModule(), [cb], steps=8)
+        _fit(HFModule(), [cb], steps=10)  # a size budget: floor, samples, then one block relaxed per step
     assert not cb.plan.offloaded_blocks and not cb.plan.recompute
     assert "nothing to do" in cb.plan.describe()
 
@@ -281,7 +280,7 @@ def test_hf_gradient_checkpointing_with_recompute_is_an_error():
     model.gradient_checkpointing_enable()
     off = offload_activations(model, 0, recompute="full", backend="host-copy")
     with pytest.raises(ValueError, match="work twice"):
-        off.enabled
+        _ = off.enabled
 
 
 def test_compiled_model_sets_the_compilers_budget():
@@ -298,7 +297,7 @@ def test_compiled_model_sets_the_compilers_budget():
     off.close()
     assert fconfig.activation_memory_budget == before
     with pytest.raises(ValueError, match="pass a fraction"):
-        offload_activations(holder, budget="1GiB", backend="host-copy").enabled
+        _ = offload_activations(holder, budget="1GiB", backend="host-copy").enabled
 
 
 @pytest.mark.parametrize("causal_sdpa", [True, False])

@@ -8,13 +8,13 @@ import weakref
 import lightning as L
 import pytest
 import torch
+from test_activation_budget import HFModule  # the plain LightningModule around an HF causal LM
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_gh.activation_offload import ActivationOffload, offload_activations
 from lightning_gh.activation_offload import lean_loss as ll
 from lightning_gh.activation_offload.lean_loss import LeanLoss, find_causal_lm, lean_causal_lm_loss
-from test_activation_budget import HFModule  # the plain LightningModule around an HF causal LM
 
 transformers = pytest.importorskip("transformers")
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402

@@ -352,6 +352,7 @@ def test_variable_sequence_lengths_reuse_the_pool_and_keep_gradients():
 
 
 def test_copies_are_waited_for_and_reloads_prefetched_in_plan_order():
+    """See Note [Release point of an offloaded storage]: each block's copies are released at its plan's point."""
     model, cfg = _llama(n_layers=4)
     off = offload_activations(model, "all", record_timeline=True, **CPU)
     _step(model, _batch(cfg), off)

@@ -18,20 +18,24 @@ import logging
 
 import lightning as L
 import pytest
+import test_activation_offload as plain_tests  # the engine tests: model, batch and step helpers
 import torch
 import torch.nn.functional as F
+from test_activation_offload import CPU, _batch, _equal, _llama
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_gh.activation_offload import ActivationOffload, offload_activations
+from lightning_gh.activation_offload.policy import (
+    BlockProfile,
+    StepProfile,
+    plan_auto,
+    plan_first_k,
+    plan_with_recompute,
+)
+from lightning_gh.activation_offload.recompute import BlockRecompute, is_norm_act_module
 from lightning_gh.demo import LlamaLM, MarkovDataModule
 from lightning_gh.demo import model as demo_model
-from lightning_gh.activation_offload import ActivationOffload, offload_activations
-from lightning_gh.activation_offload.policy import BlockProfile, StepProfile, plan_auto, plan_first_k, \
-    plan_with_recompute
-from lightning_gh.activation_offload.recompute import BlockRecompute, is_norm_act_module
-
-import test_activation_offload as plain_tests  # the engine tests: model, batch and step helpers
-from test_activation_offload import CPU, _batch, _equal, _llama
 
 
 class SwiGLUGate(demo_model.SwiGLUGate):

@@ -42,9 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from common import BenchContext, Result, lightning_steps, random_batch, reset_memory, time_fn
-
-from lightning_gh.demo import Llama, LlamaLM, preset
 from lightning_gh.activation_offload import ActivationOffload, offload_activations
+from lightning_gh.demo import Llama, LlamaLM, preset
 
 DEFAULT_PRESETS = ["medium"]
 GIB = 2**30
@@ -258,8 +257,8 @@ def _fwdbwd_variant(ctx: BenchContext, cfg, name: str, label: str, make_ctx: Cal
 
 def _print_norm_act_regions(cfg) -> None:
     """Which submodules of one block recompute="norm-act" checkpoints (built on the meta device: no memory)."""
-    from lightning_gh.demo.model import Block
     from lightning_gh.activation_offload.recompute import is_norm_act_module
+    from lightning_gh.demo.model import Block
 
     try:
         with torch.device("meta"):
@@ -381,7 +380,7 @@ def _parity(rows: dict[str, tuple[Result, _StepMemory]]) -> None:
     if not base:
         return
     ref = torch.stack(base).cpu()
-    for variant, (r, probe) in rows.items():
+    for r, probe in rows.values():
         if probe.losses and len(probe.losses) == len(base):
             diff = (torch.stack(probe.losses).cpu() - ref).abs().max().item()
             r.extra["loss_max_abs_diff"] = diff

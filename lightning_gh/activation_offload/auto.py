@@ -6,6 +6,14 @@ left out) plans with :func:`~lightning_gh.activation_offload.policy.plan_auto`, 
 one is set. The first forward that recomputes tells what the recomputing blocks really keep; the forecast is
 redone once from that.
 
+The plan promises to cost nothing (the copies hide under compute). The first ``profile_steps`` steps with it are
+timed and held against the forecast (the measured steps' own time plus the stall the timeline model predicts); a step
+slower by more than :data:`TOLERANCE` shrinks the plan by its last offloaded block, or undoes it
+(:func:`check_verdict`), and says so in one log line. This needs the backward's end marked
+(:meth:`~lightning_gh.activation_offload.engine.ActivationOffloader.end_backward`; the Lightning callback does) and
+the link measured (``bandwidth_gbps=None``: a given bandwidth is a forecast for that link, not a promise about this
+one).
+
 Example::
 
     >>> from lightning_gh.activation_offload import ActivationOffloadOptions, BlockProfile, StepProfile
@@ -17,6 +25,9 @@ Example::
 
 from __future__ import annotations
 
+import enum
+import logging
+import statistics
 from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
@@ -26,10 +37,42 @@ from lightning_gh.activation_offload.policy import (
     StepProfile,
     median_profile,
     plan_auto,
+    plan_none,
     plan_with_recompute,
 )
 
-__all__ = ["AutoPlanner"]
+__all__ = ["TOLERANCE", "AutoPlanner", "Verdict", "check_verdict"]
+
+log = logging.getLogger(__name__)
+
+#: A step with the ``"auto"`` plan may take this much longer than its forecast before the plan shrinks.
+TOLERANCE = 0.03
+
+
+class Verdict(enum.Enum):
+    """What the timed steps with an ``"auto"`` plan mean for it."""
+
+    KEEP = "keep"  # within the forecast
+    SHRINK = "shrink"  # over it by up to twice the tolerance, with more than one block offloaded: drop the last one
+    UNDO = "undo"  # over it by more, or with one block left: offload nothing
+
+
+def check_verdict(forecast_ms: float, measured_ms: float, offloaded_blocks: int,
+                  tolerance: float = TOLERANCE) -> Verdict:
+    """The decision after timing steps with an ``"auto"`` plan (pure, so its table is tested as written).
+
+    Example::
+
+        >>> check_verdict(100.0, 102.0, 3), check_verdict(100.0, 105.0, 3), check_verdict(100.0, 105.0, 1)
+        (<Verdict.KEEP: 'keep'>, <Verdict.SHRINK: 'shrink'>, <Verdict.UNDO: 'undo'>)
+        >>> check_verdict(100.0, 120.0, 3)
+        <Verdict.UNDO: 'undo'>
+    """
+    if offloaded_blocks == 0 or measured_ms <= forecast_ms * (1.0 + tolerance):
+        return Verdict.KEEP
+    if offloaded_blocks > 1 and measured_ms <= forecast_ms * (1.0 + 2.0 * tolerance):
+        return Verdict.SHRINK
+    return Verdict.UNDO
 
 
 class AutoPlanner:
@@ -49,19 +92,66 @@ class AutoPlanner:
         self.profile: StepProfile | None = None
         self._measured: list[StepProfile] = []
         self._recompute_seen = False
+        self._plain_ms: list[float] = []  # the measured steps' own times (no offload): the reference of the check
+        self._checked: tuple[OffloadPlan, list[float]] | None = None  # the plan being timed, its step times
 
-    def observe(self, steps: Sequence[StepProfile]) -> OffloadPlan | None:
-        """Take in measured steps (not the warm-up); the plan once ``profile_steps`` are in, else ``None``."""
+    def observe(self, steps: Sequence[StepProfile], step_ms: Sequence[float] = ()) -> OffloadPlan | None:
+        """Take in measured steps (not the warm-up) and, where the backward's end was marked, their whole times; the
+        plan once ``profile_steps`` are in, else ``None``."""
         if self.profile is not None:
             return None
         self._measured.extend(steps)
+        self._plain_ms.extend(step_ms)
         if len(self._measured) < self.options.profile_steps:
             return None
         o = self.options
         self.profile = median_profile(self._measured)
         d2h, h2d = self.link()
-        plan = plan_auto(self.profile, d2h, h2d, o.margin, o.skip_last_blocks)
-        return plan_with_recompute(plan, o.recompute, self.profile, d2h, h2d, o.margin)
+        plan = plan_with_recompute(plan_auto(self.profile, d2h, h2d, o.margin, o.skip_last_blocks), o.recompute,
+                                   self.profile, d2h, h2d, o.margin)
+        self._start_check(plan)
+        return plan
+
+    def _start_check(self, plan: OffloadPlan) -> None:
+        # A bandwidth given in the options is a forecast for that link, not a promise about this one: no check.
+        measured_link = self.options.bandwidth_gbps is None
+        self._checked = (plan, []) if measured_link and self._plain_ms and plan.offloaded_blocks else None
+
+    def timing(self, plan: OffloadPlan | None) -> bool:
+        """Whether a step with ``plan`` is to be timed (the plan is being checked)."""
+        return self._checked is not None and plan is self._checked[0]
+
+    def timed(self, plan: OffloadPlan, step_ms: float) -> OffloadPlan | None:
+        """Take in one timed step with ``plan``; a smaller plan (or none) when the plan broke its promise."""
+        if not self.timing(plan):
+            return None
+        times = self._checked[1]
+        times.append(step_ms)
+        if len(times) < self.options.profile_steps:
+            return None
+        self._checked = None
+        plain = statistics.median(self._plain_ms)
+        forecast = plain + (plan.prediction.stall_ms if plan.prediction is not None else 0.0)
+        measured = statistics.median(times)
+        verdict = check_verdict(forecast, measured, len(plan.offloaded_blocks))
+        if verdict is Verdict.KEEP:
+            return None
+        n, o = plan.n_blocks, self.options
+        if verdict is Verdict.SHRINK:
+            last = plan.offloaded_blocks[-1]
+            new = replace(plan, budgets=tuple(0 if i == last else b for i, b in enumerate(plan.budgets)),
+                          prediction=None, recompute=(), modes=())
+            what = f"shrunk to blocks {new.offloaded_blocks}"
+        else:
+            new = replace(plan_none(n, "auto"), notes=plan.notes)
+            what = "undone (nothing offloaded)"
+        line = (f"ActivationOffload auto: the step took {measured:.1f} ms with the plan against {forecast:.1f} ms "
+                f"forecast (the measured steps without offload: {plain:.1f} ms), more than {TOLERANCE:.0%} over; the "
+                f"plan is {what}")
+        log.info(line)
+        new = plan_with_recompute(replace(new, notes=new.notes + (line,)), o.recompute)
+        self._start_check(new)
+        return new
 
     def recompute_measured(self, plan: OffloadPlan, kept: Mapping[int, int]) -> OffloadPlan | None:
         """``plan`` with its forecast redone from what its recomputing blocks kept in their first forward (``kept``:
@@ -79,4 +169,7 @@ class AutoPlanner:
         self.profile = replace(self.profile, blocks=blocks)
         self._recompute_seen = True
         d2h, h2d = self.link()
-        return plan_with_recompute(plan, self.options.recompute, self.profile, d2h, h2d, self.options.margin)
+        new = plan_with_recompute(plan, self.options.recompute, self.profile, d2h, h2d, self.options.margin)
+        if self.timing(plan):  # the same offload: its check goes on
+            self._checked = (new, self._checked[1])
+        return new

@@ -46,7 +46,7 @@ from typing import Any, Iterator, Mapping
 from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload.policy import BlockProfile, OffloadPlan, StepProfile, _schedule, simulate
 
-__all__ = ["Budget", "BudgetForecast", "BudgetProfile", "ModeCost", "OPTIONS_MODES", "compiler_budget",
+__all__ = ["Budget", "BudgetForecast", "BudgetProfile", "ModeCost", "OPTIONS_MODES", "compiler_budget", "evaluate",
            "parse_budget", "plan_budget", "plan_floor"]
 
 GIB = 2**30
@@ -224,6 +224,12 @@ def _evaluate(bp: BudgetProfile, choices: list[tuple[str | None, float]], d2h: f
     modes = tuple(m for m, _ in choices)
     plan = OffloadPlan("budget", bt, release, prefetch, pred, modes=modes if any(modes) else ())
     return act, ms, plan, BudgetForecast(act, ms, plain_ms, pred.stall_ms, extra, tuple(choices))
+
+
+def evaluate(bp: BudgetProfile, choices: list[tuple[str | None, float]], d2h_gbps: float, h2d_gbps: float,
+             margin: float = 0.25) -> tuple[OffloadPlan, BudgetForecast]:
+    """The plan and forecast of one mix: per block, its mode and the share of what it still saves offloaded."""
+    return _evaluate(bp, list(choices), d2h_gbps, h2d_gbps, margin)[2:]
 
 
 def _options(bp: BudgetProfile, i: int, eligible: int) -> list[tuple[str | None, float]]:

@@ -18,7 +18,7 @@ measures one compiled step, ``COMPILED`` has handed the budget to the compiler's
 
 Example::
 
-    >>> from lightning_gh.activation_offload.controller import Kind, measuring_schedule
+    >>> from lightning_gh.activation_offload.controller import measuring_schedule
     >>> [m.label for m in measuring_schedule(modes=("full",), profile_steps=1, weigh_lean_loss=False)]
     ['warm-up', 'raw', 'plain', 'full']
 """
@@ -28,27 +28,34 @@ from __future__ import annotations
 import enum
 import logging
 import statistics
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
-import torch
-from torch import nn
-
-from lightning_gh import hardware
 from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload import budget as _budget
+from lightning_gh.activation_offload.measure import (
+    CompilerKnob,
+    Kind,
+    Measure,
+    MemoryProbe,
+    Observation,
+    floor_mode,
+    floor_schedule,
+    measuring_schedule,
+)
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import (
     BlockProfile,
     OffloadPlan,
     StepProfile,
     median_profile,
+    plan_all,
     plan_none,
     simulate,
 )
 
 __all__ = ["BudgetController", "BudgetState", "Correction", "Kind", "Measure", "MemoryProbe", "Observation",
-           "correction", "measuring_schedule"]
+           "correction", "floor_schedule", "measuring_schedule"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,7 @@ class BudgetState(enum.Enum):
     """Where the controller stands."""
 
     MEASURE = "measure"  # walking the measuring schedule
+    RELAX = "relax"  # a size budget: from the floor towards the plan, a few blocks per measured step
     CORRECT = "correct"  # a plan is adopted; its measured steps correct the overhead estimate
     DONE = "done"  # the plan stays
     COMPILED_MEASURE = "compiled-measure"  # a compiled model: measuring one compiled step
@@ -90,154 +98,18 @@ class BudgetState(enum.Enum):
     FAILED = "failed"  # the budget was refused
 
 
-class Kind(enum.Enum):
-    """What a measured step is for."""
+@dataclass
+class _Relaxation:
+    """A size budget's way from the floor to the plan: the mixes measured so far and the one in flight."""
 
-    WARMUP = "warm-up"  # allocator growth, kernel selection; what the step saves outside the blocks
-    RAW = "raw"  # no engine effect at all (no cast dedupe, no weight re-cast, nothing moved): a fraction's reference
-    PLAIN = "plain"  # the engine's own step with every block keeping what it saves
-    LEAN = "lean-loss"  # plain blocks with the lean causal-LM loss
-    MODE = "mode"  # every block under one recompute mode
-    CHECK = "check"  # a planned step, measured against the budget
-
-
-@dataclass(frozen=True)
-class Measure:
-    """One measured step: what its forward runs and what it is measured for.
-
-    Attributes:
-        kind: see :class:`Kind`.
-        mode: the recompute mode of every block (``Kind.MODE``).
-        lean_loss: the forward runs the lean causal-LM loss.
-        round: the correction round (``Kind.CHECK``).
-    """
-
-    kind: Kind
-    mode: str | None = None
-    lean_loss: bool = False
-    round: int = 0
-
-    @property
-    def raw(self) -> bool:
-        """The step must keep exactly what a plain run keeps (the hooks only count)."""
-        return self.kind is Kind.RAW
-
-    @property
-    def label(self) -> str:
-        return self.mode if self.kind is Kind.MODE else self.kind.value
-
-
-def measuring_schedule(modes: tuple[str, ...], profile_steps: int, weigh_lean_loss: bool) -> tuple[Measure, ...]:
-    """The measuring steps of budget mode, in order.
-
-    Args:
-        modes: the recompute modes the blocks allow (each measured in one step with every block in it).
-        profile_steps: plain steps to measure (their median is the plain profile).
-        weigh_lean_loss: measure the lean loss in one step; the warm-up runs it too, so that what the warm-up saves
-            outside the blocks is the lean head's (the lower bound of the floor) and the measured step is not its
-            first use.
-    """
-    warmup = Measure(Kind.WARMUP, lean_loss=weigh_lean_loss)
-    lean = (Measure(Kind.LEAN, lean_loss=True),) if weigh_lean_loss else ()
-    return ((warmup, Measure(Kind.RAW)) + (Measure(Kind.PLAIN),) * profile_steps + lean
-            + tuple(Measure(Kind.MODE, mode=m) for m in modes))
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What one measured step did, as the engine saw it.
-
-    Attributes:
-        measure: what the step was for.
-        plan: the plan it ran.
-        profile: per-block times and saved bytes (``None``: the step was not timed block by block).
-        used / offloadable / resident: per block, bytes moved, bytes the engine may move, bytes that stayed.
-        rc_cached: per recomputing block, the bytes its selective cache held.
-        other: bytes saved outside the blocks.
-        act_peak: the step's measured activation memory (``None`` where memory cannot be read: a CPU).
-        step_ms: forward + backward time, where the backward's end was marked.
-    """
-
-    measure: Measure
-    plan: OffloadPlan
-    profile: StepProfile | None
-    used: tuple[int, ...]
-    offloadable: tuple[int, ...]
-    resident: tuple[int, ...]
-    rc_cached: Mapping[int, int] = field(default_factory=dict)
-    other: int = 0
-    act_peak: int | None = None
-    step_ms: float | None = None
-
-
-class MemoryProbe:
-    """Reads a step's activation memory on CUDA: its peak allocation above the model state.
-
-    The model state is what is allocated when the step starts, with the gradients counted at their full size
-    whether or not they exist yet (Lightning sets them to ``None`` between steps). Off CUDA every reading is
-    ``None`` and the controller counts the saved bytes the engine tracks instead.
-    """
-
-    def __init__(self, model: nn.Module, device: torch.device | None) -> None:
-        self.model = model
-        self.device = device if device is not None and device.type == "cuda" else None
-
-    def _grad_bytes(self, present: bool) -> int:
-        ps = self.model.parameters()
-        if present:
-            return sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None)
-        return sum(p.numel() * p.element_size() for p in ps if p.requires_grad)
-
-    def start(self) -> int | None:
-        """The model state now (the base of :meth:`peak`); resets the peak statistics."""
-        if self.device is None:
-            return None
-        base = torch.cuda.memory_allocated(self.device) - self._grad_bytes(True) + self._grad_bytes(False)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return base
-
-    def peak(self, base: int | None) -> int | None:
-        """The activation memory since :meth:`start` returned ``base``."""
-        if base is None or self.device is None:
-            return None
-        return torch.cuda.max_memory_allocated(self.device) - base
-
-    def free_bytes(self) -> int | None:
-        """What the device could still allocate (``None`` off CUDA)."""
-        room = hardware.gpu_memory_room(self.device) if self.device is not None else None
-        return None if room is None else room[0] + torch.cuda.memory_reserved(self.device) \
-            - torch.cuda.memory_allocated(self.device)
-
-
-class CompilerKnob:
-    """``torch._functorch.config.activation_memory_budget``, set for a compiled model, restored by :meth:`restore`;
-    and the count of the compiled model's calls with the memory base of the measured one."""
-
-    def __init__(self) -> None:
-        self.previous: float | None = None
-        self.calls = 0
-        self.base: int | None = None
-
-    def set(self, value: float) -> None:
-        import torch._functorch.config as fconfig
-
-        if self.previous is None:
-            self.previous = fconfig.activation_memory_budget
-        if fconfig.activation_memory_budget != value:
-            fconfig.activation_memory_budget = value
-            # The knob is read when a graph is partitioned: a graph compiled before under another value (another
-            # instance of the same model class reuses it) must be dropped.
-            torch._dynamo.reset()
-
-    def restore(self) -> None:
-        import torch._functorch.config as fconfig
-
-        if self.previous is None:
-            return
-        if fconfig.activation_memory_budget != self.previous:
-            fconfig.activation_memory_budget = self.previous
-            torch._dynamo.reset()  # graphs partitioned under our budget must not serve later compiles
-        self.previous = None
+    bp: _budget.BudgetProfile
+    target: list[tuple[str | None, float]]  # the planner's mix
+    current: list[tuple[str | None, float]]  # the last mix measured within the budget (the floor's at first)
+    measured: int  # its measured activation memory
+    block_bytes: int = 0  # the most one sampled block measured above the floor: what relaxing one block may add
+    correction: int = 0  # measured minus predicted, for the current mix
+    pending: tuple[list[tuple[str | None, float]], OffloadPlan, _budget.BudgetForecast] | None = None
+    steps: int = 0
 
 
 class BudgetController:
@@ -281,6 +153,7 @@ class BudgetController:
         self._seen: dict[Measure, list[Observation]] = {}
         self.outside_bytes: int | None = None  # what the warm-up saved outside the blocks: a lower bound of the floor
         self._round = 0
+        self._relax: _Relaxation | None = None
         self.knob = CompilerKnob()
         self.plan: OffloadPlan | None = None
         self.profile: _budget.BudgetProfile | None = None
@@ -296,8 +169,21 @@ class BudgetController:
     # ------------------------------------------------------------------------------------ the two calls
 
     def start(self, modes: tuple[str, ...], weigh_lean_loss: bool) -> None:
-        """Begin measuring: ``modes`` are the recompute modes the blocks allow."""
-        self.schedule = measuring_schedule(modes, self.options.profile_steps, weigh_lean_loss)
+        """Begin measuring: ``modes`` are the recompute modes the blocks allow.
+
+        A size budget never runs the plain step: it measures from the floor (:func:`floor_schedule`) and relaxes
+        towards the plan. A fraction needs the plain step's activation memory; where the device's free memory can be
+        read, a floor step and one block kept first predict whether the plain step fits (a clear error if not).
+        """
+        steps = self.options.profile_steps
+        if self.budget.bytes is not None:
+            self.schedule = floor_schedule(modes, steps, weigh_lean_loss)
+        else:
+            self.schedule = measuring_schedule(modes, steps, weigh_lean_loss)
+            if self.probe.free_bytes() is not None:
+                fm = floor_mode(modes)
+                self.schedule = (Measure(Kind.WARMUP, floor_mode=fm), Measure(Kind.SAMPLE, floor_mode=fm)) \
+                    + self.schedule
         self.state = BudgetState.MEASURE
 
     def next_forward(self) -> tuple[OffloadPlan, Measure | None]:
@@ -306,6 +192,10 @@ class BudgetController:
             m = self.schedule[self._issued] if self._issued < len(self.schedule) else Measure(Kind.PLAIN)
             self._issued += 1
             return self._measuring_plan(m), m
+        if self.state is BudgetState.RELAX:
+            pending = self._relax_next()
+            if pending is not None:
+                return pending[1], Measure(Kind.RELAX, round=self._relax.steps)
         assert self.plan is not None
         if self.state is BudgetState.CORRECT:
             return self.plan, Measure(Kind.CHECK, round=self._round)
@@ -314,7 +204,10 @@ class BudgetController:
     def wants(self, measure: Measure, plan: OffloadPlan) -> bool:
         """Whether an observation of this step still matters (older steps finishing late are dropped)."""
         if self.state is BudgetState.MEASURE:
-            return measure.kind is not Kind.CHECK
+            return measure.kind not in (Kind.CHECK, Kind.RELAX)
+        if self.state is BudgetState.RELAX:
+            r = self._relax
+            return measure.kind is Kind.RELAX and r.pending is not None and plan is r.pending[1]
         return self.state is BudgetState.CORRECT and measure.kind is Kind.CHECK and plan is self.plan
 
     def observe(self, obs: Observation) -> None:
@@ -324,7 +217,10 @@ class BudgetController:
         kind = obs.measure.kind
         if kind is Kind.WARMUP:
             self.outside_bytes = obs.other
+            self._seen.setdefault(obs.measure, []).append(obs)
             self._check_lower_bound()
+            if obs.measure.from_floor:
+                self._check_floor(obs)
         elif kind is Kind.RAW:
             self._seen[obs.measure] = [obs]
             if obs.act_peak is not None:
@@ -332,13 +228,20 @@ class BudgetController:
             self._check_lower_bound()
         elif kind is Kind.CHECK:
             self._correct(obs)
+        elif kind is Kind.RELAX:
+            self._relaxed(obs)
         elif obs.profile is not None:
             self._seen.setdefault(obs.measure, []).append(obs)
+            if kind is Kind.SAMPLE and self.budget.fraction is not None:
+                self._check_plain_fits(obs)
 
     def after_observations(self) -> None:
         """Plan once every measuring step of the schedule has been observed."""
         if self.state is BudgetState.MEASURE:
-            self._make_plan()
+            if self.budget.bytes is not None:
+                self._plan_from_floor()
+            else:
+                self._make_plan()
 
     @property
     def round(self) -> int:
@@ -356,8 +259,19 @@ class BudgetController:
 
     # ------------------------------------------------------------------------------------ measuring
 
+    def _floor_plan(self, fm: str | None, label: str) -> OffloadPlan:
+        o = self.options
+        plan = plan_all(self.n, o.skip_last_blocks, o.max_inflight_blocks, o.prefetch_blocks)
+        return replace(plan, policy=label, notes=(), modes=(fm,) * self.n if fm else ())
+
     def _measuring_plan(self, m: Measure) -> OffloadPlan:
         label = {Kind.WARMUP: "budget-warmup", Kind.RAW: "budget-raw"}.get(m.kind, "budget-measure")
+        if m.from_floor:
+            plan = self._floor_plan(m.floor_mode, label)
+            if m.kind is Kind.SAMPLE:  # block 0 in the sampled mode, all it saves offloaded
+                modes = (m.mode,) + (m.floor_mode,) * (self.n - 1)
+                plan = replace(plan, budgets=(None,) + plan.budgets[1:], modes=modes if any(modes) else ())
+            return replace(plan, lean_loss=m.lean_loss)
         plan = plan_none(self.n, label)
         if m.lean_loss:
             plan = replace(plan, lean_loss=True)
@@ -368,9 +282,9 @@ class BudgetController:
     def _plain_seen(self) -> list[Observation]:
         return self._seen.get(Measure(Kind.PLAIN), [])
 
-    def _ready(self) -> bool:
+    def _ready(self, counted: Kind = Kind.PLAIN) -> bool:
         return all(m.kind is Kind.WARMUP or m in self._seen for m in self.schedule) \
-            and len(self._plain_seen()) >= self.options.profile_steps
+            and sum(len(v) for m, v in self._seen.items() if m.kind is counted) >= self.options.profile_steps
 
     def _link(self) -> tuple[float, float, float, int]:
         d2h, h2d = self.link()
@@ -486,6 +400,148 @@ class BudgetController:
             "what the step saves outside the transformer blocks (embedding, final norm, head and logits) stays "
             f"on the device under every plan. Raise the budget above {fmt_bytes(other)} (the exact floor is measured "
             f"in the next steps), or shrink the batch or sequence. Checked after {self._issued} step(s).")
+
+    # ------------------------------------------------------------------------------------ from the floor
+
+    def _check_floor(self, warmup: Observation) -> None:
+        """A size budget below the floor's measured activation memory is refused after the floor's warm-up step."""
+        floor = warmup.act_peak
+        if floor is None or self.budget.bytes is None or self.budget.bytes >= floor:
+            return
+        self.state = BudgetState.FAILED
+        raise ValueError(
+            f"ActivationOffload budget={self.options.budget!r}: {fmt_bytes(self.budget.bytes)} of activation memory "
+            f"is below the floor of full recompute plus offload, {fmt_bytes(floor)} measured on this model and batch "
+            f"(the warm-up step ran the floor). Raise the budget to at least {fmt_bytes(floor)}, or shrink the batch "
+            f"or sequence. Checked after {self._issued} step(s), before any step above the floor.")
+
+    def _check_plain_fits(self, sample: Observation) -> None:
+        """A fraction needs the plain step: refuse it, naming the size form, when one measured block x the blocks
+        predicts that the plain step does not fit in the device's free memory."""
+        free = self.probe.free_bytes()
+        warm = next((o for m, v in self._seen.items() if m.kind is Kind.WARMUP and m.from_floor for o in v), None)
+        if free is None or warm is None or warm.act_peak is None:
+            return
+        block = sample.profile.blocks[0].saved_bytes
+        predicted = warm.act_peak - sum(warm.resident) + self.n * block
+        if predicted <= free:
+            return
+        self.state = BudgetState.FAILED
+        size = f"{max(self.budget.fraction * min(predicted, free), 2**30) / 2**30:.0f}GiB"
+        raise ValueError(
+            f"ActivationOffload budget={self.options.budget!r} is a fraction of the plain step's activation memory, "
+            f"and the plain step would not fit: one measured block x {self.n} blocks predicts {fmt_bytes(predicted)}, "
+            f"the device has {fmt_bytes(free)} free. Give the budget as a size instead (e.g. budget=\"{size}\"): a "
+            "size budget plans from the floor and never runs the plain step.")
+
+    def explain_out_of_memory(self, measure: Measure) -> ValueError | None:
+        """The error to raise instead of an out-of-memory error in the measuring step ``measure`` (``None``: none)."""
+        if self.budget.fraction is None or measure.from_floor or measure.kind not in (Kind.WARMUP, Kind.RAW, Kind.PLAIN,
+                                                                                      Kind.LEAN, Kind.MODE):
+            return None
+        self.state = BudgetState.FAILED
+        return ValueError(
+            f"ActivationOffload budget={self.options.budget!r} is a fraction of the plain step's activation memory, "
+            f"and the step that measures it ran out of device memory. Give the budget as a size instead (e.g. "
+            "budget=\"24GiB\"): a size budget plans from the floor and never runs the plain step.")
+
+    def _plan_from_floor(self) -> None:
+        """A size budget's plan from the floor and sample steps; then relax towards it."""
+        if not self._ready(Kind.FLOOR):
+            return
+        floor = [o for m, v in self._seen.items() if m.kind is Kind.FLOOR for o in v]
+        samples = {m.mode: v[0] for m, v in self._seen.items() if m.kind is Kind.SAMPLE}
+        fm = self.schedule[0].floor_mode
+        fprof = median_profile([o.profile for o in floor])
+        plain = samples[None].profile.blocks[0] if None in samples else fprof.blocks[0]
+        base = plain.forward_ms + plain.backward_ms
+        step = StepProfile((plain,) * self.n, fprof.tail_forward_ms, fprof.tail_backward_ms, fprof.other_bytes)
+        costs: list[dict[str | None, _budget.ModeCost]] = []
+        for i in range(self.n):
+            c: dict[str | None, _budget.ModeCost] = {}
+            for mode, o, j, prof in [(m, o, 0, o.profile) for m, o in samples.items() if m is not None] + \
+                    ([(fm, floor[0], i, fprof)] if fm is not None else []):
+                kept = o.resident[j] + o.used[j] + o.rc_cached.get(j, 0)
+                extra = max(0.0, prof.blocks[j].forward_ms + prof.blocks[j].backward_ms - base)
+                c[mode] = _budget.ModeCost(kept, min(o.offloadable[j], kept), extra)
+            costs.append(c)
+        bp = _budget.BudgetProfile(step, tuple(costs), 0)
+        d2h, h2d, margin, skip = self._link()
+        eligible = max(0, self.n - skip)
+        fmix = [(fm, 1.0 if i < eligible and bp.costs[i][fm].offloadable_bytes else 0.0) for i in range(self.n)]
+        model = _budget.evaluate(bp, fmix, d2h, h2d, margin)[1].activation_bytes
+        peaks = [o.act_peak for o in floor if o.act_peak is not None]
+        measured = int(statistics.median(peaks)) if peaks else model
+        self.profile = bp = bp.with_overhead(measured - model)
+        self.budget_bytes = budget = self.budget.bytes
+        self.lean = self.schedule[0].lean_loss
+        self.plain_activation_bytes = _budget.evaluate(bp, [(None, 0.0)] * self.n, d2h, h2d, margin)[1].activation_bytes
+        try:
+            _, fc = _budget.plan_budget(bp, budget, d2h, h2d, margin, skip)
+        except ValueError as e:
+            self.state = BudgetState.FAILED
+            raise ValueError(f"ActivationOffload budget={self.options.budget!r}: {e} Checked after the {self._issued} "
+                             "measuring steps, all at the floor, before any step above it.") from None
+        sampled = [o.act_peak for o in samples.values() if o.act_peak is not None]
+        self._relax = _Relaxation(bp, list(fc.choices), fmix, measured, max([p - measured for p in sampled] + [0]))
+        self.state = BudgetState.RELAX
+
+    def _relax_next(self) -> tuple[list[tuple[str | None, float]], OffloadPlan, _budget.BudgetForecast] | None:
+        """The next mix to measure: the current one with one more block at the plan's choice, if it is predicted to fit
+        the budget both ways (the planner's model corrected by the current mix's measurement, and the current
+        measurement plus the most a sampled block added to the floor); ``None``: relaxing is over."""
+        r = self._relax
+        if r.pending is not None:
+            return r.pending
+        d2h, h2d, margin, _ = self._link()
+        for i in [i for i in range(self.n) if r.current[i] != r.target[i]]:
+            mix = [r.target[i] if j == i else c for j, c in enumerate(r.current)]
+            plan, fc = _budget.evaluate(r.bp, mix, d2h, h2d, margin)
+            if max(fc.activation_bytes + r.correction, r.measured + r.block_bytes) <= self.budget_bytes:
+                r.pending = (mix, replace(plan, lean_loss=self.lean), fc)
+                return r.pending
+        self._finish_relax("the next block's plan would not fit" if any(
+            r.current[i] != r.target[i] for i in range(self.n)) else "the plan is reached")
+        return None
+
+    def _relaxed(self, obs: Observation) -> None:
+        r = self._relax
+        mix, _, fc = r.pending
+        r.pending, r.steps = None, r.steps + 1
+        measured = obs.act_peak if obs.act_peak is not None else self._tracked_activation(obs)
+        self.log.append({"activation_budget/relax_step": float(r.steps),
+                         "activation_budget/achieved_gib": measured / 2**30,
+                         "activation_budget/predicted_gib": (fc.activation_bytes + r.correction) / 2**30,
+                         "activation_budget/target_gib": self.budget_bytes / 2**30})
+        if measured > self.budget_bytes:
+            log.warning("ActivationOffload budget: relaxing step %d measured %s, above the budget of %s; the previous "
+                        "mix stays", r.steps, fmt_bytes(measured), fmt_bytes(self.budget_bytes))
+            self._finish_relax("a relaxing step measured above the budget")
+            return
+        r.current, r.measured, r.correction = mix, measured, measured - fc.activation_bytes
+        if r.current == r.target:
+            self._finish_relax("the plan is reached")
+
+    def _finish_relax(self, why: str) -> None:
+        r = self._relax
+        d2h, h2d, margin, _ = self._link()
+        plan, fc = _budget.evaluate(r.bp, r.current, d2h, h2d, margin)
+        nothing = not plan.offloaded_blocks and not plan.recompute
+        note = (f"budget {fmt_bytes(self.budget_bytes)} (a size: planned from the floor, the plain step never run, "
+                f"predicted {fmt_bytes(self.plain_activation_bytes)}); relaxed from the floor in {r.steps} measured "
+                f"step(s), {why}: {fc.describe_choices()}; measured {fmt_bytes(r.measured)}, predicted "
+                f"{fc.step_ms:.1f} ms fwd+bwd ({fc.ratio:.2f}x the plain step's prediction)"
+                + ("; nothing to do" if nothing else ""))
+        self.plan = replace(plan, notes=(note,), lean_loss=self.lean)
+        self.forecast = replace(fc, activation_bytes=fc.activation_bytes + r.correction)
+        self.achieved_bytes = r.measured
+        self.state = BudgetState.DONE
+        self.log.append({"activation_budget/target_gib": self.budget_bytes / 2**30,
+                         "activation_budget/predicted_gib": self.forecast.activation_bytes / 2**30,
+                         "activation_budget/achieved_gib": r.measured / 2**30,
+                         "activation_budget/predicted_ms": fc.step_ms,
+                         "activation_budget/lean_loss": float(self.lean)})
+        self.on_plan(self.plan)
 
     # ------------------------------------------------------------------------------------ planned steps
 

@@ -206,8 +206,14 @@ class ActivationOffloader(SavedTensorHooks):
         self.begin_forward()
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        fwd = self._fwd
         self.end_forward()
+        if isinstance(exc, torch.cuda.OutOfMemoryError) and self.budget is not None and fwd is not None \
+                and fwd.measure is not None:
+            err = self.budget.explain_out_of_memory(fwd.measure)
+            if err is not None:
+                raise err from exc
         return False
 
     def begin_forward(self) -> None:
@@ -236,7 +242,7 @@ class ActivationOffloader(SavedTensorHooks):
         measure = None
         if self.budget is not None:
             plan, measure = self.budget.next_forward()
-            profiling = measure is not None and measure.kind is not Kind.CHECK
+            profiling = measure is not None and measure.kind not in (Kind.CHECK, Kind.RELAX)
         else:
             profiling = self.auto is not None and self.plan is None
             plan = plan_none(len(self.blocks), "profiling") if profiling else self.plan
@@ -244,6 +250,7 @@ class ActivationOffloader(SavedTensorHooks):
         fwd = Forward(self._forwards, plan, profiling, measure)
         if measure is not None:
             fwd.mem_base = self.budget.probe.start()
+        if measure is not None or (self.auto is not None and (profiling or self.auto.timing(plan))):
             fwd.marks["t0"] = self._clock.mark()
         self._forwards += 1
         self.stats.forwards += 1
@@ -303,7 +310,7 @@ class ActivationOffloader(SavedTensorHooks):
             for point in sorted(fwd.pending):
                 self._release_point(fwd, point)  # See Note [Release point of an offloaded storage]
             fwd.current = None
-            if fwd.profiling or fwd.measure is not None:
+            if fwd.profiling or "t0" in fwd.marks:
                 fwd.marks["fwd_end"] = self._clock.mark()
                 self._measured.append(fwd)
             self.stats.last_offloaded_bytes = sum(fwd.used)
@@ -490,7 +497,7 @@ class ActivationOffloader(SavedTensorHooks):
         """Hand the measured forwards whose backward has ended to the controller or the ``"auto"`` planner."""
         ctl = self.budget
         if ctl is not None:
-            if ctl.state not in (BudgetState.MEASURE, BudgetState.CORRECT):
+            if ctl.state not in (BudgetState.MEASURE, BudgetState.RELAX, BudgetState.CORRECT):
                 return
             for fwd in list(self._measured):
                 if fwd.measure is None or not ("bwd_end" in fwd.marks or fwd.bwd_point <= 0):
@@ -501,17 +508,24 @@ class ActivationOffloader(SavedTensorHooks):
                 ctl.observe(self._observation(fwd))
             ctl.after_observations()
             return
-        if self.auto is None or self.plan is not None or not self._measured:
+        if self.auto is None or not self._measured:
             return
-        steps = []
+        steps, times, plan = [], [], None
         for fwd in [f for f in self._measured if f.bwd_point <= 0 or "bwd_end" in f.marks]:
             self._measured.remove(fwd)
+            ms = self._clock.ms(fwd.marks["t0"], fwd.marks["bwd_end"]) if "bwd_end" in fwd.marks else None
+            if not fwd.profiling:
+                if ms is not None:
+                    plan = self.auto.timed(fwd.plan, ms) or plan
+                continue
             if fwd.index == 0:
                 continue  # warm-up: allocator growth, kernel selection, lazy initialisation
             prof = self._measure(fwd)
             if prof is not None:
                 steps.append(prof)
-        plan = self.auto.observe(steps) if steps else None
+                times += [ms] if ms is not None else []
+        if steps and self.plan is None:
+            plan = self.auto.observe(steps, times)
         if plan is not None:
             self._adopt(plan)
 

@@ -95,11 +95,13 @@ class ActivationOffloadOptions:
             (``0.5``: half), measured by the engine in one step where it changes nothing (no cast deduplication, no
             weight re-cast, nothing moved). Activation memory is the step's peak allocation minus the model state
             (weights, their gradients, optimizer state). The first steps measure each block under every way of
-            saving memory (keep, offload, ``"norm-act"``, ``"selective"`` and ``"full"`` recompute), a planner
-            picks per block the mix that fits at the lowest predicted step time, and up to two correction rounds
-            adjust it to the measured peak. A budget below the floor is a ``ValueError`` naming the floor in GiB,
-            raised after the warm-up step when it is below what the step saves outside the blocks, else after the
-            measuring steps, before any planned step. Needs ``policy="auto"`` (the default) and ``recompute=None``:
+            saving memory (keep, offload, ``"norm-act"``, ``"selective"`` and ``"full"`` recompute) and a planner
+            picks per block the mix that fits at the lowest predicted step time. A size never runs the plain step:
+            it measures from the floor (every block at its least memory) and one block in each other mode, then
+            relaxes from the floor towards the plan one block per measured step while the prediction fits. A
+            fraction measures the plain step (refused, naming the size form, where one measured block predicts it
+            would not fit the device) and up to two correction rounds adjust the plan to the measured peak. A budget
+            below the floor is a ``ValueError`` naming the floor, raised before any step above the floor. Needs ``policy="auto"`` (the default) and ``recompute=None``:
             the planner chooses both. On a ``torch.compile``'d model it sets the compiler's own
             ``activation_memory_budget`` instead (a fraction is then handed to it as is).
         lean_loss: the loss of a Hugging Face causal LM (its ``loss_function``) computed without fp32 copies of the

@@ -1,0 +1,216 @@
+"""What budget mode measures: the records of its measuring steps, their schedules, and how memory is read.
+
+:class:`Measure` says what one measured step is for (:class:`Kind`); :func:`measuring_schedule` (a fraction budget:
+the plain step is its reference) and :func:`floor_schedule` (a size budget: every step from the floor) list them in
+order; :class:`Observation` is what the engine saw in one of them; :class:`MemoryProbe` reads a step's activation
+memory on CUDA; :class:`CompilerKnob` holds the compiler's ``activation_memory_budget`` for a compiled model. The
+decisions are the :class:`~lightning_gh.activation_offload.controller.BudgetController`'s.
+
+Example::
+
+    >>> [m.label for m in measuring_schedule(modes=("full",), profile_steps=1, weigh_lean_loss=False)]
+    ['warm-up', 'raw', 'plain', 'full']
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from lightning_gh import hardware
+from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
+
+__all__ = ["CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "floor_mode", "floor_schedule",
+           "measuring_schedule"]
+
+
+class Kind(enum.Enum):
+    """What a measured step is for."""
+
+    WARMUP = "warm-up"  # allocator growth, kernel selection; what the step saves outside the blocks
+    RAW = "raw"  # no engine effect at all (no cast dedupe, no weight re-cast, nothing moved): a fraction's reference
+    PLAIN = "plain"  # the engine's own step with every block keeping what it saves
+    LEAN = "lean-loss"  # plain blocks with the lean causal-LM loss
+    MODE = "mode"  # every block under one recompute mode
+    CHECK = "check"  # a planned step, measured against the budget
+    FLOOR = "floor"  # the floor plan: every block at its least memory (a size budget's measured steps start here)
+    SAMPLE = "sample"  # the floor plan, but block 0 in one mode with all it saves offloaded: that mode's costs
+    RELAX = "relax"  # a mix between the floor and the plan, measured against the budget
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One measured step: what its forward runs and what it is measured for.
+
+    Attributes:
+        kind: see :class:`Kind`.
+        mode: the recompute mode of every block (``Kind.MODE``).
+        lean_loss: the forward runs the lean causal-LM loss.
+        round: the correction round (``Kind.CHECK``) or relaxation step (``Kind.RELAX``).
+        floor_mode: for steps from the floor (``Kind.FLOOR``, ``Kind.SAMPLE``, a size budget's warm-up): the
+            recompute mode of the blocks at their least memory (``None``: offload alone); ``""``: not such a step.
+    """
+
+    kind: Kind
+    mode: str | None = None
+    lean_loss: bool = False
+    round: int = 0
+    floor_mode: str | None = ""
+
+    @property
+    def from_floor(self) -> bool:
+        return self.floor_mode != ""
+
+    @property
+    def raw(self) -> bool:
+        """The step must keep exactly what a plain run keeps (the hooks only count)."""
+        return self.kind is Kind.RAW
+
+    @property
+    def label(self) -> str:
+        if self.kind is Kind.SAMPLE:
+            return f"sample {self.mode or 'keep'}"
+        return self.mode if self.kind is Kind.MODE else self.kind.value
+
+
+def measuring_schedule(modes: tuple[str, ...], profile_steps: int, weigh_lean_loss: bool) -> tuple[Measure, ...]:
+    """The measuring steps of budget mode, in order.
+
+    Args:
+        modes: the recompute modes the blocks allow (each measured in one step with every block in it).
+        profile_steps: plain steps to measure (their median is the plain profile).
+        weigh_lean_loss: measure the lean loss in one step; the warm-up runs it too, so that what the warm-up saves
+            outside the blocks is the lean head's (the lower bound of the floor) and the measured step is not its
+            first use.
+    """
+    warmup = Measure(Kind.WARMUP, lean_loss=weigh_lean_loss)
+    lean = (Measure(Kind.LEAN, lean_loss=True),) if weigh_lean_loss else ()
+    return ((warmup, Measure(Kind.RAW)) + (Measure(Kind.PLAIN),) * profile_steps + lean
+            + tuple(Measure(Kind.MODE, mode=m) for m in modes))
+
+
+def floor_schedule(modes: tuple[str, ...], profile_steps: int, weigh_lean_loss: bool) -> tuple[Measure, ...]:
+    """The measuring steps of a size budget: none of them runs more than the floor plus one block.
+
+    A warm-up and ``profile_steps`` steps at the floor (every block in its least-memory mode, what it still saves
+    offloaded but in the last ``skip_last_blocks``), then one step per other mode (keeping included) with block 0 in
+    that mode and everything it saves offloaded; the blocks are alike, so block 0's costs stand for every block's.
+    The lean loss, where weighed, runs in every step (the head at its least memory too).
+
+    Example::
+
+        >>> [m.label for m in floor_schedule(("norm-act", "full"), 1, False)]
+        ['warm-up', 'floor', 'sample keep', 'sample norm-act']
+    """
+    fm = floor_mode(modes)
+    lean = weigh_lean_loss
+    return ((Measure(Kind.WARMUP, lean_loss=lean, floor_mode=fm),)
+            + (Measure(Kind.FLOOR, lean_loss=lean, floor_mode=fm),) * profile_steps
+            + tuple(Measure(Kind.SAMPLE, mode=m, lean_loss=lean, floor_mode=fm)
+                    for m in (None,) + tuple(modes) if m != fm))
+
+
+def floor_mode(modes: tuple[str, ...]) -> str | None:
+    """The recompute mode that keeps least of a block: full, else selective, else norm-act, else none."""
+    return next((m for m in ("full", "selective", "norm-act") if m in modes), None)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one measured step did, as the engine saw it.
+
+    Attributes:
+        measure: what the step was for.
+        plan: the plan it ran.
+        profile: per-block times and saved bytes (``None``: the step was not timed block by block).
+        used / offloadable / resident: per block, bytes moved, bytes the engine may move, bytes that stayed.
+        rc_cached: per recomputing block, the bytes its selective cache held.
+        other: bytes saved outside the blocks.
+        act_peak: the step's measured activation memory (``None`` where memory cannot be read: a CPU).
+        step_ms: forward + backward time, where the backward's end was marked.
+    """
+
+    measure: Measure
+    plan: OffloadPlan
+    profile: StepProfile | None
+    used: tuple[int, ...]
+    offloadable: tuple[int, ...]
+    resident: tuple[int, ...]
+    rc_cached: Mapping[int, int] = field(default_factory=dict)
+    other: int = 0
+    act_peak: int | None = None
+    step_ms: float | None = None
+
+
+class MemoryProbe:
+    """Reads a step's activation memory on CUDA: its peak allocation above the model state.
+
+    The model state is what is allocated when the step starts, with the gradients counted at their full size
+    whether or not they exist yet (Lightning sets them to ``None`` between steps). Off CUDA every reading is
+    ``None`` and the controller counts the saved bytes the engine tracks instead.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | None) -> None:
+        self.model = model
+        self.device = device if device is not None and device.type == "cuda" else None
+
+    def _grad_bytes(self, present: bool) -> int:
+        ps = self.model.parameters()
+        if present:
+            return sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None)
+        return sum(p.numel() * p.element_size() for p in ps if p.requires_grad)
+
+    def start(self) -> int | None:
+        """The model state now (the base of :meth:`peak`); resets the peak statistics."""
+        if self.device is None:
+            return None
+        base = torch.cuda.memory_allocated(self.device) - self._grad_bytes(True) + self._grad_bytes(False)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return base
+
+    def peak(self, base: int | None) -> int | None:
+        """The activation memory since :meth:`start` returned ``base``."""
+        if base is None or self.device is None:
+            return None
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    def free_bytes(self) -> int | None:
+        """What the device could still allocate (``None`` off CUDA)."""
+        room = hardware.gpu_memory_room(self.device) if self.device is not None else None
+        return None if room is None else room[0] + torch.cuda.memory_reserved(self.device) \
+            - torch.cuda.memory_allocated(self.device)
+
+
+class CompilerKnob:
+    """``torch._functorch.config.activation_memory_budget``, set for a compiled model, restored by :meth:`restore`;
+    and the count of the compiled model's calls with the memory base of the measured one."""
+
+    def __init__(self) -> None:
+        self.previous: float | None = None
+        self.calls = 0
+        self.base: int | None = None
+
+    def set(self, value: float) -> None:
+        import torch._functorch.config as fconfig
+
+        if self.previous is None:
+            self.previous = fconfig.activation_memory_budget
+        if fconfig.activation_memory_budget != value:
+            fconfig.activation_memory_budget = value
+            # The knob is read when a graph is partitioned: a graph compiled before under another value (another
+            # instance of the same model class reuses it) must be dropped.
+            torch._dynamo.reset()
+
+    def restore(self) -> None:
+        import torch._functorch.config as fconfig
+
+        if self.previous is None:
+            return
+        if fconfig.activation_memory_budget != self.previous:
+            fconfig.activation_memory_budget = self.previous
+            torch._dynamo.reset()  # graphs partitioned under our budget must not serve later compiles
+        self.previous = None

@@ -1,0 +1,130 @@
+"""A budget that never needs the plain step: a size budget measures from the floor and relaxes towards its plan, never
+above the budget; a fraction whose plain step would not fit is refused naming the size form; a size below the floor is
+refused after the floor's warm-up. On the CPU, host-copy engine, with a fake memory probe that reads the device bytes
+the engine tracks (saved activations in the blocks plus what the step saves outside them) as the step's peak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gh.activation_offload import engine as engine_mod
+from lightning_gh.activation_offload import offload_activations
+from lightning_gh.activation_offload.controller import BudgetState, Kind
+
+transformers = pytest.importorskip("transformers")
+
+from test_activation_budget import _data, _hf  # noqa: E402  (the tiny HF Llama and its batches)
+
+
+class TrackedProbe:
+    """Fake CUDA memory statistics: the peak of the engine's tracked device bytes since ``start``."""
+
+    def __init__(self, free=None):
+        self.engine = None
+        self.free = free
+        self.readings: list[tuple[object, int]] = []
+
+    def start(self):
+        self.engine.stats.peak_device_saved_bytes = self.engine._saved_bytes
+        return 0
+
+    def peak(self, base):
+        fwd = self.engine._measured[-1] if self.engine._measured else None
+        value = self.engine.stats.peak_device_saved_bytes + (fwd.other if fwd is not None else 0)
+        self.readings.append((fwd.measure if fwd is not None else None, value))
+        return value
+
+    def free_bytes(self):
+        return self.free
+
+
+def _engine(monkeypatch, budget, probe, **kw):
+    model = _hf()
+    monkeypatch.setattr(engine_mod, "MemoryProbe", lambda m, device: probe)
+    off = offload_activations(model, budget=budget, backend="host-copy", min_tensor_bytes=1, profile_steps=1,
+                              bandwidth_gbps=1000.0, **kw)
+    probe.engine = off
+    plans = []
+    install = off._install
+    monkeypatch.setattr(off, "_install", lambda fwd: (plans.append(fwd.plan), install(fwd)))
+    return model, off, plans
+
+
+def _train(model, off, steps):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    losses = []
+    for batch in list(_data(2 * steps))[:steps]:
+        with off:
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        off.end_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _is_plain(plan):
+    return not plan.offloaded_blocks and not plan.recompute
+
+
+def test_size_budget_never_runs_the_plain_step_and_relaxes_up_to_the_budget(monkeypatch):
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, "1GiB", probe)
+    _train(model, off, 5)  # warm-up, floor step, one block sampled in each mode
+    one_block = max(v for _, v in probe.readings)
+    # a fresh engine whose budget sits between the floor plus one block and a plain step
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, int(one_block * 1.35), probe)
+    _train(model, off, 16)
+    b = off.budget
+    assert b.state is BudgetState.DONE and off.plan.policy == "budget"
+    assert not any(_is_plain(p) for p in plans), [p.policy for p in plans]  # no plain step, not even to warm up
+    assert all(v <= b.budget_bytes for _, v in probe.readings), (probe.readings, b.budget_bytes)
+    kinds = [m.kind for m, _ in probe.readings]
+    assert kinds[:2] == [Kind.WARMUP, Kind.FLOOR] and Kind.RELAX in kinds and Kind.RAW not in kinds
+    assert b.achieved_bytes <= b.budget_bytes and b.forecast is not None
+    assert b.plain_activation_bytes > b.budget_bytes  # predicted, never measured
+    assert not _is_plain(off.plan)  # the relaxation stopped at the budget, short of keeping everything
+    assert "planned from the floor, the plain step never run" in off.plan.describe()
+
+
+def test_size_budget_above_need_relaxes_to_keeping_everything(monkeypatch):
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, "64GiB", probe)
+    _train(model, off, 12)
+    assert off.budget.state is BudgetState.DONE and _is_plain(off.plan) and "nothing to do" in off.plan.describe()
+    assert sum(_is_plain(p) for p in plans) == 0 or _is_plain(plans[-1])  # only once relaxed all the way
+
+
+def test_size_budget_below_the_floor_is_refused_after_the_floor_warmup(monkeypatch):
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, "1GiB", probe)
+    _train(model, off, 1)
+    floor = probe.readings[0][1]  # the warm-up runs the floor
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, floor - 1, probe)
+    with pytest.raises(ValueError, match=r"below the floor of full recompute plus offload.*Checked after 1 step\(s\)"):
+        _train(model, off, 4)
+    assert len(plans) == 1 and plans[0].policy == "budget-warmup" and plans[0].offloaded_blocks
+    assert off.budget.state is BudgetState.FAILED
+
+
+def test_fraction_whose_plain_step_would_not_fit_names_the_size_form(monkeypatch):
+    probe = TrackedProbe(free=1)  # a device with no free memory left
+    model, off, plans = _engine(monkeypatch, 0.5, probe)
+    with pytest.raises(ValueError, match=r'budget=0.5 is a fraction .* would not fit: one measured block x 3 blocks '
+                                         r'predicts .* Give the budget as a size instead \(e.g. budget="\d+GiB"\)'):
+        _train(model, off, 4)
+    assert [p.policy for p in plans] == ["budget-warmup", "budget-measure"]
+    assert not any(_is_plain(p) for p in plans)
+
+
+def test_fraction_that_fits_measures_the_plain_step_as_before(monkeypatch):
+    probe = TrackedProbe(free=2**40)
+    model, off, plans = _engine(monkeypatch, 0.6, probe)
+    _train(model, off, 14)
+    b = off.budget
+    assert [m.label for m in b.schedule[:4]] == ["warm-up", "sample keep", "warm-up", "raw"]
+    assert b.budget_bytes == int(0.6 * b.plain_activation_bytes) and b.forecast is not None

@@ -36,6 +36,8 @@ PARTS: tuple[str, ...] = (
     "SuperOffload",
     "GenerationCallback",
     "ManagedOptimizerState",
+    "MemoryReport",
+    "ThroughputMonitor",
 )
 
 

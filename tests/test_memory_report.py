@@ -133,3 +133,17 @@ def test_bad_options_are_refused_with_the_name(kw, exc):
 def test_options_or_keywords_never_both():
     with pytest.raises(TypeError, match="both"):
         MemoryReport(options=MemoryReportOptions(), measure_steps=5)
+
+
+def test_it_sits_beside_every_part_of_the_table(tmp_path):
+    """Parts check the table at setup with every lightning_gh callback of the Trainer in it."""
+    from lightning_gh import compat
+
+    assert all(compat.verdict("MemoryReport", p).combine for p in compat.PARTS if p != "MemoryReport")
+    model = Tiny()
+    trainer = L.Trainer(max_steps=2, callbacks=[MemoryReport(folder=str(tmp_path))], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", strategy="superoffload")
+    with pytest.warns(UserWarning, match="SuperOffloadStrategy on cpu"):
+        trainer.fit(model)
+    assert (tmp_path / "memory_plan.json").exists()

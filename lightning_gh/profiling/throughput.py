@@ -215,6 +215,8 @@ class ThroughputMonitor(Callback):
         trainer = L.Trainer(precision="bf16-mixed", callbacks=[ThroughputMonitor(window=20)])
     """
 
+    lgh_part = "ThroughputMonitor"
+
     def __init__(self, window: int = ThroughputOptions.window, warmup_steps: int = ThroughputOptions.warmup_steps,
                  flops_per_token: float | None = ThroughputOptions.flops_per_token,
                  peak_tflops: float | None = ThroughputOptions.peak_tflops, *,

@@ -22,10 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_s  # noqa: E402
 from lightning_gh import _native, hardware  # noqa: E402
 from lightning_gh.superoffload import cpu_adamw  # noqa: E402
-
-from common import median_s  # noqa: E402
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ import lightning as L
 import pytest
 
 from lightning_gh import compat
-from lightning_gh.demo import LlamaLM, MarkovDataModule
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -12,9 +12,18 @@ import pytest
 import torch
 
 from lightning_gh import _lightning
-from lightning_gh._lightning import (LightningInternalsChanged, batches_that_stepped, current_hook, in_hook,
-                                     is_compiled, is_last_training_batch, set_closure_result,
-                                     should_update_logs, trainer_of, unwrap_optimizer)
+from lightning_gh._lightning import (
+    LightningInternalsChanged,
+    batches_that_stepped,
+    current_hook,
+    in_hook,
+    is_compiled,
+    is_last_training_batch,
+    set_closure_result,
+    should_update_logs,
+    trainer_of,
+    unwrap_optimizer,
+)
 from lightning_gh.demo import LlamaLM, MarkovDataModule
 
 
@@ -41,11 +50,6 @@ def test_closure_and_hook_internals_cuda_graph_capture_relies_on():
     from lightning.pytorch.trainer import call
 
     """Fails when Lightning changes what lightning_gh/_lightning.py relies on."""
-    from lightning.pytorch.core.module import LightningModule
-    from lightning.pytorch.loops.optimization.automatic import Closure, _AutomaticOptimization
-    from lightning.pytorch.plugins.precision import Precision
-    from lightning.pytorch.strategies import Strategy
-    from lightning.pytorch.trainer import call
 
     # 1. the loop consumes the closure's cached result after the optimizer_step hook returns
     run_src = inspect.getsource(_AutomaticOptimization.run)

@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from lightning_gh import hardware
+from lightning_gh.superoffload import HeterogeneousAdamW, tail_mover
 from lightning_gh.superoffload import memory as superoffload_memory
-from lightning_gh.superoffload import HeterogeneousAdamW
-from lightning_gh.superoffload import tail_mover
 from lightning_gh.superoffload.layout import HostLayout
 from lightning_gh.superoffload.tail_mover import tail_bytes
 
@@ -440,7 +439,7 @@ def test_auto_tail_growth_is_bounded_by_free_gpu_memory_and_survives_oom(monkeyp
     for step in range(12):
         if step == 3:  # room for exactly the last bucket beyond the 1 GiB headroom
             one = tail_bytes(opt.layout.buckets[-1].slots)
-            monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (headroom + one + 1, 2**30))
+            monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (headroom + one + 1, 2**30))  # noqa: B023
             assert opt.tail.grow(float("inf")) == 1
             assert len(opt.layout.buckets) == n_buckets - 1 and opt.device_numel > 0
             assert opt.stats["tail_limited"] == 1
@@ -451,10 +450,10 @@ def test_auto_tail_growth_is_bounded_by_free_gpu_memory_and_survives_oom(monkeyp
             real, calls = HostLayout.device_state, []
 
             def flaky(self, s, host_state):
-                calls.append(s.index)
-                if len(calls) == 2:
+                calls.append(s.index)  # noqa: B023
+                if len(calls) == 2:  # noqa: B023
                     raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-                return real(self, s, host_state)
+                return real(self, s, host_state)  # noqa: B023
 
             monkeypatch.setattr(HostLayout, "device_state", flaky)
             before = opt.device_numel

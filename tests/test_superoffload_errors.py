@@ -9,8 +9,7 @@ from torch import nn
 
 from lightning_gh import hardware
 from lightning_gh._host import HostMemoryError
-from lightning_gh.superoffload import HeterogeneousAdamW
-from lightning_gh.superoffload import memory
+from lightning_gh.superoffload import HeterogeneousAdamW, memory
 from lightning_gh.superoffload.strategy import _unsupported_optimizer_message
 
 

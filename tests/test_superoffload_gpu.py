@@ -13,9 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gh.superoffload import SuperOffloadStrategy  # importing registers strategy="superoffload"
 from lightning_gh.demo import LlamaLM, MarkovDataModule
-from lightning_gh.superoffload import HeterogeneousAdamW
+from lightning_gh.superoffload import (
+    HeterogeneousAdamW,
+    SuperOffloadStrategy,  # importing registers strategy="superoffload"
+)
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

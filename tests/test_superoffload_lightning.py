@@ -18,8 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gh.demo import Llama, MarkovDataModule, preset
-from lightning_gh.superoffload import SuperOffloadStrategy
-from lightning_gh.superoffload import HeterogeneousAdamW
+from lightning_gh.superoffload import HeterogeneousAdamW, SuperOffloadStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from test_superoffload import CLIP, assert_same, groups, make_model, offload_step, train_reference
 
 from lightning_gh.superoffload import HeterogeneousAdamW, memory, tail_mover
 from lightning_gh.superoffload import tail as tail_mod
@@ -26,8 +27,6 @@ from lightning_gh.superoffload.tail import (
     Trial,
     decide,
 )
-
-from test_superoffload import CLIP, assert_same, groups, make_model, offload_step, train_reference
 
 K = TailActionKind
 

@@ -15,10 +15,6 @@ per-parameter norms, as ``clip_grad_norm_(optimizer's params)`` does.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import lightning as L
 import pytest
 import torch

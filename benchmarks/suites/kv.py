@@ -146,7 +146,6 @@ def _link_gbps(device: torch.device) -> dict[str, float] | None:
     hk = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
     dk = torch.empty(shape, dtype=torch.bfloat16, device=device)
     rows = median_gbps(lambda: t.fetch_prefix(dk, hk, 4128), 32 * 4 * 4128 * 128 * 2, t.stream)
-    del host, dev, hk, dk
     return {"h2d_plain_gbps": round(plain, 1), "h2d_rows_gbps": round(rows, 1),
             "memcpy2d": t._memcpy2d is not None}
 
@@ -414,7 +413,7 @@ def _probe(generate, ours, full_kv: int, layers: int, mode_box: dict) -> str:
                     o3(1)
                     eng = o3.box["c"].engine
                     plain_update = eng.update
-                    eng.update = lambda *a: tuple(t.contiguous() for t in plain_update(*a))
+                    eng.update = lambda *a: tuple(t.contiguous() for t in plain_update(*a))  # noqa: B023
                     row["ours_contiguous_copies"] = _first_diff(o3(8), a1)
                     o3.box["c"].close()
         except Exception as e:  # a backend that cannot run this shape
@@ -577,18 +576,17 @@ def _layout_study(shape: dict[str, int], device: torch.device, dtype: torch.dtyp
     for label, make in layouts:
         k, v = make(), make()
         with _mode(mode), torch.inference_mode():
-            attn = _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+            attn = _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),  # noqa: B023
                               device)
-        write = _median_ms(lambda: k[:, :, n - 1:n].copy_(new), device)
+        write = _median_ms(lambda: k[:, :, n - 1:n].copy_(new), device)  # noqa: B023
         row = {"layout": label, "k_stride": list(k.stride()), "attention_us": round(attn * 1e3, 1),
                "write_token_us": round(write * 1e3, 1)}
         if not k.is_contiguous():
-            row["contiguous_copy_us"] = round(_median_ms(lambda: (k.contiguous(), v.contiguous()), device) * 1e3, 1)
+            row["contiguous_copy_us"] = round(_median_ms(lambda: (k.contiguous(), v.contiguous()), device) * 1e3, 1)  # noqa: B023
         print(f"[kv/layout] {label:<42} attention {row['attention_us']:8.1f} us  write 1 token "
               f"{row['write_token_us']:6.1f} us  k/v contiguous copy {row.get('contiguous_copy_us', '-')} us  "
               f"stride {tuple(k.stride())}", flush=True)
         out.append(row)
-        del k, v
     return out
 
 
@@ -654,8 +652,8 @@ def _decode_study(ctx, model, prompts, shape, mode, generate, ours, name, full_k
         for r in range(ctx.iters):
             row = {}
             for label, fn in pair[r % 2:] + pair[:r % 2]:  # alternate which variant goes first
-                total = _median_ms(lambda: fn(), dev, warmup=0, iters=1)
-                prefill = _median_ms(lambda: fn(1), dev, warmup=0, iters=1)
+                total = _median_ms(lambda: fn(), dev, warmup=0, iters=1)  # noqa: B023
+                prefill = _median_ms(lambda: fn(1), dev, warmup=0, iters=1)  # noqa: B023
                 row[label] = {"generate_ms": round(total, 2), "prefill_ms": round(prefill, 2),
                               "decode_ms_per_token": round((total - prefill) / max(1, new - 1), 3)}
             report["rounds"].append(row)

@@ -72,9 +72,18 @@ from typing import Any, Callable
 import lightning as L
 import torch
 
-from common import (BenchContext, Result, Timing, child_context, emit_child_result, lightning_steps, median_s,
-                    peak_memory, reset_memory, run_isolated)
-
+from common import (
+    BenchContext,
+    Result,
+    Timing,
+    child_context,
+    emit_child_result,
+    lightning_steps,
+    median_s,
+    peak_memory,
+    reset_memory,
+    run_isolated,
+)
 from lightning_gh import hardware
 from lightning_gh.demo import LlamaLM, preset
 from lightning_gh.profiling import SelectiveProfiler
@@ -233,7 +242,8 @@ def _lightning_variant(ctx: BenchContext, cfg: Any, name: str, make_model: Calla
         r.error = _err(e)
         traceback.print_exc()
     finally:
-        model = trainer = None
+        # drop the references before measuring what is left behind
+        model = trainer = None  # noqa: F841
         gc.collect()
         reset_memory(ctx.device)
     if ctx.cuda:
@@ -312,7 +322,7 @@ def _fits(ctx: BenchContext, cfg: Any, offload: bool) -> tuple[bool, str, float 
     except Exception as e:
         return False, _err(e), None, None
     finally:
-        model = trainer = None
+        model = trainer = None  # noqa: F841
         gc.collect()
         reset_memory(ctx.device)
 

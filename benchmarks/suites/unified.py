@@ -48,12 +48,6 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_gh import hardware  # noqa: E402
-from lightning_gh.demo import LlamaLM, preset  # noqa: E402
-from lightning_gh.unified import GH200_RMW_GBPS, ManagedOptimizerState, forecast_step_ms  # noqa: E402
-from lightning_gh.unified import pool as um_pool  # noqa: E402
-from lightning_gh.unified.forecast import state_traffic_ms  # noqa: E402
-
 from common import (  # noqa: E402
     BenchContext,
     Result,
@@ -64,6 +58,11 @@ from common import (  # noqa: E402
     reset_memory,
     run_isolated,
 )
+from lightning_gh import hardware  # noqa: E402
+from lightning_gh.demo import LlamaLM, preset  # noqa: E402
+from lightning_gh.unified import GH200_RMW_GBPS, ManagedOptimizerState, forecast_step_ms  # noqa: E402
+from lightning_gh.unified import pool as um_pool  # noqa: E402
+from lightning_gh.unified.forecast import state_traffic_ms  # noqa: E402
 
 DEFAULT_PRESETS = ["medium"]
 VARIANTS = ("plain", "plain again", "managed cpu", "managed gpu", "managed cpu prefetch=step", "superoffload")

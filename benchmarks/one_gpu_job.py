@@ -272,13 +272,21 @@ def run_variant(job: Job, out: Path, timeout_s: float) -> Outcome:
     return res
 
 
+# The GH200 forecast's inputs: NVIDIA's published NVLink-C2C rate per direction, a sustained share of Grace's
+# LPDDR5X bandwidth, and the host bytes one CPU AdamW update moves per parameter (fp32 master, two moments read and
+# written, the bf16 gradient read).
+NVLINK_C2C_BPS = 450e9
+GRACE_MEMORY_BPS = 400e9
+UPDATE_BYTES_PER_PARAM = 26
+
+
 def gh200_forecast(step_gpu_ms: float, params: int) -> dict[str, float]:
     """A forecast, not a measurement: the step on one GH200 if the GPU part stays as measured here and the host
-    side runs at Grace's rates. Assumptions: the CPU AdamW is bound by host memory traffic (26 B per parameter
-    per update) at 400 GB/s of LPDDR5X; bf16 gradients down and bf16 weights up over NVLink-C2C at 450 GB/s each
-    way (published figures); the update overlaps backward as it does here."""
-    cpu_ms = params * 26 / 400e9 * 1e3
-    link_ms = params * 2 / 450e9 * 1e3
+    side runs at Grace's rates. Assumptions: the CPU AdamW is bound by host memory traffic
+    (``UPDATE_BYTES_PER_PARAM`` per parameter per update) at ``GRACE_MEMORY_BPS``; bf16 gradients down and bf16
+    weights up over NVLink-C2C at ``NVLINK_C2C_BPS`` each way; the update overlaps backward as it does here."""
+    cpu_ms = params * UPDATE_BYTES_PER_PARAM / GRACE_MEMORY_BPS * 1e3
+    link_ms = params * 2 / NVLINK_C2C_BPS * 1e3
     return {"gpu_ms": step_gpu_ms, "cpu_update_ms": cpu_ms, "link_ms_each_way": link_ms,
             "step_ms": max(step_gpu_ms, cpu_ms, link_ms)}
 

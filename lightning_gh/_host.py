@@ -35,7 +35,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,46 +111,51 @@ class HostPlan:
             old = self._shares.get(part, HostShare(part))
             self._shares[part] = HostShare(part, old.held_bytes, max(0, nbytes - old.held_bytes), what or old.what)
 
-    def budget(self, headroom: float = 0.9) -> int | None:
-        """``headroom`` of the host memory the parts may use in all (available now plus what they hold)."""
+    def budget(self, headroom: float = 0.9, held: Mapping[str, int] | None = None) -> int | None:
+        """``headroom`` of the host memory the parts may use in all (available now plus what they hold; ``held``
+        overrides the recorded holding of the parts it names)."""
         avail = self._available()
         if avail is None:
             return None
-        held = sum(s.held_bytes for s in self.shares())
-        return int(headroom * (avail + held))
+        holding = {s.part: s.held_bytes for s in self.shares()} | dict(held or {})
+        return int(headroom * (avail + sum(holding.values())))
 
-    def room(self, part: str, headroom: float = 0.9) -> int | None:
-        """Bytes ``part`` may hold in all (its current holding included), or ``None`` where the host's memory
-        cannot be read."""
-        budget = self.budget(headroom)
+    def room(self, part: str, headroom: float = 0.9, held_now: int | None = None) -> int | None:
+        """Bytes ``part`` may hold in all (its current holding included: ``held_now`` where the part knows it
+        better than its last claim), or ``None`` where the host's memory cannot be read."""
+        budget = self.budget(headroom, None if held_now is None else {part: held_now})
         if budget is None:
             return None
         others = sum(s.held_bytes + s.declared_bytes for s in self.shares() if s.part != part)
         return max(0, budget - others)
 
     def claim(self, part: str, nbytes: int, *, what: str, headroom: float = 0.9, tips: Sequence[str] = (),
-              opt_out: str | None = None, owner: object | None = None) -> int | None:
+              opt_out: str | None = None, owner: object | None = None, record: bool = True,
+              held_now: int | None = None) -> int | None:
         """Record that ``part`` holds ``nbytes`` in all, or raise :class:`HostMemoryError` naming every share.
 
         With ``owner``, the share is released when ``owner`` is garbage-collected (a part that is never closed
-        cannot keep its share).
+        cannot keep its share). With ``record=False`` only the check is made (a plan that allocates nothing).
+        ``held_now``: what the part holds at this moment, where it freed memory since its last claim.
 
         Returns:
             The part's room the decision used, or ``None`` where the host's memory cannot be read.
         """
         _check_bytes("nbytes", nbytes)
-        room = self.room(part, headroom)
+        room = self.room(part, headroom, held_now)
         if room is not None and nbytes > room:
             advice = f" To fit: {'; '.join(tips)}." if tips else ""
             skip = f" Pass {opt_out} to skip this check." if opt_out else ""
             others = [s for s in self.shares() if s.part != part and (s.held_bytes or s.declared_bytes)]
             table = "".join(f"; {s.part} {_share_text(s)}" for s in others)
-            budget = self.budget(headroom) or 0
+            budget = self.budget(headroom, None if held_now is None else {part: held_now}) or 0
             raise HostMemoryError(
                 f"{what} needs {fmt_bytes(nbytes)} of host RAM, but at most {headroom:.0%} of the "
                 f"{fmt_bytes(budget / headroom if headroom else 0)} available to the offloading parts may be used "
                 f"(the host-memory plan's budget: {fmt_bytes(budget)}), and its room there is {fmt_bytes(room)}"
                 f"{table}.{advice}{skip}")
+        if not record:
+            return room
         with self._lock:
             old = self._shares.get(part, HostShare(part))
             self._shares[part] = HostShare(part, nbytes, max(0, old.declared_bytes - (nbytes - old.held_bytes)),
@@ -193,9 +198,9 @@ def _check_bytes(name: str, value: object) -> None:
 PLAN = HostPlan()
 
 
-def check_host_room(needed_bytes: int, *, what: str, headroom: float = 0.9, held_bytes: int = 0,
+def check_host_room(needed_bytes: int, *, what: str, headroom: float = 0.9, held_bytes: int | None = None,
                     tips: Sequence[str] = (), opt_out: str | None = None, part: str | None = None,
-                    owner: object | None = None) -> int | None:
+                    owner: object | None = None, record: bool = True) -> int | None:
     """Raise :class:`HostMemoryError` unless ``needed_bytes`` fit in ``headroom`` of the host's available memory.
 
     With ``part``, the check is the host-memory plan's (:meth:`HostPlan.claim` on :data:`PLAN`): ``needed_bytes``
@@ -205,18 +210,22 @@ def check_host_room(needed_bytes: int, *, what: str, headroom: float = 0.9, held
         needed_bytes: what the part is about to allocate.
         what: who needs it and for what, for the message (``"HeterogeneousAdamW's master weights and moments"``).
         headroom: the share of the available memory the part may take.
-        held_bytes: host memory the part already holds and would reuse (counted as available).
+        held_bytes: host memory the part already holds and would reuse (counted as available); ``None``: 0 outside
+            the plan, the part's last claim in it.
         tips: ways to need less, for the message.
         opt_out: the option that skips this check, for the message.
 
         part: the part making the claim in the host-memory plan, or ``None`` for a check outside the plan.
         owner: the object whose garbage collection releases the claim (see :meth:`HostPlan.claim`).
+        record: record the claim in the plan (``False``: check only).
 
     Returns:
         The available bytes the decision used, or ``None`` where the host's memory cannot be read (then it passes).
     """
     if part is not None:
-        return PLAN.claim(part, needed_bytes, what=what, headroom=headroom, tips=tips, opt_out=opt_out, owner=owner)
+        return PLAN.claim(part, needed_bytes, what=what, headroom=headroom, tips=tips, opt_out=opt_out, owner=owner,
+                          record=record, held_now=held_bytes)
+    held_bytes = held_bytes or 0
     avail = hardware.available_host_bytes()
     if avail is None:
         return None

@@ -29,3 +29,14 @@ def cpu_trainer_kwargs(tmp_path):
     """Quiet, fast CPU Trainer settings for functional tests."""
     return dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_host_plan():
+    """Every test starts with an empty host-memory plan (Note [One host-memory plan] in lightning_gh/_host.py): a
+    share another test left behind must not shrink this test's room."""
+    from lightning_gh import _host
+
+    for share in _host.PLAN.shares():
+        _host.PLAN.release(share.part)
+    yield

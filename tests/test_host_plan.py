@@ -118,3 +118,18 @@ def test_a_share_is_released_when_its_owner_is_collected():
     del pool
     gc.collect()
     assert plan.shares() == []
+
+
+def test_superoffload_plans_around_what_another_part_announced(monkeypatch):
+    """SuperOffload sizes its speculation copies from its room in the plan, not from all of MemAvailable."""
+    from lightning_gh.superoffload import memory
+
+    monkeypatch.setattr(_host.hardware, "available_host_bytes", lambda: 100 * GIB)
+    params = 25 * 10**8  # 35 GB of state at 14 B, 30 GB more for every copy
+    owner = type("Layout", (), {})()
+    alone = memory.check_host_memory(params, local_ranks=1, speculative="auto", grad_bytes=2)
+    _host.PLAN.declare("ActivationOffload", 40 * GIB)
+    shared = memory.check_host_memory(params, local_ranks=1, speculative="auto", grad_bytes=2, owner=owner)
+    assert alone.backup_params == params  # 90 GiB of room: every copy fits
+    assert 0 < shared.backup_params < params  # 60 GiB of room less the state: copies for part of it
+    assert {s.part for s in _host.PLAN.shares()} == {"ActivationOffload", "SuperOffload"}

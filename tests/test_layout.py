@@ -159,23 +159,7 @@ MAX_LINES = 700
 # Cited literature (bandwidths of other machines, from their vendors' papers), not figures measured here.
 FIGURES_EXEMPT = {"lightning_gh/unified/forecast.py"}
 
-ALLOWED: set[tuple[str, str]] = {
-    # internal issue numbers, paths outside the repository, dates
-    ("internal-reference", "benchmarks/suites/offload.py"),
-    ("internal-reference", "benchmarks/suites/superoffload.py"),
-    ("internal-reference", "benchmarks/suites/superoffload_ddp.py"),
-    ("internal-reference", "tests/test_superoffload_zero_gpu.py"),
-    # figures in docstrings and log strings (they belong in docs/)
-    ("measured-figure", "benchmarks/one_gpu_job.py"),
-    ("measured-figure", "benchmarks/suites/graphs.py"),
-    ("measured-figure", "benchmarks/suites/offload.py"),
-    ("measured-figure", "benchmarks/suites/superoffload.py"),
-    ("measured-figure", "lightning_gh/activation_offload/policy.py"),
-    ("measured-figure", "lightning_gh/demo/model.py"),
-    # too wide / too long
-    ("class-attributes", "lightning_gh/graphs/capture.py"),
-    ("module-lines", "lightning_gh/activation_offload/controller.py"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _sources(*trees: str) -> list[Path]:

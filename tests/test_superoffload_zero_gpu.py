@@ -118,7 +118,7 @@ def test_two_gpus_match_the_averaged_reference(gpu_fraction):
                 for a, b in zip(outs[0]["params"], ref.parameters()))
     print(f"gpu_fraction={gpu_fraction}: largest relative difference to the reference {worst:.3e} "
           f"({'bitwise' if worst == 0 else 'not bitwise'})")
-    # No GPU tail: bitwise on the 2-GPU machine (2026-11-24). With a GPU tail: 1.3e-6 there, with the tail's
+    # No GPU tail: bitwise on the 2-GPU machine. With a GPU tail: 1.3e-6 there, with the tail's
     # parameters updated by the GPU kernel in the reference too; the remaining rounding difference is not pinned
     # down (the tail's all-reduce, norm and fused-AdamW calls look alike), hence a looser bound for it. A wrong
     # average, clip or skip moves the weights by orders of magnitude more.

@@ -21,7 +21,7 @@ Lightning ``Trainer(precision="bf16-mixed")`` full steps (forward, backward, fus
   = the largest |loss - plain loss| over all steps.
 Out of memory, then not: the batch doubled under torch.cuda.set_per_process_memory_fraction set between
   what the plain step and the offloaded step need: plain must fail, ours must train.
-Plain PyTorch forward+backward (how ../shared/gpu/README.md's anchors were taken): no offload,
+Plain PyTorch forward+backward (how the anchors in docs/benchmarks-archive.md were taken): no offload,
   save_on_cpu, checkpointing, ours auto / all / K=2, next to the anchor figures. Memory timelines of
   one such step (no offload, auto, all) are written to $OUT/offload_timelines.json for the notebook.
 """
@@ -47,7 +47,7 @@ from lightning_gh.demo import Llama, LlamaLM, preset
 
 DEFAULT_PRESETS = ["medium"]
 GIB = 2**30
-# ../shared/gpu/README.md, medium preset, plain PyTorch fwd+bwd, bf16: (ms, GiB of activations)
+# docs/benchmarks-archive.md's anchors, medium preset, plain PyTorch fwd+bwd, bf16: (ms, GiB of activations)
 ANCHORS = {"no offload": (49.5, 9.31), "save_on_cpu": (291.0, 4.43), "checkpointing": (61.1, 4.74)}
 GOAL = "goal (medium): >= 40% less peak activation memory at <= 1.10x step time"
 
@@ -626,7 +626,8 @@ def _timeline(e: Any, points: int = 200) -> dict:
 
 
 def _forecast_450(r: Result, e: Any) -> None:
-    """The planner's forecast on a 450 GB/s link for the same measured blocks (a forecast, not a measurement)."""
+    """The planner's forecast on a GH200-class link (``FORECAST_GBPS``) for the same measured blocks (a forecast,
+    not a measurement)."""
     from lightning_gh.activation_offload.budget import plan_budget
 
     try:
@@ -648,7 +649,7 @@ def _dump(ctx: BenchContext, rows: list[Result]) -> None:
 
 
 def run_hf_budget(ctx: BenchContext) -> list[Result]:
-    """Issue 16's table: HF Llama (2048 x 8 layers, FFN 5632, 16/4 heads), 4 x 2048 tokens, bf16-mixed, fused AdamW.
+    """The activation-budget table: HF Llama (2048 x 8 layers, FFN 5632, 16/4 heads), 4 x 2048 tokens, bf16-mixed, fused AdamW.
 
     Order: the eager variants (the ratio base first), a budget at checkpointing's measured activation memory, two
     short runs that record the memory over one step (plain, and the plan at 50%), the `medium` demo preset at 50%,
@@ -856,7 +857,7 @@ def _hf_summary(rows: list[Result]) -> None:
           "'none' in this process (medium rows: against 'medium none'). act = peak - (weights + gradients + AdamW "
           "state). Budget fractions are of the plain step, measured by the engine with no engine effect")
     print("| variant | step ms | x none | peak GiB | act GiB | act % less | budget GiB | achieved/budget | "
-          "predicted x | forecast 450 GB/s (x, GiB) | max loss diff | plan |")
+          f"predicted x | forecast {FORECAST_GBPS:g} GB/s (x, GiB) | max loss diff | plan |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     ref = base.extra.get("losses") or []
     for r in rows:

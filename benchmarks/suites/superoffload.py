@@ -22,7 +22,7 @@ Part 3, the largest model that trains under a GPU memory cap (`torch.cuda.set_pe
 `bf16-mixed` (16 B/param) against `strategy=SuperOffloadStrategy(gpu_fraction=0.0)` under `bf16-true`
 (bf16 weights on the GPU, fp32 master + moments on the host). A size "trains" when 3 steps finish.
 
-Part 4 (`--so-parts hf`), the bound under memory pressure with default options (issue 13): a plain LightningModule
+Part 4 (`--so-parts hf`), the bound under memory pressure with default options: a plain LightningModule
 wrapping `transformers.LlamaForCausalLM` (hidden 2048, FFN 5632, 16 heads / 4 KV heads, vocab 32000, 1x2048
 tokens), the GPU capped with `torch.cuda.set_per_process_memory_fraction` (`--so-hf-cap-gib`, default 24):
 
@@ -45,9 +45,8 @@ off), so peak-memory figures and the memory cap start from an empty GPU and the 
 offloaded parameter) is returned before the next starts. A first run that kept all variants in one process saw
 ~20 GiB still allocated after them, which broke the cap experiment and inflated later peaks.
 
-Anchors (../shared/gpu/README.md, H200, 953M model, full step): fused GPU AdamW 107 ms, torchao
-CPUOffloadOptimizer 270 ms (254 ms with offload_gradients=True). Goals: <= 1.3x GPU-only step time,
->= 1.5x faster than torchao, >= 3x larger model under the same cap.
+Anchors and goals: docs/superoffload.md (fused GPU AdamW and torchao's CPUOffloadOptimizer on the 953M model, full
+step, and the step-time, speed-up and model-size goals against them); figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -136,7 +135,7 @@ def _over_budget(ctx: BenchContext) -> bool:
 
 
 class _Sampler(L.Callback):
-    """Wall-clock time per step over the timed steps, and NVML GPU utilisation sampled every 20 ms."""
+    """Wall-clock time per step over the timed steps, and NVML GPU utilisation sampled on a thread of its own."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup

@@ -1,5 +1,5 @@
 """Suite `superoffload_ddp`: SuperOffload across GPUs (ZeRO-1/2 with the AdamW state in host memory) against DDP and
-FSDP with CPU offload, side by side, on a model that fits every way (issue 13 item 2).
+FSDP with CPU offload, side by side, on a model that fits every way.
 
 Model: a plain LightningModule around `transformers.LlamaForCausalLM` (hidden 2048, 16 layers, FFN 5632, 16 / 4
 heads, vocab 32000: 845M parameters), 1x2048 random tokens per rank per step. Each variant is an ordinary

@@ -31,7 +31,7 @@ Example::
 
     >>> prof = StepProfile(blocks=tuple(BlockProfile(2.0, 4.0, 100 * 2**20) for _ in range(8)))
     >>> plan = plan_auto(prof, d2h_gbps=55.0, h2d_gbps=55.0, margin=0.25)
-    >>> plan.offloaded_blocks  # blocks 0-4 whole and part of block 5 hide under 16 ms of forward
+    >>> plan.offloaded_blocks  # blocks 0-4 whole and part of block 5 hide under the forward
     (0, 1, 2, 3, 4, 5)
 """
 
@@ -64,7 +64,7 @@ class BlockProfile:
     Args:
         forward_ms: its forward time.
         backward_ms: its backward time (the engine measures it between the first reloads of consecutive
-            blocks; 2x the forward when it could not).
+            blocks; twice the forward when it could not).
         offloadable_bytes: bytes of saved activations the engine may move (after skipping parameters,
             small tensors and duplicate views).
         resident_bytes: other saved bytes of the block, which always stay on the device.

@@ -149,7 +149,7 @@ class HostBufferPool:
                          f"{self.in_use_bytes / 2**30:.2f} GiB in use, {charge / 2**30:.2f} GiB more needed; "
                          f"host_memory_fraction={self.host_memory_fraction} of what is available)",
                     tips=("offload fewer blocks (policy=K or 'auto')", "raise host_memory_fraction",
-                          "free host memory"))
+                          "free host memory"), part="ActivationOffload", owner=self)
             except HostMemoryError:
                 if self._drop_oldest():  # free buffers go first, oldest first: only the ones in use count
                     continue

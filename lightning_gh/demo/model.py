@@ -94,7 +94,7 @@ class LlamaConfig:
 
     def train_flops_per_batch(self) -> float:
         """Model FLOPs of one forward+backward over a batch: 6*N*T for the matrix products plus causal
-        attention (QK^T and AV, half the square under the causal mask) at 3x its forward cost."""
+        attention (QK^T and AV, half the square under the causal mask) at three times its forward cost."""
         t = self.tokens_per_batch
         attention = 3 * 2 * 2 * self.n_layers * self.dim * self.seq_len * t / 2
         return 6.0 * self.matmul_params() * t + attention

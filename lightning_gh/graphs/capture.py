@@ -55,6 +55,7 @@ from torch import Tensor
 from lightning_gh import compat
 from lightning_gh._lightning import current_hook, log_to_loggers, set_closure_result
 from lightning_gh._options import resolve
+from lightning_gh._util import warn_once
 from lightning_gh.graphs.buffers import StaticInputs, UnsupportedBatch, batch_signature
 from lightning_gh.graphs.detect import (
     Finding,
@@ -222,7 +223,6 @@ class CUDAGraphCapture(Callback):
                                detect_syncs=detect_syncs, max_recaptures=max_recaptures, strict=strict,
                                verbose=verbose)
         self.report = GraphReport()
-        self._warned_no_cuda = False
         self._cache_off: TrainingKVCacheOff | None = None
         self._reset()
 
@@ -281,10 +281,9 @@ class CUDAGraphCapture(Callback):
         finding = combine(setup_findings(trainer, pl_module))
         if finding is not None and finding.cause == "no-cuda":
             self.report.reason = "no CUDA GPU"
-            if not self._warned_no_cuda:
-                self._warned_no_cuda = True
-                rank_zero_warn("CUDAGraphCapture: no CUDA GPU is available, so nothing is captured; the run is the "
-                               "plain eager run.")
+            if pl.utilities.rank_zero_only.rank == 0:  # once per callback, on rank 0
+                warn_once(f"graphs:no-cuda:{id(self)}", "CUDAGraphCapture: no CUDA GPU is available, so nothing is "
+                          "captured; the run is the plain eager run.")
             return
         if finding is not None:
             self._decline(finding)

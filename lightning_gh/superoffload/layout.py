@@ -256,7 +256,7 @@ class HostLayout:
                              for s in trainable), default=14)  # moments, master, gradient (see .tail_mover)
         auto = options.gpu_fraction == "auto"
         self.plan = memory.check_host_memory(
-            self.trainable_numel(), local_ranks=None if shard is None else shard.group.local_size,
+            self.trainable_numel(), owner=self, local_ranks=None if shard is None else shard.group.local_size,
             speculative=options.speculative, enforce=options.host_memory_check, validation=validation,
             grad_bytes=self.grad_bytes(self.kernel, shard is not None), gpu_share=None if auto else options.gpu_fraction,
             gpu_room_bytes=gpu_room if auto else 0, gpu_bytes_per_param=gpu_per_param,

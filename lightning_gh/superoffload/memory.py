@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -223,9 +224,13 @@ def local_world_size() -> int:
     return 1
 
 
+#: SuperOffload's name in the host-memory plan.
+PLAN_PART = "SuperOffload"
+
+
 def check_host_memory(params: int, speculative_backup: bool = True, headroom: float = 0.9,
                       local_ranks: int | None = None, *, speculative: bool | str | None = None,
-                      enforce: bool = True, **sizes: Any) -> HostMemoryPlan:
+                      enforce: bool = True, owner: object | None = None, **sizes: Any) -> HostMemoryPlan:
     """Plan this rank's host state from the host memory available now (:func:`plan_host_memory`) and raise
     :class:`~lightning_gh._host.HostMemoryError` (a ``MemoryError``) naming the numbers, and the largest model that
     would fit, when no configuration fits.
@@ -242,6 +247,8 @@ def check_host_memory(params: int, speculative_backup: bool = True, headroom: fl
         speculative: ``True`` / ``False`` / ``"auto"``: plan the speculation too (see :func:`plan_host_memory`).
         enforce: read the host's memory and refuse when nothing fits; ``False``: plan as if the host's memory were
             unknown (``host_memory_check=False``).
+        owner: the object whose lifetime the claim in the host-memory plan follows (see Note [One host-memory
+            plan] in :mod:`lightning_gh._host`); ``None``: the plan is checked, not recorded.
         **sizes: the other arguments of :func:`plan_host_memory` (``validation``, ``grad_bytes``, ``gpu_share``,
             ``gpu_room_bytes``, ``gpu_bytes_per_param``, ``shards``).
 
@@ -258,8 +265,14 @@ def check_host_memory(params: int, speculative_backup: bool = True, headroom: fl
         raise ValueError(f"local_ranks={local_ranks!r} must be an int >= 1 or None.")
     if speculative is None:
         speculative = bool(speculative_backup)
-    plan = plan_host_memory(params, available_bytes=available_host_bytes() if enforce else None,
-                            speculative=speculative, local_ranks=ranks, headroom=headroom, **sizes)
+    # The room is this rank's share of the host-memory plan's budget less what the other offloading parts hold or
+    # announced (Note [One host-memory plan]); the claim below checks the same number.
+    room = _host.PLAN.room(PLAN_PART, headroom=headroom / ranks) if enforce and available_host_bytes() is not None \
+        else None
+    plan = plan_host_memory(params, available_bytes=room, speculative=speculative, local_ranks=1, headroom=1.0,
+                            **sizes)
+    if room is not None:  # the plan says what the host has; the room it was made for is in the claim's message
+        plan = dataclasses.replace(plan, available_bytes=available_host_bytes())
     if not enforce:
         return plan
     tips = ["raise gpu_fraction (keep more parameters on the GPU)"]
@@ -272,5 +285,6 @@ def check_host_memory(params: int, speculative_backup: bool = True, headroom: fl
         tips.append(f"a model of at most {plan.largest_params:,} parameters fits this host")
     share = "" if ranks == 1 else f", this rank's share: 1/{ranks} of the host"
     _host.check_host_room(plan.needed_bytes, what=f"HeterogeneousAdamW ({plan.describe()}{share})",
-                          headroom=headroom / ranks, tips=tips, opt_out="host_memory_check=False")
+                          headroom=headroom / ranks, tips=tips, opt_out="host_memory_check=False", part=PLAN_PART,
+                          owner=owner, record=owner is not None)
     return plan

@@ -39,6 +39,10 @@ from lightning_gh.superoffload.step import Decision, StepCtx
 
 __all__ = ["CpuUpdater", "worker_loop"]
 
+#: The profiler range around each bucket's CPU work (update, rollback, copies back): the trace summary reads the
+#: CPU update's time from it (lightning_gh.profiling.offload_analysis).
+CPU_UPDATE_RANGE = "superoffload/cpu_update"
+
 Task = tuple[str, Bucket | None, StepCtx]
 
 
@@ -210,21 +214,22 @@ class CpuUpdater:
         self._phase("wait_decision", t0)
         t0 = time.perf_counter()  # CPU time only: waiting for gradients or the decision is not work
         b.speculated = dec is None
-        if dec is not None:
-            self._resolve_speculation(ctx, dec)
-            self._final_update(b, dec)
-        elif b.alt_master is not None:  # speculate into the other copy; the current one is the undo
-            self._update_other(b, ctx.hp, None)
-            self._push(b, b.alt_master.tensor)
-            ctx.spec.append(b)
-            self.stats["speculative_buckets"] += 1
-        else:  # speculate: assume no clip/skip; keep an exact copy to undo
-            if not b.backup.fresh:
-                self._backup(b, "backup")
-            self._update(b, ctx.hp, None)
-            self._push(b)
-            ctx.spec.append(b)
-            self.stats["speculative_buckets"] += 1
+        with torch.profiler.record_function(CPU_UPDATE_RANGE):
+            if dec is not None:
+                self._resolve_speculation(ctx, dec)
+                self._final_update(b, dec)
+            elif b.alt_master is not None:  # speculate into the other copy; the current one is the undo
+                self._update_other(b, ctx.hp, None)
+                self._push(b, b.alt_master.tensor)
+                ctx.spec.append(b)
+                self.stats["speculative_buckets"] += 1
+            else:  # speculate: assume no clip/skip; keep an exact copy to undo
+                if not b.backup.fresh:
+                    self._backup(b, "backup")
+                self._update(b, ctx.hp, None)
+                self._push(b)
+                ctx.spec.append(b)
+                self.stats["speculative_buckets"] += 1
         self._account(b, t0)
 
     def idle_work(self) -> bool:
@@ -282,18 +287,19 @@ class CpuUpdater:
         leave it undone (a skipped step), and copy the weights back."""
         t0 = time.perf_counter()
         self.stats["rollbacks"] += 1
-        if b.alt_master is not None:
-            if dec.skip:
-                self._push(b)  # the current copy was never touched: put its weights back on the GPU
+        with torch.profiler.record_function(CPU_UPDATE_RANGE):
+            if b.alt_master is not None:
+                if dec.skip:
+                    self._push(b)  # the current copy was never touched: put its weights back on the GPU
+                else:
+                    self._update_other(b, dec.hp, dec.coef)
+                    self._push(b, b.alt_master.tensor)
+                    self._flip(b)
             else:
-                self._update_other(b, dec.hp, dec.coef)
-                self._push(b, b.alt_master.tensor)
-                self._flip(b)
-        else:
-            self._restore(b)
-            if not dec.skip:
-                self._update(b, dec.hp, dec.coef)
-            self._push(b)  # the redone (or restored) weights back on the GPU
+                self._restore(b)
+                if not dec.skip:
+                    self._update(b, dec.hp, dec.coef)
+                self._push(b)  # the redone (or restored) weights back on the GPU
         self._account(b, t0)
         b.ready_t = time.perf_counter()
         b.ready.set()

@@ -1,11 +1,19 @@
-"""SuperOffload's CPU update is visible in a profiler trace: a named range on its worker thread, recorded because
-the profiler records every thread (the trace summary reads the CPU update from it)."""
+"""SuperOffload's CPU update is visible in a profiler trace that records every thread: a named range on its worker
+thread (the trace summary reads the CPU update from it)."""
+
+from typing import Any
 
 import torch
 
-from lightning_gh.profiling._profiler_backends import _with_all_threads
 from lightning_gh.superoffload import HeterogeneousAdamW
 from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE
+
+
+def _with_all_threads(kwargs: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return {**kwargs, "experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):  # an older torch: the training thread only
+        return dict(kwargs)
 
 
 def test_the_cpu_update_range_is_recorded_from_the_worker_thread():

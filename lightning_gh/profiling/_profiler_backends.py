@@ -98,7 +98,7 @@ class TorchBackend(Backend):
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(activities=acts, schedule=_record_always, **_with_all_threads(self.kwargs))
+        self.prof = torch.profiler.profile(activities=acts, schedule=_record_always, **self.kwargs)
         self.prof.step_num = step
         self.prof.start()
         self.note("lgh", meta)
@@ -204,15 +204,3 @@ class MemoryBackend(Backend):
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
         return path
-
-
-def _with_all_threads(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The profiler's keyword arguments with ranges and operators of every Python thread recorded, where this torch
-    can (SuperOffload's CPU update runs on a worker thread, which torch.profiler leaves out by default)."""
-    if "experimental_config" in kwargs:
-        return dict(kwargs)
-    try:
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    except (AttributeError, TypeError):  # an older torch: the training thread only
-        return dict(kwargs)
-    return {**kwargs, "experimental_config": config}

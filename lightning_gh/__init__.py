@@ -25,7 +25,7 @@ if TYPE_CHECKING:
         lean_causal_lm_loss,
         offload_activations,
     )
-    from lightning_gh.graphs import CUDAGraphCapture, GraphCaptureError, GraphReport
+    from lightning_gh.graphs import CUDAGraphCapture, GraphCaptureError, GraphCaptureOptions, GraphReport, GraphState
     from lightning_gh.hardware import HardwareInfo
     from lightning_gh.kv import GenerationCallback, KVOffloadOptions, OffloadedKVCache
     from lightning_gh.memory import MemoryReport, MemoryReportOptions
@@ -41,9 +41,11 @@ if TYPE_CHECKING:
         precision,
     )
     from lightning_gh.profiling.nvtx import NVTXRangeCallback
+    from lightning_gh.profiling.options import NVTXOptions, ProfilerOptions, StallOptions
     from lightning_gh.profiling.profiler import SelectiveProfiler
     from lightning_gh.profiling.stall import DataStallDetector
     from lightning_gh.profiling.summary import summarize_trace
+    from lightning_gh.profiling.throughput import ThroughputMonitor, ThroughputOptions
     from lightning_gh.superoffload import HeterogeneousAdamW, SuperOffloadOptions, SuperOffloadStrategy
     from lightning_gh.unified import (
         ManagedMemoryError,
@@ -64,6 +66,13 @@ _WHERE: dict[str, str] = {
     "CUDAGraphCapture": "lightning_gh.graphs",
     "GraphCaptureError": "lightning_gh.graphs",
     "GraphReport": "lightning_gh.graphs",
+    "GraphCaptureOptions": "lightning_gh.graphs",
+    "GraphState": "lightning_gh.graphs",
+    "NVTXOptions": "lightning_gh.profiling.options",
+    "ProfilerOptions": "lightning_gh.profiling.options",
+    "StallOptions": "lightning_gh.profiling.options",
+    "ThroughputMonitor": "lightning_gh.profiling.throughput",
+    "ThroughputOptions": "lightning_gh.profiling.throughput",
     "DataStallDetector": "lightning_gh.profiling.stall",
     "NVTXRangeCallback": "lightning_gh.profiling.nvtx",
     "SelectiveProfiler": "lightning_gh.profiling.profiler",

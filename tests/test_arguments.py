@@ -50,6 +50,12 @@ CONSTRUCTORS: dict[str, tuple[Callable[..., Any], set[str]]] = {
     "MemoryReport": (lgh.MemoryReport, {"options", "folder"}),
     "MemoryReportOptions": (lgh.MemoryReportOptions, {"folder"}),
     "TEOptions": (lgh.TEOptions, set()),
+    "GraphCaptureOptions": (lgh.GraphCaptureOptions, set()),
+    "NVTXOptions": (lgh.NVTXOptions, {"domain", "module_ranges", "steps"}),
+    "ProfilerOptions": (lgh.ProfilerOptions, {"output_dir", "steps", "backends"}),
+    "StallOptions": (lgh.StallOptions, set()),
+    "ThroughputMonitor": (lgh.ThroughputMonitor, {"options"}),
+    "ThroughputOptions": (lgh.ThroughputOptions, set()),
 }
 # Constructors that take their options' fields as ``**kwargs``: the fields are their parameters too.
 OPTIONS: dict[str, type] = {
@@ -243,7 +249,7 @@ def test_every_known_parameter_exists():
 def test_every_public_constructor_is_covered():
     """A new public class must be added to the table above (or be a result/exception type)."""
     # results, or built from a model (own tests)
-    results = {"GraphReport", "HardwareInfo", "OffloadedKVCache", "LeanLoss"}
+    results = {"GraphReport", "GraphState", "HardwareInfo", "OffloadedKVCache", "LeanLoss"}
     for n in lgh.__all__:
         obj = getattr(lgh, n)
         if inspect.isclass(obj) and not issubclass(obj, BaseException) and n not in results:

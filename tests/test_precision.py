@@ -363,8 +363,9 @@ def test_precision_modules_import_without_a_cycle():
             "registry",
             "plugin", "export"]
     code = "; ".join(f"import lightning_gh.precision.{m}" for m in reversed(mods))
-    for first in ("lightning_gh.precision.te", "lightning_gh.precision.auto", "lightning_gh.precision.registry"):
-        subprocess.run([sys.executable, "-c", f"import {first}; {code}"], check=True)
+    firsts = ("lightning_gh.precision.te", "lightning_gh.precision.auto", "lightning_gh.precision.registry")
+    procs = [subprocess.Popen([sys.executable, "-c", f"import {first}; {code}"]) for first in firsts]  # side by side
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
 
 
 def test_lgh_precision_stays_callable_once_the_package_is_imported():

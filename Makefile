@@ -14,9 +14,10 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 demo: $(STAMP)
 	$(PY) -m lightning_gh demo $(DEMO_ARGS)
 
-# pytest exits 5 when it collects no test: say so and fail, since this suite is never empty.
+# pytest exits 5 when it collects no test: say so and fail, since this suite is never empty. `-n auto`: one pytest-xdist
+# worker per CPU (two on CI); every test runs in a worker of its own process state, as it does alone.
 test: $(STAMP)
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n auto $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)"; fi; exit $$rc
 
 # pyflakes, bugbear and import order over the whole repository ([tool.ruff] in pyproject.toml); .ci/run runs it first.

@@ -487,7 +487,10 @@ class _Lines(logging.Handler):
 def _recording_logs():
     """The messages logged through Lightning's rank-zero logger and the profiler's own (what a user sees)."""
     handler = _Lines()
-    loggers = [logging.getLogger("lightning.pytorch"), logging.getLogger(profiler_mod.__name__)]
+    # Lightning's rank-zero logger is named after the package its module was imported as: lightning.pytorch, or
+    # pytorch_lightning where the standalone package is installed and was imported first in this process.
+    loggers = [logging.getLogger("lightning.pytorch"), logging.getLogger("pytorch_lightning"),
+               logging.getLogger(profiler_mod.__name__)]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.addHandler(handler)

@@ -327,3 +327,13 @@ def test_compiled_budget_keeps_sdpas_causal_path_unless_told_not_to(causal_sdpa)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     off.close()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -2.0])
+def test_a_float_budget_that_is_no_size_suggests_a_real_size(value):
+    from lightning_gh.activation_offload.budget import parse_budget
+
+    with pytest.raises(ValueError) as err:
+        parse_budget(value)
+    assert "nanGiB" not in str(err.value) and "infGiB" not in str(err.value) and "'-2GiB'" not in str(err.value)
+    assert "'24GiB'" in str(err.value)

@@ -102,7 +102,11 @@ def parse_budget(value: str | int | float | Budget) -> Budget:
         if not (0.0 < value <= 1.0) or math.isnan(value):
             raise ValueError(f"budget={value!r} is not valid: a float budget is a fraction of the plain step's "
                              f"activation memory and must be in (0, 1]; for a size use a string such as "
-                             f"'{value:g}GiB' or an int of bytes.")
+                             f"'{value:g}GiB' or an int of bytes."
+                             if math.isfinite(value) and value > 0 else
+                             f"budget={value!r} is not valid: a float budget is a fraction of the plain step's "
+                             f"activation memory and must be in (0, 1]; for a size use a string such as '24GiB' or "
+                             f"an int of bytes.")
         return Budget(fraction=float(value))
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)

@@ -786,3 +786,24 @@ def test_updates_known_to_be_final_run_in_forward_order_and_stay_bitwise(monkeyp
         assert any([b for b, _ in step] == list(range(n)) for step in steps)  # speculation: arrival order
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
+
+
+def test_moving_the_state_to_torch_adamw_says_to_close_the_old_optimizer_and_works_after_close():
+    model = nn.Linear(8, 8)
+    opt = HeterogeneousAdamW(model.parameters(), lr=1e-2, module=model)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plain.load_state_dict(opt.state_dict())
+    model(torch.randn(2, 8)).sum().backward()
+    plain.step()
+    plain.zero_grad()
+    with pytest.raises(RuntimeError, match=r"call close\(\) on this HeterogeneousAdamW first"):
+        model(torch.randn(2, 8)).sum().backward()
+    plain.zero_grad()
+    opt.close()
+    for _ in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+        plain.step()
+        plain.zero_grad()

@@ -479,7 +479,9 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
             raise RuntimeError(
                 "HeterogeneousAdamW: a gradient arrived twice before step(). Backward passes of micro-batches "
                 "that do not end in step() must run inside `with optimizer.accumulating():` (or, with "
-                "pipeline_trigger='closure', outside step(closure)).")
+                "pipeline_trigger='closure', outside step(closure)). If the model now trains with another "
+                "optimizer (e.g. after moving this one's state_dict() to torch.optim.AdamW), call close() on this "
+                "HeterogeneousAdamW first: its gradient hooks stay on the model until it is closed or collected.")
         grad = slot.param.grad
         sharded = self._shard is not None  # clamp and norm apply to the rank-averaged gradient (see .zero)
         if self._max_grad_value is not None and not sharded:

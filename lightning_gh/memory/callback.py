@@ -107,13 +107,11 @@ class MemoryReport(Callback):
                            allocated=torch.cuda.memory_allocated(device) if cuda else None)
         room = hardware.gpu_memory_room(device) if cuda else None
         decisions: dict[str, str] = {}
-        for opt in trainer.optimizers:
+        for opt in trainer.optimizers:  # SuperOffload's host plan and, once decided, its GPU tail
             stats = getattr(opt, "stats", None)
-            if isinstance(stats, dict) and stats.get("tail_decision"):
-                decisions["SuperOffload"] = str(stats["tail_decision"])
-            describe = getattr(opt, "describe_plan", None)
-            if callable(describe):
-                decisions["SuperOffload"] = str(describe())
+            said = [str(stats[k]) for k in ("host_plan", "tail_decision") if isinstance(stats, dict) and stats.get(k)]
+            if said:
+                decisions["SuperOffload"] = " ".join(said)
         budget = None
         for cb in trainer.callbacks:
             opts = getattr(cb, "options", None)

@@ -63,8 +63,8 @@ class HostMemoryError(MemoryError, RuntimeError):
 # (available now plus what the parts already hold), and a part's room is that budget less the other parts'
 # holdings and their announced (declared, not yet claimed) needs. A part that allocates lazily (the activation
 # pool grows during the first steps) declares its need at setup, before SuperOffload sizes its host state in
-# ``setup_optimizers``. ``claim`` replaces the part's previous claim (it is the part's total), and ``release``
-# returns it; parts release in ``teardown``/``close``.
+# ``setup_optimizers``. ``claim`` replaces the part's previous claim (it is the part's total); the share goes back
+# with ``release`` or when the object that holds the memory (the claim's ``owner``) is collected.
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ gpu_fp32master      GPU-only ``bf16-mixed`` (fp32 weights and state on the GPU),
 ==================  ==========================================================================================
 
 Model FLOPs are 6 x parameters x tokens per step (no attention term, no recompute), against the GPU's dense bf16
-peak (:func:`lightning_gh.hardware` datasheet figure where known, else ``--peak-tflops``).
+peak from the datasheet table ThroughputMonitor uses (:func:`lightning_gh.profiling.throughput.peak_tflops`; no MFU
+on a GPU not in it).
 
 Usage (on the GPU machine)::
 
@@ -56,11 +57,6 @@ VARIANTS = ("gpu_bf16_ckpt", "superoffload", "superoffload_fp8", "deepspeed_offl
             "gpu_fp32master", "gpu_bf16_budget", "superoffload_budget")
 #: Variants that replace HF gradient checkpointing by ``ActivationOffload(budget=...)``.
 BUDGET_VARIANTS = ("gpu_bf16_budget", "superoffload_budget")
-
-#: Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from NVIDIA's datasheets, by a substring of the
-#: device name. MFU is reported against these.
-DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "GH200": 989.0}
-
 
 @dataclass
 class Job:
@@ -135,6 +131,7 @@ def _child(job: Job, out_file: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import lightning_gh as lgh
+    from lightning_gh.profiling.throughput import peak_tflops
 
     torch.manual_seed(job.seed)
     res = Outcome(job.variant, params=param_count(job), device=torch.cuda.get_device_name(0))
@@ -231,7 +228,7 @@ def _child(job: Job, out_file: Path) -> None:
         tokens = job.batch * job.seq
         res.tokens_per_s = tokens / (res.step_ms / 1e3)
         res.model_tflops = 6 * res.params * tokens / (res.step_ms / 1e3) / 1e12
-        peak = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in res.device), None)
+        peak = peak_tflops(res.device, "bf16")
         res.mfu = res.model_tflops / peak if peak else None
     res.peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30
     res.host_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
-__all__ = ["ENV_PREFIX", "env", "fmt_bytes", "reset_warnings", "warn_once"]
+__all__ = ["ENV_PREFIX", "count_tokens", "env", "fmt_bytes", "reset_warnings", "warn_once"]
 
 #: The one prefix of the package's environment variables (``LGH_PROFILE_START_STOP``, ``LGH_CACHE_DIR``, ...).
 ENV_PREFIX = "LGH_"
@@ -46,6 +47,23 @@ def fmt_bytes(n: int | float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def count_tokens(batch: Any) -> int | None:
+    """Tokens in an LLM micro-batch: the size of its token ids (``input_ids`` or ``tokens`` of a dict, else its first
+    entry, a few levels of tuples and dicts deep), or ``None`` where the first tensor found is not integer."""
+    import torch  # here, so that importing this module never imports torch
+
+    for _ in range(4):
+        if isinstance(batch, torch.Tensor):
+            return batch.numel() if not batch.is_floating_point() and not batch.is_complex() else None
+        if isinstance(batch, dict):
+            batch = batch.get("input_ids", batch.get("tokens", next(iter(batch.values()), None)))
+        elif isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        else:
+            return None
+    return None
 
 
 def env(name: str, default: str | None = None) -> str | None:

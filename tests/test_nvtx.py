@@ -27,13 +27,13 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_gh._util import count_tokens as _count_tokens
 from lightning_gh.demo import LlamaLM, MarkovDataModule
 from lightning_gh.profiling import _nvtx_backend
 from lightning_gh.profiling.nvtx import (
     PHASES,
     NVTXOptions,
     NVTXRangeCallback,
-    _count_tokens,
     _default_modules,
     _matching_modules,
     _without_compiled,

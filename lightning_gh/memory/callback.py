@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_gh import _host, hardware
 from lightning_gh._options import resolve
-from lightning_gh._util import warn_once
+from lightning_gh._util import count_tokens, warn_once
 from lightning_gh.memory.oom import parse_cuda_oom, report, suggest
 from lightning_gh.memory.plan import MemoryPlan, attribute
 
@@ -219,20 +219,3 @@ class MemoryReport(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"options": dataclasses.asdict(self.options)}
-
-
-def count_tokens(batch: Any) -> int | None:
-    """Token ids in a micro-batch: the size of its first integer tensor (a few levels of tuples/dicts deep)."""
-    todo = [batch]
-    for _ in range(64):
-        if not todo:
-            return None
-        x = todo.pop(0)
-        if isinstance(x, torch.Tensor):
-            if not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool:
-                return x.numel()
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
-    return None

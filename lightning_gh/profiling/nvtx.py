@@ -74,7 +74,7 @@ from torch import nn
 
 from lightning_gh import compat
 from lightning_gh._options import resolve
-from lightning_gh._util import warn_once
+from lightning_gh._util import count_tokens, warn_once
 from lightning_gh.profiling._nvtx_backend import Backend, select_backend
 from lightning_gh.profiling.options import NVTXOptions
 from lightning_gh.profiling.phases import StepPhaseTracker
@@ -116,20 +116,6 @@ WARN_KEY = "nvtx:"
 
 def _warn_once(key: str, message: str) -> None:
     warn_once(WARN_KEY + key, message, UserWarning, stacklevel=4)
-
-
-def _count_tokens(batch: Any) -> int | None:
-    """Tokens in an LLM micro-batch: the size of its first integer tensor (token ids), if any."""
-    for _ in range(4):  # tuples / dicts of tensors, a few levels deep at most
-        if isinstance(batch, torch.Tensor):
-            return batch.numel() if not batch.is_floating_point() and not batch.is_complex() else None
-        if isinstance(batch, dict):
-            batch = batch.get("input_ids", batch.get("tokens", next(iter(batch.values()), None)))
-        elif isinstance(batch, (list, tuple)) and batch:
-            batch = batch[0]
-        else:
-            return None
-    return None
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -467,7 +453,7 @@ class NVTXRangeCallback(Callback):
         if not self._in_step:
             self._open_step(trainer)
         self._batches += 1
-        self._tokens = _count_tokens(batch) if self._active else None
+        self._tokens = count_tokens(batch) if self._active else None
         self._phases.on_train_batch_start(trainer)
 
     def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:

@@ -46,6 +46,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_gh._lightning import log_to_loggers
 from lightning_gh._options import resolve
+from lightning_gh._util import count_tokens
 
 __all__ = ["DENSE_PEAK_TFLOPS", "ThroughputMonitor", "ThroughputOptions", "effective_peak", "fp8_share",
            "matmul_dtype", "mfu", "peak_tflops"]
@@ -146,20 +147,6 @@ def fp8_share(model: torch.nn.Module) -> float:
     return in_fp8 / total
 
 
-def _count_tokens(batch: Any) -> int:
-    """Tokens in a micro-batch: the elements of its first integer tensor (the token ids), else 0."""
-    for _ in range(4):
-        if isinstance(batch, torch.Tensor):
-            return batch.numel() if not batch.is_floating_point() and not batch.is_complex() else 0
-        if isinstance(batch, dict):
-            batch = batch.get("input_ids", batch.get("tokens", next(iter(batch.values()), None)))
-        elif isinstance(batch, (list, tuple)) and batch:
-            batch = batch[0]
-        else:
-            return 0
-    return 0
-
-
 def _positive_or_none(name: str, value: Any) -> None:
     if value is None:
         return
@@ -244,7 +231,7 @@ class ThroughputMonitor(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self._t0 is not None:
-            self._tokens += _count_tokens(batch)
+            self._tokens += count_tokens(batch) or 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

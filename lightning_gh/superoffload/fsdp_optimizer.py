@@ -1,0 +1,750 @@
+"""ZeRO-3 with the optimizer state in host memory: :class:`ShardedHostAdamW`, AdamW over the local shards of
+parameters sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``), with each shard's fp32 master weights and
+moments in (page-locked) host memory and the update on a CPU thread.
+
+FSDP2 keeps each parameter as a ``DTensor`` sharded on dim 0 over the ranks, all-gathers a module's parameters
+just before its forward and reduce-scatters their gradients (averaged over the ranks) after its backward. This
+optimizer takes over from there: it owns, per rank, the fp32 master copy and the two AdamW moments of that rank's
+rows of every parameter, updates them with the package's CPU AdamW kernel (:mod:`.cpu_adamw`, bitwise equal to
+``torch._fused_adamw_``; torch's own fused CPU AdamW where the kernel is not available), and writes the new rows
+back, cast to the parameter's dtype, into the ``DTensor``'s local tensor, which FSDP2's next all-gather reads.
+
+Note [ZeRO-3 step and the forward's wait]
+    One optimizer step, on every rank (``N`` ranks, ``K`` parameters in the optimizer's order):
+
+    1. ``step()``, after backward (FSDP2 has reduce-scattered every gradient): per FSDP module (a *unit*), in the
+       order backward finished them (the reverse of the forward order), the local gradient rows are copied to the
+       unit's host gradient buffer (a side stream and an event per unit on CUDA, so the copies pipeline with
+       the rest of ``step()``) and, when the step may be clipped or skipped, each parameter's full gradient is
+       assembled on one rank, its *owner* (parameter ``i`` belongs to rank ``i % N``), by one ``all_to_all``
+       per unit; the owner takes its L2 norm with the kernel ``clip_grad_norm_`` uses (``torch._foreach_norm``).
+       Taking the norm of the full gradient, not a sum of per-shard partial sums, is what keeps every norm
+       bitwise equal to ``clip_grad_norm_``'s on the unsharded gradient.
+    2. The per-parameter norms (each written by its owner, zero elsewhere: the sum is exact) are summed over the
+       ranks, and every rank combines the same vector in parameter order with ``torch.linalg.vector_norm``, as
+       ``clip_grad_norm_`` does, and derives the clip coefficient with its expression; so the global norm, the
+       clip coefficient and the skip decision (a non-finite norm skips the step) are the same on every rank.
+       ``step()`` posts them to the CPU thread (a :class:`~lightning_gh.superoffload.step.StepCtx`, copied to the
+       host behind an event on CUDA) and returns without waiting for the CPU.
+    3. The CPU thread updates the units in forward order (the order their forward pre-hooks ran in the last
+       forward; the root module first) once the decision is known, then copies each unit's new master rows back
+       into the parameters' local shards (cast), behind an event on CUDA, and marks the unit ready.
+    4. The next forward: a forward pre-hook on every FSDP module, registered with ``prepend=True`` after
+       ``fully_shard`` registered FSDP2's own pre-forward hook (which all-gathers the module's parameters), so it
+       runs first, waits for that unit to be ready (and makes the compute stream wait for its copy back). The CPU
+       update of later units therefore overlaps the forward of earlier ones, and no all-gather can read a shard
+       before its update is in place. FSDP2's explicit forward prefetching
+       (``FSDPModule.set_modules_to_forward_prefetch``) all-gathers a later module from an earlier module's
+       pre-forward, before the later module's own hook runs; it is refused (see :func:`check_no_forward_prefetch`).
+
+    Whatever reads the parameters or the state outside a forward (``state_dict()``, a checkpoint, the next
+    ``step()``) waits for every unit first (:meth:`ShardedHostAdamW.synchronize`).
+
+The state dict is ``torch.optim.AdamW``'s (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter, the moments as
+``DTensor`` s sharded like their parameter, backed by the host buffers themselves), plus ``master`` (the fp32 master
+rows, sharded the same way) for the parameters that are not fp32: for fp32 parameters the master copy equals the
+parameter bit for bit and is re-derived from it. That is the format ``torch.distributed.checkpoint``'s
+``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and Lightning's ``ModelParallelStrategy`` save and load,
+at any number of ranks (DCP reshards).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gh._host import HostBuffer, check_host_room
+from lightning_gh.superoffload import cpu_adamw
+from lightning_gh.superoffload.cpu_adamw import _TAIL as _UNIT  # torch's fused CPU AdamW's unit of work
+from lightning_gh.superoffload.memory import PLAN_PART, local_world_size
+from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options, validate_knobs
+from lightning_gh.superoffload.state import check_group
+from lightning_gh.superoffload.step import GradNorms, StepCtx
+from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE
+from lightning_gh.superoffload.zero import rank_cpu_threads
+
+__all__ = ["ShardedHostAdamW", "check_no_forward_prefetch", "fsdp_units", "norm_owner", "unsupported_options"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def norm_owner(index: int, ranks: int) -> int:
+    """The rank that assembles parameter ``index``'s full gradient and takes its norm: round-robin.
+
+    >>> [norm_owner(i, 2) for i in range(5)]
+    [0, 1, 0, 1, 0]
+    """
+    return index % ranks
+
+
+def unsupported_options(options: SuperOffloadOptions) -> list[str]:
+    """The :class:`SuperOffloadOptions` fields set to something the ZeRO-3 path cannot honour, as ``name=value``.
+
+    The ZeRO-3 path keeps the whole state in host memory (no GPU tail: ``gpu_fraction`` must be ``"auto"`` or
+    ``0.0``) and updates each unit once its step's decision is known (no speculation: ``speculative`` must be
+    ``"auto"`` or ``False``); ``bucket_size`` and ``rollback`` do not apply (the unit of work is the FSDP module).
+
+    >>> unsupported_options(SuperOffloadOptions())
+    []
+    >>> unsupported_options(SuperOffloadOptions(gpu_fraction=0.5, speculative=True))
+    ['gpu_fraction=0.5', 'speculative=True']
+    """
+    bad = []
+    if options.gpu_fraction not in ("auto", 0.0):
+        bad.append(f"gpu_fraction={options.gpu_fraction!r}")
+    if options.speculative is True:
+        bad.append("speculative=True")
+    return bad
+
+
+def fsdp_units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Every ``fully_shard``-ed module of ``module`` with the parameters it manages (its own and its children's,
+    less those of nested ``fully_shard``-ed modules), in ``named_modules`` order (the root first).
+
+    Raises:
+        ValueError: no module of ``module`` is ``fully_shard``-ed.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError(
+            f"ShardedHostAdamW needs a model sharded with FSDP2: no module of {type(module).__name__} is "
+            "fully_shard-ed. In the LightningModule's configure_model(), call "
+            "torch.distributed.fsdp.fully_shard(block, mesh=self.device_mesh['data_parallel']) on each decoder "
+            "layer, then on the root module.")
+    out = []
+    for unit in units:
+        params: list[nn.Parameter] = []
+        stack = [unit]
+        while stack:
+            m = stack.pop()
+            params.extend(m.parameters(recurse=False))
+            stack.extend(reversed([c for c in m.children() if not isinstance(c, FSDPModule)]))
+        out.append((unit, params))
+    return out
+
+
+def check_no_forward_prefetch(unit: nn.Module) -> None:
+    """Refuse FSDP2's explicit forward prefetching on ``unit`` (see Note [ZeRO-3 step and the forward's wait])."""
+    state = getattr(unit, "_get_fsdp_state", None)
+    state = state() if state is not None else None
+    if state is not None and getattr(state, "_states_to_forward_prefetch", None):
+        raise ValueError(
+            f"ShardedHostAdamW: {type(unit).__name__} has explicit forward prefetching "
+            "(set_modules_to_forward_prefetch), which all-gathers a later module before that module's update is "
+            "in place. Remove the set_modules_to_forward_prefetch call (backward prefetching is fine).")
+
+
+@dataclass
+class _Shard:
+    """One parameter's local rows and where their state lives in its unit's host buffers."""
+
+    index: int  # position in the optimizer's parameter order
+    param: torch.Tensor  # the DTensor
+    group: int
+    numel: int  # local elements on this rank
+    offset: int  # in the unit's flat buffers
+    numels: list[int]  # local elements on each rank
+    step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
+    master_loaded: bool = False  # the master rows came from a checkpoint (else re-derived from the weights)
+    rank: int = 0
+
+    def tail_rows(self) -> tuple[int, int]:
+        """The local range of this shard's elements that lie in the full tensor's tail (its last ``numel % 16``
+        elements), possibly empty. See Note [A shard's rows, updated as the full tensor's]."""
+        full = sum(self.numels)
+        start = sum(self.numels[:self.rank])
+        tail = full - full % _UNIT
+        return min(max(tail - start, 0), self.numel), self.numel
+
+
+class _Unit:
+    """One ``fully_shard``-ed module's parameters: the unit of gradient copy, norm exchange, CPU work and wait."""
+
+    def __init__(self, index: int, module: nn.Module, shards: list[_Shard], pin: bool) -> None:
+        self.index = index
+        self.module = module
+        self.shards = shards
+        self.numel = sum(s.numel for s in shards)
+        dtypes = {s.param.dtype for s in shards}
+        self.grad_dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16} \
+            else torch.float32
+        # [master | exp_avg | exp_avg_sq], fp32, and the gradient rows in the parameters' dtype
+        self.state = HostBuffer(3 * self.numel, pin=pin, zero=True)
+        self.grad = HostBuffer(self.numel, pin=pin, zero=True, dtype=self.grad_dtype)
+        self.ready = threading.Event()
+        self.ready.set()
+        self.active: list[_Shard] = []  # shards with a gradient this step
+        self.d2h_event: Any = None
+        self.h2d_event: Any = None
+        self.hook: Any = None  # the forward pre-hook's handle
+
+    def region(self, k: int) -> torch.Tensor:
+        """0: master, 1: exp_avg, 2: exp_avg_sq (flat fp32 views over the unit)."""
+        return self.state.tensor[k * self.numel:(k + 1) * self.numel]
+
+    def view(self, s: _Shard, k: int) -> torch.Tensor:
+        return self.region(k)[s.offset:s.offset + s.numel]
+
+    def release(self) -> None:
+        self.state.release()
+        self.grad.release()
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The DTensor's local rows, as the tensor FSDP2 all-gathers from (fetched each time: FSDP2 may re-point it)."""
+    with torch.no_grad():
+        return p.to_local()
+
+
+def _host_dtensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A DTensor sharded like the parameter ``like`` whose local tensor is ``local`` itself (host memory, no copy).
+
+    ``DTensor.from_local`` would move a host tensor to the mesh's device (the GPU); FSDP2's CPU offload builds its
+    host-resident DTensors with the constructor used here."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = like._spec
+    meta = TensorMeta(like.shape, like.stride(), local.dtype)
+    return DTensor(local.view(_local(like).shape), DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
+                   requires_grad=False)
+
+
+# Note [A shard's rows, updated as the full tensor's]
+# torch's fused CPU AdamW is not the same function for every element of a tensor: it works in 16-float units and runs
+# the last ``numel % vector width`` elements of each tensor through a scalar loop that rounds differently from its
+# vector loop (see cpu_adamw). A rank holds a slice of each tensor, so its local tensors have other tails than the
+# full ones, and updating them as tensors of their own would change the last bits of some rows. Each row is
+# therefore updated as it would be in the full tensor: the rows of the full tensor's body by the package's kernel
+# (elementwise, the vector loop's arithmetic), the rows of its tail (the last ``numel % 16``, found from the rank's
+# global offset) by torch on a span that starts where the full tensor's tail starts, padded with zeros where other
+# ranks hold the rows, so torch splits it into vector and scalar parts exactly as it splits the full tensor.
+# Without the kernel, each shard's body goes through torch padded to whole units (every row on the vector path).
+
+
+def _positioned(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor, s: _Shard, lo: int,
+                hi: int, hp: dict[str, float], coef: torch.Tensor | None, body: bool = False) -> tuple[torch.Tensor, ...]:
+    """torch's fused AdamW on local rows ``[lo, hi)`` of shard ``s`` (``rows``, ``grad``: those rows only), placed in
+    a zero-padded span as the full tensor's tail (or, ``body``, a span of whole units); returns the new
+    (master, exp_avg, exp_avg_sq) rows. See Note [A shard's rows, updated as the full tensor's]."""
+    n = hi - lo
+    if body:
+        lead, length = 0, -(-n // _UNIT) * _UNIT
+    else:
+        full = sum(s.numels)
+        tail = full - full % _UNIT
+        lead, length = sum(s.numels[:s.rank]) + lo - tail, full % _UNIT
+    span = [torch.zeros(length, dtype=torch.float32) for _ in range(4)]
+    for t, r in zip(span, (*rows, grad)):
+        t[lead:lead + n].copy_(r)
+    if coef is not None:
+        torch._foreach_mul_([span[3]], coef)
+    torch._fused_adamw_([span[0]], [span[3]], [span[1]], [span[2]], [], [s.step + 1], lr=hp["lr"],
+                        beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
+                        amsgrad=False, maximize=False)
+    return tuple(t[lead:lead + n] for t in span[:3])
+
+
+class ShardedHostAdamW(torch.optim.Optimizer):
+    """AdamW over FSDP2-sharded parameters with each rank's fp32 master rows and moments in host memory, updated
+    on a CPU thread, with exact gradient-norm clipping across ranks. See Note [ZeRO-3 step and the forward's wait].
+
+    Identical, on every rank, to ``torch.nn.utils.clip_grad_norm_`` followed by ``torch.optim.AdamW(fused=True)`` on
+    the unsharded fp32 parameters and gradients (bitwise; the tests check it on 2 ranks); a step whose gradient
+    norm is not finite is skipped on every rank (``skip_nonfinite``).
+
+    Args:
+        params: the parameters (``DTensor`` s sharded on dim 0 by ``fully_shard``) or param groups, as for AdamW.
+        lr, betas, eps, weight_decay: AdamW's hyper-parameters (defaults as ``torch.optim.AdamW``'s).
+        module: the model the parameters belong to (its ``fully_shard``-ed modules get the forward pre-hooks).
+        max_grad_norm: clip the global gradient L2 norm to this value (as ``clip_grad_norm_``), or ``None``.
+        options: :class:`SuperOffloadOptions`; ``skip_nonfinite``, ``cpu_threads`` and ``host_memory_check``
+            apply (see :func:`unsupported_options` for the rest).
+        **option_kwargs: the same options as keywords instead (see :class:`SuperOffloadOptions`).
+
+    Example::
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        opt = ShardedHostAdamW(model.parameters(), lr=3e-4, module=model, max_grad_norm=1.0)
+        loss = model(batch).mean(); loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, module: nn.Module, max_grad_norm: float | None = None,
+                 options: SuperOffloadOptions | None = None, **option_kwargs: Any) -> None:
+        self.options = resolve_options(options, "ShardedHostAdamW", **option_kwargs)
+        bad = unsupported_options(self.options)
+        if bad:
+            raise ValueError(f"ShardedHostAdamW (ZeRO-3) cannot take {', '.join(bad)}: the whole state stays in "
+                             "host memory and each unit is updated once its step's decision is known. Leave them "
+                             "at their defaults.")
+        validate_knobs(max_grad_norm=max_grad_norm)
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": False,
+                    "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+                    "fused": None}
+        super().__init__(params, defaults)
+        for gi, g in enumerate(self.param_groups):
+            check_group(g, gi)
+        self.module = module
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.stats: dict[str, Any] = {"steps": 0, "skipped_steps": 0, "clipped_steps": 0, "wait_ms": 0.0,
+                                      "cpu_ms": 0.0}
+        self._build(module)
+        self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._forward_order: list[int] = []
+        self._recording: dict[int, None] = {}  # units whose forward pre-hook ran since the last step, in order
+        self._step_id = 0
+        self._closed = False
+        self.publish_state()
+
+    # ------------------------------------------------------------------ layout
+    def _build(self, module: nn.Module) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        units = fsdp_units(module)  # first: a model with no fully_shard at all gets the error that says so
+        params = [p for g in self.param_groups for p in g["params"]]
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        index_of = {id(p): i for i, p in enumerate(params)}
+        for i, p in enumerate(params):
+            if not isinstance(p, DTensor):
+                raise ValueError(
+                    f"ShardedHostAdamW: parameter {i} (shape {tuple(p.shape)}) is not sharded by fully_shard. In "
+                    "configure_model(), call fully_shard on the root module last, so that every parameter "
+                    "belongs to a fully_shard-ed module.")
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+                raise ValueError(
+                    f"ShardedHostAdamW: parameter {i} has placements {tuple(p.placements)} on a "
+                    f"{p.device_mesh.ndim}-d mesh; only FSDP2's default (Shard(0),) on a 1-d data-parallel mesh is "
+                    "supported (no tensor parallelism, no HSDP, no shard_placement_fn).")
+        mesh = params[0].device_mesh if params else None
+        self._pg = mesh.get_group() if mesh is not None else None
+        self.world = mesh.size() if mesh is not None else 1
+        self.rank = mesh.get_local_rank() if mesh is not None else 0
+        self.device = _local(params[0]).device if params else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        # every rank's local element count of every parameter: FSDP2 cuts dim 0 like torch.chunk (uneven shards)
+        mine = torch.tensor([_local(p).numel() for p in params], dtype=torch.int64, device=self.device)
+        if self.world > 1:
+            gathered = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(gathered, mine, group=self._pg)
+        else:
+            gathered = [mine]
+        numels = torch.stack(gathered).cpu().tolist()
+        pending: list[tuple[nn.Module, list[_Shard]]] = []
+        seen: set[int] = set()
+        host_bytes = 0
+        for unit_module, unit_params in units:
+            check_no_forward_prefetch(unit_module)
+            owned = sorted(index_of[id(p)] for p in unit_params if id(p) in index_of)
+            shards, off = [], 0
+            for i in owned:
+                s = _Shard(i, params[i], group_of[id(params[i])], numels[self.rank][i], off,
+                           [numels[r][i] for r in range(self.world)], rank=self.rank)
+                shards.append(s)
+                off += s.numel
+                seen.add(i)
+            if shards:
+                host_bytes += off * (12 + (2 if {s.param.dtype for s in shards} == {torch.bfloat16} else 4))
+                pending.append((unit_module, shards))
+        missing = [i for i in range(len(params)) if i not in seen]
+        if missing:
+            raise ValueError(f"ShardedHostAdamW: parameters {missing} of the optimizer are not in the module passed as "
+                             "module= (pass the model whose configure_model() sharded them).")
+        if self.options.host_memory_check:
+            check_host_room(host_bytes, what="ShardedHostAdamW (fp32 master, moments and gradient rows of this "
+                            "rank's shards)", headroom=0.9 / max(1, min(local_world_size(), self.world)),
+                            tips=["run more ranks (each holds 1/N of the state)", "fewer ranks per host"],
+                            opt_out="host_memory_check=False", part=PLAN_PART, owner=self)
+        self._units: list[_Unit] = []
+        for ui, (unit_module, shards) in enumerate(pending):
+            unit = _Unit(ui, unit_module, shards, pin=torch.cuda.is_available())
+            for s in shards:
+                unit.view(s, 0).copy_(_local(s.param).reshape(-1))
+            self._hook(unit)
+            self._units.append(unit)
+        self._shards = sorted((s for u in self._units for s in u.shards), key=lambda s: s.index)
+        self._params = params
+        self._norms = GradNorms(self.device)
+        self._kernel = cpu_adamw.load()
+        threads = self.options.cpu_threads
+        self.cpu_threads = threads if threads is not None else rank_cpu_threads(
+            self.cuda, min(local_world_size(), self.world))
+        self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
+        self._masters_stale = True  # re-derived from the weights at the first step (a model loaded since)
+
+    def _hook(self, unit: _Unit) -> None:
+        ref = weakref.ref(self)
+
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            opt = ref()
+            if opt is not None and not opt._closed:
+                opt.wait_for(unit.index)
+
+        # prepend=True, registered after fully_shard's own: runs before FSDP2's all-gather (see the Note)
+        unit.hook = unit.module.register_forward_pre_hook(pre_forward, prepend=True)
+
+    # ------------------------------------------------------------------ state in AdamW's format
+    def publish_state(self) -> None:
+        """Expose the host state in ``self.state`` as ``torch.optim.AdamW`` keeps it (``step`` and the moments,
+        ``DTensor`` s over the host buffers; ``master`` for non-fp32 parameters). The strategy calls this after
+        Lightning's setup, which would otherwise move every tensor of ``self.state`` to the GPU."""
+        for u in self._units:
+            for s in u.shards:
+                entry = {"step": s.step, "exp_avg": _host_dtensor(u.view(s, 1), s.param),
+                         "exp_avg_sq": _host_dtensor(u.view(s, 2), s.param)}
+                if s.param.dtype != torch.float32:
+                    entry["master"] = _host_dtensor(u.view(s, 0), s.param)
+                self.state[s.param] = entry
+
+    def hide_state(self) -> None:
+        """Empty ``self.state`` until :meth:`publish_state` (the host buffers stay)."""
+        self.state.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        if not self.state:
+            self.publish_state()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``torch.optim.AdamW``-format state: entries keyed by parameter index or name, the moments (and
+        ``master``) as DTensors sharded like the parameter, or as full tensors (this rank's rows are taken).
+        Parameters without a ``master`` entry re-derive it from their weights at the next step (load the model
+        first, as Lightning and ``torch.distributed.checkpoint`` do)."""
+        self.synchronize()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"load_state_dict: the state has {len(saved_groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)}.")
+        key_of: dict[int, Any] = {}
+        for g, sg in zip(self.param_groups, saved_groups):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError("load_state_dict: a param group's size differs from the state's.")
+            for p, k in zip(g["params"], sg["params"]):
+                key_of[id(p)] = k
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+        unit_of = {s.index: u for u in self._units for s in u.shards}
+        for s in self._shards:
+            entry = state_dict["state"].get(key_of[id(s.param)])
+            if entry is None:
+                continue
+            u = unit_of[s.index]
+            s.step.copy_(torch.as_tensor(entry["step"], dtype=torch.float32).reshape(()).cpu())
+            for k, name in ((1, "exp_avg"), (2, "exp_avg_sq"), (0, "master")):
+                if name in entry:
+                    self._copy_rows(u.view(s, k), entry[name], s)
+            s.master_loaded = "master" in entry
+        self._masters_stale = True
+        self.publish_state()
+
+    def _copy_rows(self, dst: torch.Tensor, value: torch.Tensor, s: _Shard) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            src = value.to_local().reshape(-1)
+        else:  # a full (unsharded) tensor: this rank's rows
+            lo = sum(s.numels[:self.rank])
+            src = value.reshape(-1)[lo:lo + s.numel]
+        if src.numel() != dst.numel():
+            raise ValueError(f"load_state_dict: parameter {s.index} has {dst.numel()} local elements here, the "
+                             f"state {src.numel()}.")
+        if src.data_ptr() != dst.data_ptr():
+            dst.copy_(src)
+
+    # ------------------------------------------------------------------ the step
+    def set_max_grad_norm(self, value: float | None) -> None:
+        """Clip the global gradient norm to ``value`` from the next ``step()`` on (``None``: no clipping)."""
+        validate_knobs(max_grad_norm=value)
+        self.max_grad_norm = None if value is None else float(value)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        if self._masters_stale:
+            self._rederive_masters()
+        hp = [{"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
+               "weight_decay": float(g["weight_decay"]), "eps": float(g["eps"])} for g in self.param_groups]
+        validate = self.max_grad_norm is not None or self.options.skip_nonfinite
+        self._step_id += 1
+        ctx = StepCtx(self._step_id, hp, needs_validation=validate)
+        if validate:
+            self._norms.open(len(self._params), zero=True)
+        present: list[int] = []
+        order = self._order()
+        for u in reversed(order):  # backward finished the last units first
+            u.ready.clear()
+            u.active = [s for s in u.shards if s.param.grad is not None]
+            present += [s.index for s in u.active]
+            self._grads_to_host(u)
+            if validate:
+                self._take_norms(u)
+        if validate:
+            self._post(ctx, present, hp)
+        self._forward_order = [u.index for u in order]
+        self._start()
+        self._queue.put((ctx, [u.index for u in order]))
+        self.stats["steps"] += 1
+        return loss
+
+    def _order(self) -> list[_Unit]:
+        """The units in the last forward's order (units it did not run after, in module order)."""
+        seen = list(self._recording)
+        self._recording = {}
+        if seen:
+            self._forward_order = seen
+        rest = [u.index for u in self._units if u.index not in self._forward_order]
+        return [self._units[i] for i in self._forward_order + rest]
+
+    def _rederive_masters(self) -> None:
+        for u in self._units:
+            for s in u.shards:
+                if not s.master_loaded:
+                    u.view(s, 0).copy_(_local(s.param).reshape(-1))
+        self._masters_stale = False
+
+    def _grads_to_host(self, u: _Unit) -> None:
+        if not self.cuda:
+            for s in u.active:
+                u.grad.tensor[s.offset:s.offset + s.numel].copy_(_local(s.param.grad).reshape(-1))
+            return
+        stream = self._streams[0]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for s in u.active:
+                g = _local(s.param.grad)
+                u.grad.tensor[s.offset:s.offset + s.numel].copy_(g.reshape(-1), non_blocking=True)
+                g.record_stream(stream)
+            u.d2h_event = torch.cuda.Event()
+            u.d2h_event.record(stream)
+
+    def _take_norms(self, u: _Unit) -> None:
+        """Assemble each active parameter's full gradient on its owner (one all_to_all per dtype) and write its
+        norm there. See Note [ZeRO-3 step and the forward's wait]."""
+        by_dtype: dict[torch.dtype, list[_Shard]] = {}
+        for s in u.active:
+            by_dtype.setdefault(s.param.grad.dtype, []).append(s)
+        for dtype, shards in by_dtype.items():
+            if self.world == 1:
+                fulls = {s.index: _local(s.param.grad) for s in shards}
+            else:
+                fulls = self._exchange(shards, dtype)
+            if not fulls:
+                continue
+            idx = sorted(fulls)
+            grads = [fulls[i].reshape(self._params[i].shape) for i in idx]
+            norms = torch._foreach_norm(grads, 2.0) if dtype == torch.float32 else \
+                torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            self._norms.vector.index_copy_(0, torch.tensor(idx, device=self.device), torch.stack(norms))
+
+    def _exchange(self, shards: list[_Shard], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        n, me = self.world, self.rank
+        send_parts: list[torch.Tensor] = []
+        in_splits = []
+        for d in range(n):
+            mine = [_local(s.param.grad).reshape(-1) for s in shards if norm_owner(s.index, n) == d]
+            send_parts += mine
+            in_splits.append(sum(t.numel() for t in mine))
+        owned = [s for s in shards if norm_owner(s.index, n) == me]
+        out_splits = [sum(s.numels[r] for s in owned) for r in range(n)]
+        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=self.device)
+        recv = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self._pg)
+        pieces: dict[int, list[torch.Tensor]] = {s.index: [] for s in owned}
+        off = 0
+        for r in range(n):
+            for s in owned:
+                pieces[s.index].append(recv[off:off + s.numels[r]])
+                off += s.numels[r]
+        return {i: torch.cat(p) for i, p in pieces.items()}
+
+    def _post(self, ctx: StepCtx, present: list[int], hp: list[dict[str, float]]) -> None:
+        """Sum the owners' norms over the ranks, combine them as ``clip_grad_norm_`` does and post the outcome."""
+        vec = self._norms.vector
+        if self.world > 1:
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self._pg)
+        total = self._norms.total(present) if present else torch.zeros((), device=self.device)
+        if self.max_grad_norm is not None:
+            # the same expression as torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise equal
+            coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        else:
+            coef = torch.ones((), device=self.device)
+        ctx.post(hp, self.max_grad_norm, self.options.skip_nonfinite, torch.stack([total, coef]).float(),
+                 self.cuda, self.device)
+
+    # ------------------------------------------------------------------ waiting
+    def wait_for(self, unit_index: int) -> None:
+        """The forward pre-hook of unit ``unit_index``: note the forward order, and block until the unit's update of
+        the last step is in its parameters."""
+        self._recording.setdefault(unit_index)
+        self._wait(self._units[unit_index])
+
+    def _wait(self, u: _Unit) -> None:
+        if not u.ready.is_set():
+            t0 = time.perf_counter()
+            while not u.ready.wait(0.05):
+                self._raise()
+                if self._thread is None or not self._thread.is_alive():
+                    raise RuntimeError("ShardedHostAdamW: the CPU worker stopped with an update pending.")
+            self.stats["wait_ms"] += (time.perf_counter() - t0) * 1e3
+        self._raise()
+        if self.cuda and u.h2d_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(u.h2d_event)
+
+    def synchronize(self) -> None:
+        """Wait until every unit's update of the last step is in its parameters."""
+        for u in self._units:
+            self._wait(u)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise RuntimeError(f"ShardedHostAdamW CPU worker failed: {type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        """Finish the pending updates, stop the CPU thread, remove the hooks and unpin the host buffers."""
+        if self._closed:
+            return
+        try:
+            self.synchronize()
+        finally:
+            self._closed = True
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join(timeout=30)
+                self._thread = None
+            for u in self._units:
+                u.hook.remove()
+                u.release()
+
+    # ------------------------------------------------------------------ the CPU thread
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=_worker_loop, args=(weakref.ref(self), self._queue),
+                                            name="superoffload-zero3-cpu-adamw", daemon=True)
+            self._thread.start()
+
+    def _run_step(self, ctx: StepCtx, order: list[int]) -> None:
+        dec = None
+        for ui in order:
+            u = self._units[ui]
+            try:
+                if dec is None:
+                    dec = ctx.poll(block=True)
+                    if dec.skip:
+                        self.stats["skipped_steps"] += 1
+                    elif dec.coef is not None:
+                        self.stats["clipped_steps"] += 1
+                t0 = time.perf_counter()
+                if self.cuda and u.d2h_event is not None:
+                    u.d2h_event.synchronize()
+                if not dec.skip and u.active:
+                    with torch.profiler.record_function(CPU_UPDATE_RANGE):
+                        self._update(u, dec.hp, dec.coef)
+                        self._push(u)
+                self.stats["cpu_ms"] += (time.perf_counter() - t0) * 1e3
+            except BaseException as e:  # re-raised on the training thread at its next wait
+                self._error = e
+            finally:
+                u.ready.set()
+
+    def _update(self, u: _Unit, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
+        """Update the unit's active rows in place, bitwise as ``torch._fused_adamw_`` updates the full parameters.
+        See Note [A shard's rows, updated as the full tensor's]."""
+        if self.cuda and u.h2d_event is not None:
+            u.h2d_event.synchronize()  # the last copy back has read the master rows
+        grad = u.grad.tensor
+        span = (u.region(0), u.region(1), u.region(2))
+        c = None if coef is None else float(coef)
+        # the rows in the full tensors' tails, from the inputs (an in-place kernel call overwrites them)
+        tails = [(s, lo, hi, _positioned(tuple(t[s.offset + lo:s.offset + hi] for t in span),
+                                         grad[s.offset + lo:s.offset + hi], s, lo, hi, hp[s.group], coef))
+                 for s in u.active for lo, hi in [s.tail_rows()] if hi > lo]
+        if self._kernel is not None:
+            runs: list[list[_Shard]] = []  # consecutive shards of one group and one step count: one call each
+            for s in u.active:
+                last = runs[-1][-1] if runs else None
+                if (last is not None and last.offset + last.numel == s.offset and last.group == s.group
+                        and float(last.step) == float(s.step)):
+                    runs[-1].append(s)
+                else:
+                    runs.append([s])
+            for run in runs:
+                lo, hi = run[0].offset, run[-1].offset + run[-1].numel
+                if hi > lo:
+                    h = hp[run[0].group]
+                    consts = cpu_adamw.step_constants(float(run[0].step) + 1.0, h["lr"], h["beta1"], h["beta2"],
+                                                      h["weight_decay"], h["eps"], c)
+                    rows = tuple(t[lo:hi] for t in span)
+                    self._kernel.step(rows, grad[lo:hi], rows, consts, self.cpu_threads)
+        else:  # torch's fused AdamW on each shard's body, padded to whole units so that no row takes its tail path
+            for s in u.active:
+                lo, hi = 0, s.tail_rows()[0]  # the rows before the full tensor's tail
+                if hi > lo:
+                    rows = tuple(t[s.offset + lo:s.offset + hi] for t in span)
+                    out = _positioned(rows, grad[s.offset + lo:s.offset + hi], s, lo, hi, hp[s.group], coef,
+                                      body=True)
+                    for d, o in zip(rows, out):
+                        d.copy_(o)
+        for s, lo, hi, out in tails:
+            for t, o in zip(span, out):
+                t[s.offset + lo:s.offset + hi].copy_(o)
+        for s in u.active:
+            s.step.add_(1)
+
+    def _push(self, u: _Unit) -> None:
+        """Copy the unit's new master rows into the parameters' local shards (cast to their dtype)."""
+        master = u.region(0)
+        if not self.cuda:
+            for s in u.active:
+                loc = _local(s.param)
+                loc.copy_(master[s.offset:s.offset + s.numel].view(loc.shape))
+            return
+        with torch.cuda.stream(self._streams[1]):
+            stage = torch.empty(u.numel, dtype=torch.float32, device=self.device)
+            stage.copy_(master, non_blocking=True)
+            locs = [_local(s.param) for s in u.active]
+            torch._foreach_copy_(locs, [stage[s.offset:s.offset + s.numel].view(t.shape)
+                                        for s, t in zip(u.active, locs)])
+            u.h2d_event = torch.cuda.Event()
+            u.h2d_event.record(self._streams[1])
+
+
+def _worker_loop(wself: Any, q: queue.Queue) -> None:
+    """The CPU thread: one task per step, its units in forward order."""
+    opt = wself()
+    if opt is None:
+        return
+    torch.set_num_threads(opt.cpu_threads)
+    if opt.cuda:
+        torch.cuda.set_device(opt.device)
+    del opt
+    while True:
+        task = q.get()
+        if task is None:
+            return
+        opt = wself()
+        if opt is None:
+            return
+        with torch.no_grad():
+            opt._run_step(*task)
+        del opt

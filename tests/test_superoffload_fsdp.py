@@ -1,0 +1,478 @@
+"""SuperOffload ZeRO-3 through FSDP2 (ShardedHostAdamW, SuperOffloadFSDPStrategy) on the CPU: 2 processes, gloo.
+
+The reference is one process running ``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)`` on the unsharded model,
+with its gradient formed the way the ranks form it: each rank's gradient of its own half of the global batch
+(``g_r``) averaged over the ranks, ``(g_0 + g_1) / 2``. FSDP2's reduce-scatter on gloo divides each rank's gradient
+by 2 before the sum, ``g_0 / 2 + g_1 / 2``, which is the same number (halving is exact), so the comparison is
+bitwise. Each run covers norm clipping (some steps clipped), one injected inf on rank 1 (the step skipped on every
+rank), two param groups (with and without weight decay, their parameters interleaved across the FSDP units) and an
+LR schedule. A one-process run that takes both halves, loss ``(l_0 + l_1) / 2``, forms the same gradient.
+
+Every multi-process run forks its processes (no re-import of pytest and Lightning) and kills them after
+``TIMEOUT_S``, so nothing can hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_gh.superoffload.fsdp import SuperOffloadFSDPStrategy, check_optimizers
+from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW, fsdp_units, unsupported_options
+from lightning_gh.superoffload.options import SuperOffloadOptions
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+STEPS = 20
+MID = STEPS // 2
+INF_STEP = 7  # rank 1's loss is scaled by inf at this step: every rank must skip it
+MAX_NORM = 0.7
+WORLD = 2
+TIMEOUT_S = 240
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(12, 24), nn.Tanh()), nn.Sequential(nn.Linear(24, 23), nn.Tanh()),
+                         nn.Linear(23, 3))
+
+
+def shard(model: nn.Module, mesh=None) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def groups(model: nn.Module) -> list[dict]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5) * (0.9 ** max(0, s - 5)))
+
+
+def local_loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(6, 12, generator=g)
+    y = torch.randn(6, 3, generator=g)
+    loss = (model(x) - y).square().mean()
+    if step == INF_STEP and rank == 1:
+        loss = loss * float("inf")
+    return loss
+
+
+def both_halves(model: nn.Module, step: int) -> tuple[torch.Tensor, list[float]]:
+    """One process, both ranks' halves: ``(l_0 + l_1) / 2`` (its gradient is ``(g_0 + g_1) / 2`` bit for bit)."""
+    halves = [local_loss(model, step, r) for r in range(WORLD)]
+    return (halves[0] + halves[1]) / WORLD, [h.item() for h in halves]
+
+
+def reference(steps: int = STEPS) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the ranks: a matmul split over other thread counts rounds differently
+    try:
+        model = make_model()
+        opt = torch.optim.AdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), fused=True)
+        sched = schedule(opt)
+        losses = []
+        params = list(model.parameters())
+        for step in range(steps):
+            gs = []
+            step_losses = []
+            for r in range(WORLD):
+                loss = local_loss(model, step, r)
+                step_losses.append(loss.item())
+                gs.append(torch.autograd.grad(loss, params))
+            losses.append(step_losses)
+            for p, g0, g1 in zip(params, *gs):
+                p.grad = (g0 + g1) / WORLD
+            total = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], MAX_NORM)
+            if torch.isfinite(total):
+                opt.step()
+            opt.zero_grad()
+            sched.step()
+        state = opt.state_dict()["state"]
+        return {"params": [p.detach().clone() for p in params], "losses": losses,
+                "state": {i: {k: v.clone() for k, v in st.items()} for i, st in state.items()}}
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# processes with a timeout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank: int, world: int, port: int, tmp: str, args: tuple) -> None:
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
+                          LOCAL_RANK=str(rank), RANK=str(rank))
+        fn(rank, world, tmp, *args)
+    except BaseException:
+        with open(f"{tmp}/error-{rank}.txt", "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def run_ranks(fn, world: int, tmp: str, *args) -> None:
+    """Run ``fn(rank, world, tmp, *args)`` in ``world`` forked processes; fail on an error or after TIMEOUT_S."""
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, tmp, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    errors = [open(f"{tmp}/error-{r}.txt").read() for r in range(world) if os.path.exists(f"{tmp}/error-{r}.txt")]
+    assert not errors, "\n".join(errors)
+    assert not alive, f"{fn.__name__}: {len(alive)} process(es) still running after {TIMEOUT_S} s, killed"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _init(rank: int, world: int) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (1) the optimizer without Lightning, and distributed checkpoints through torch.distributed.checkpoint
+
+
+class SpyAdamW(ShardedHostAdamW):
+    """Records, at each forward pre-hook wait, whether the unit's parameters are still sharded (DTensors): FSDP2's
+    own pre-forward hook, which all-gathers them, has not run yet."""
+
+    def wait_for(self, unit_index: int) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = self.test_units[unit_index]
+        self.test_sharded_at_wait.append(all(isinstance(p, DTensor) for p in params))
+        super().wait_for(unit_index)
+
+
+def _opt(model: nn.Module, cls=ShardedHostAdamW) -> ShardedHostAdamW:
+    return cls(groups(model), lr=1e-2, betas=(0.9, 0.95), module=model, max_grad_norm=MAX_NORM, cpu_threads=1)
+
+
+def _full(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def _full_state(opt: ShardedHostAdamW) -> dict:
+    return {i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in st.items()}
+            for i, st in opt.state_dict()["state"].items()}
+
+
+def _save(model, opt, sched, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+    if dist.get_rank() == 0:
+        torch.save(sched.state_dict(), f"{path}-sched.pt")
+
+
+def _load(model, opt, sched, path: str) -> None:
+    """As Lightning's ModelParallelStrategy loads a distributed checkpoint: the model first, then the optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, optim_state_dict=state["optim"], options=StateDictOptions(cpu_offload=True))
+    sched.load_state_dict(torch.load(f"{path}-sched.pt"))
+
+
+def _module_run(rank: int, world: int, tmp: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    _init(rank, world)
+    model = shard(make_model())
+    control: list[bool] = []  # a plain pre-hook runs after FSDP2's: the parameters are unsharded there
+    model[1].register_forward_pre_hook(lambda m, a: control.append(isinstance(m[0].weight, DTensor)))
+    SpyAdamW.test_units = [params for _, params in fsdp_units(model)]
+    SpyAdamW.test_sharded_at_wait = []
+    opt = _opt(model, SpyAdamW)
+    sched = schedule(opt)
+    losses = []
+    for step in range(STEPS):
+        loss = local_loss(model, step, rank)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step + 1 == MID:
+            _save(model, opt, sched, f"{tmp}/dcp")
+    opt.synchronize()  # the last step's update is in the weights (the next forward would wait for it)
+    out = {"params": _full(model), "state": _full_state(opt), "stats": dict(opt.stats), "losses": losses,
+           "sharded_at_wait": list(SpyAdamW.test_sharded_at_wait), "control": control,
+           "host_numel": sum(u.numel for u in opt._units)}
+    opt.close()
+
+    # resume on the same 2 ranks from the step-MID checkpoint
+    model = shard(make_model())
+    opt = _opt(model)
+    sched = schedule(opt)
+    _load(model, opt, sched, f"{tmp}/dcp")
+    resumed = []
+    for step in range(MID, STEPS):
+        loss = local_loss(model, step, rank)
+        resumed.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    opt.synchronize()
+    out["resumed_params"] = _full(model)
+    out["resumed_losses"] = resumed
+    opt.close()
+    torch.save(out, f"{tmp}/module-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _module_resume_on_one(rank: int, world: int, tmp: str) -> None:
+    _init(rank, world)
+    model = shard(make_model())
+    opt = _opt(model)
+    sched = schedule(opt)
+    _load(model, opt, sched, f"{tmp}/dcp")
+    losses = []
+    for step in range(MID, STEPS):
+        loss, halves = both_halves(model, step)
+        losses.append(halves)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    opt.synchronize()
+    torch.save({"params": _full(model), "state": _full_state(opt), "losses": losses}, f"{tmp}/one.pt")
+    opt.close()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def module_runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("zero3"))
+    run_ranks(_module_run, WORLD, tmp)
+    run_ranks(_module_resume_on_one, 1, tmp)
+    return {"ranks": [torch.load(f"{tmp}/module-rank{r}.pt") for r in range(WORLD)], "one": torch.load(f"{tmp}/one.pt"),
+            "ref": reference()}
+
+
+def _assert_state(ours: dict, ref: dict) -> None:
+    assert set(ours) == set(ref)
+    for i, st in ref.items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[i][key].reshape(st[key].shape), st[key]), (i, key)
+        assert "master" not in ours[i]  # fp32 parameters: the master is the parameter
+
+
+def test_two_ranks_equal_one_process_adamw_bitwise(module_runs):
+    ref = module_runs["ref"]
+    for rank, out in enumerate(module_runs["ranks"]):
+        for p, q in zip(out["params"], ref["params"]):
+            assert torch.equal(p, q), f"rank {rank}: parameters differ"
+        _assert_state(out["state"], ref["state"])
+        assert out["losses"] == [ref["losses"][s][rank] for s in range(STEPS)]
+        st = out["stats"]
+        assert st["steps"] == STEPS and st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
+    total = sum(p.numel() for p in ref["params"])
+    assert sum(out["host_numel"] for out in module_runs["ranks"]) == total  # each rank holds its rows only
+
+
+def test_forward_waits_before_fsdp_all_gather(module_runs):
+    """Note [ZeRO-3 step and the forward's wait]: the optimizer's pre-hook runs before FSDP2's pre-forward hook."""
+    for out in module_runs["ranks"]:
+        assert len(out["sharded_at_wait"]) == 3 * STEPS and all(out["sharded_at_wait"])
+        assert out["control"] and not any(out["control"])  # the check can tell: after FSDP2's hook, unsharded
+
+
+def test_dcp_checkpoint_resumes_on_two_and_on_one(module_runs):
+    ranks, one = module_runs["ranks"], module_runs["one"]
+    for rank, out in enumerate(ranks):
+        assert out["resumed_losses"] == out["losses"][MID:]
+        assert all(torch.equal(p, q) for p, q in zip(out["resumed_params"], out["params"]))
+    assert one["losses"] == [[ranks[0]["losses"][s], ranks[1]["losses"][s]] for s in range(MID, STEPS)]
+    assert all(torch.equal(p, q) for p, q in zip(one["params"], ranks[0]["params"]))
+    _assert_state(one["state"], module_runs["ref"]["state"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (2), (3) through Lightning: Trainer(strategy=SuperOffloadFSDPStrategy(), accelerator="cpu", devices=2)
+
+
+class ShardedLM(L.LightningModule):
+    def __init__(self, out: str, tag: str) -> None:
+        super().__init__()
+        self.model = make_model()
+        self.out, self.tag = out, tag
+        self.losses: dict[int, list[float]] = {}
+
+    def configure_model(self):
+        shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        step = self.trainer.global_step
+        if self.trainer.world_size == 1:
+            loss, self.losses[step] = both_halves(self.model, step)
+            return loss
+        loss = local_loss(self.model, step, self.global_rank)
+        self.losses[step] = [loss.item()]
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(groups(self.model), lr=1e-2, betas=(0.9, 0.95), fused=True)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule(opt), "interval": "step"}}
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(list(range(STEPS)), batch_size=None)
+
+    def on_fit_end(self):
+        opt = self.trainer.optimizers[0]
+        opt.synchronize()
+        torch.save({"losses": self.losses, "params": _full(self.model), "stats": dict(opt.stats),
+                    "type": type(opt).__name__}, f"{self.out}/{self.tag}-rank{self.global_rank}.pt")
+
+
+def _fit(rank: int, world: int, tmp: str, tag: str, ckpt: str | None) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = [] if ckpt else [ModelCheckpoint(dirpath=f"{tmp}/ckpt", every_n_train_steps=MID, save_top_k=-1,
+                                                 filename="{step}")]
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=SuperOffloadFSDPStrategy(cpu_threads=1),
+                        max_steps=STEPS, logger=False, gradient_clip_val=MAX_NORM, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False,
+                        enable_checkpointing=not ckpt, callbacks=callbacks, default_root_dir=tmp)
+    trainer.fit(ShardedLM(tmp, tag), ckpt_path=ckpt)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("zero3-trainer"))
+    run_ranks(_fit, WORLD, tmp, "full", None)
+    mid = f"{tmp}/ckpt/step={MID}.ckpt"
+    assert os.path.isdir(mid)  # a distributed checkpoint: a folder of shards
+    run_ranks(_fit, WORLD, tmp, "resume2", mid)
+    run_ranks(_fit, 1, tmp, "resume1", mid)
+    return {tag: [torch.load(f"{tmp}/{tag}-rank{r}.pt") for r in range(2 if tag != "resume1" else 1)]
+            for tag in ("full", "resume2", "resume1")}
+
+
+def test_trainer_on_two_ranks_equals_one_process_adamw_bitwise(trainer_runs, module_runs):
+    ref = module_runs["ref"]
+    for rank, out in enumerate(trainer_runs["full"]):
+        assert out["type"] == "ShardedHostAdamW"
+        assert [out["losses"][s][0] for s in range(STEPS)] == [ref["losses"][s][rank] for s in range(STEPS)]
+        for p, q in zip(out["params"], ref["params"]):
+            assert torch.equal(p, q), f"rank {rank}: parameters differ"
+        st = out["stats"]
+        assert st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
+
+
+def test_trainer_checkpoint_of_two_ranks_resumes_on_two_and_on_one(trainer_runs):
+    full = trainer_runs["full"]
+    for rank, out in enumerate(trainer_runs["resume2"]):
+        assert sorted(out["losses"]) == list(range(MID, STEPS))
+        assert all(out["losses"][s] == full[rank]["losses"][s] for s in out["losses"])
+        assert all(torch.equal(p, q) for p, q in zip(out["params"], full[rank]["params"]))
+    one = trainer_runs["resume1"][0]
+    assert sorted(one["losses"]) == list(range(MID, STEPS))
+    for s, pair in one["losses"].items():
+        assert pair == [full[0]["losses"][s][0], full[1]["losses"][s][0]]
+    assert all(torch.equal(p, q) for p, q in zip(one["params"], full[0]["params"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# errors before the first step, and the pure decisions
+
+
+def test_registered_by_name():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["superoffload_fsdp"]["strategy"] is SuperOffloadFSDPStrategy
+
+
+def test_optimizer_checks():
+    p = torch.zeros(2, requires_grad=True)
+    with pytest.raises(TypeError, match=r"returned SGD\. Return torch\.optim\.AdamW"):
+        check_optimizers([torch.optim.SGD([p], lr=0.1)])
+    with pytest.raises(TypeError, match=r"returned Adam\."):
+        check_optimizers([torch.optim.Adam([p])])
+    with pytest.raises(ValueError, match=r"returned 2 optimizers; it supports exactly one"):
+        check_optimizers([torch.optim.AdamW([p]), torch.optim.AdamW([p])])
+    with pytest.raises(ValueError, match=r"amsgrad=True"):
+        check_optimizers([torch.optim.AdamW([p], amsgrad=True)])
+
+
+@pytest.mark.parametrize(("kwargs", "bad"), [
+    ({}, []),
+    ({"gpu_fraction": 0.0, "speculative": False}, []),
+    ({"gpu_fraction": 0.3}, ["gpu_fraction=0.3"]),
+    ({"speculative": True}, ["speculative=True"]),
+])
+def test_unsupported_options_table(kwargs, bad):
+    assert unsupported_options(SuperOffloadOptions(**kwargs)) == bad
+
+
+def test_strategy_argument_errors():
+    with pytest.raises(ValueError, match=r"data_parallel_size=0 must be 'auto' or an int >= 1"):
+        SuperOffloadFSDPStrategy(data_parallel_size=0)
+    with pytest.raises(TypeError):
+        SuperOffloadFSDPStrategy(options=SuperOffloadOptions(), cpu_threads=2)  # options= or keywords, not both
+
+
+def _layer_only(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0])  # the root is not fully_shard-ed: its own Linear stays a plain parameter
+    return model
+
+
+def _errors(rank: int, world: int, tmp: str) -> None:
+    _init(rank, world)
+    msgs = []
+    for model in (make_model(), _layer_only(make_model())):
+        with pytest.raises(ValueError) as e:
+            _opt(model)
+        msgs.append(str(e.value))
+    with open(f"{tmp}/errors.txt", "w") as f:
+        f.write("\n".join(msgs))
+    dist.destroy_process_group()
+
+
+def test_unsharded_model_errors_name_configure_model(tmp_path):
+    run_ranks(_errors, 1, str(tmp_path))
+    msgs = (tmp_path / "errors.txt").read_text().splitlines()
+    assert len(msgs) == 2
+    assert "no module of Sequential is fully_shard-ed" in msgs[0] and "configure_model()" in msgs[0]
+    assert "is not sharded by fully_shard" in msgs[1] and "root module last" in msgs[1]

@@ -1,10 +1,12 @@
 """``MemoryReport``: the memory plan before the first step and after the first measured steps, and an
 out-of-memory report when a step does not fit.
 
-At ``on_train_start`` (after the strategy has placed the weights and built the optimizer) the callback prints, on
-rank 0, where the bytes live (:class:`~lightning_gh.memory.plan.MemoryPlan`: GPU bytes per owner, the host-memory
-plan's shares, free memory, the parts' decisions) and writes it as ``memory_plan.json``. After ``measure_steps``
-optimizer steps it adds the measured peak beside the predicted one. On a CUDA out-of-memory error inside ``fit``
+At ``on_train_start`` (after the strategy has placed the weights and built the optimizer) the callback reads where
+the bytes live (:class:`~lightning_gh.memory.plan.MemoryPlan`: GPU bytes per owner, the host-memory plan's shares,
+free memory, the parts' decisions). At the first batch, before its step runs, it predicts the step's peak (the
+step traced once on fake tensors, see :mod:`.forecast`; or an ActivationOffload budget), then prints the plan on
+rank 0 and writes it as ``memory_plan.json``. After ``measure_steps`` optimizer steps it adds the measured peak
+beside the predicted one, with the error. On a CUDA out-of-memory error inside ``fit``
 it writes ``oom_report.md`` (the request, the owners of the live memory, the knob that would have fit) and, when
 ``record_history`` is on, ``oom_snapshot.pickle`` (``torch.cuda.memory._snapshot()``, readable at
 https://pytorch.org/memory_viz); a host ``MemoryError`` gets the host plan's shares. Lightning then re-raises
@@ -33,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning_gh import _host, hardware
 from lightning_gh._options import resolve
 from lightning_gh._util import count_tokens, warn_once
+from lightning_gh.memory import forecast
 from lightning_gh.memory.oom import parse_cuda_oom, report, suggest
 from lightning_gh.memory.plan import MemoryPlan, attribute
 
@@ -56,13 +59,17 @@ class MemoryReportOptions:
     recording every allocation's Python stack costs step time."""
     history_entries: int = 100_000
     """Allocations the history keeps (the newest)."""
+    predict: bool = True
+    """Predict the step's peak before the first step: its training_step and backward traced once on fake tensors
+    (no GPU memory is used; host time grows with the number of ops of the step). Without it, only an
+    ActivationOffload budget gives a prediction."""
     measure_steps: int = 3
     """Optimizer steps after which the measured peak is compared with the plan."""
     folder: str | None = None
     """Where the files go; ``None``: the trainer's log dir (``default_root_dir`` without a logger)."""
 
     def __post_init__(self) -> None:
-        for name in ("plan", "oom_report", "record_history"):
+        for name in ("plan", "oom_report", "record_history", "predict"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MemoryReport({name}={getattr(self, name)!r}): expected True or False.")
         for name, low in (("history_entries", 1), ("measure_steps", 1)):
@@ -91,6 +98,7 @@ class MemoryReport(Callback):
         self._steps = 0
         self._tokens: int | None = None
         self._recording = False
+        self._pending = False  # the plan waits for the first batch's prediction before it is printed
 
     # ------------------------------------------------------------------ where files go
     def folder(self, trainer: Any) -> Path:
@@ -125,6 +133,8 @@ class MemoryReport(Callback):
             host={s.part: s.held_bytes + s.declared_bytes for s in _host.PLAN.shares()},
             host_available=hardware.available_host_bytes(), decisions=decisions,
             predicted_peak=static + budget if isinstance(budget, int) else None,
+            prediction_note="weights, gradients and optimizer state now plus the ActivationOffload budget"
+            if isinstance(budget, int) else None,
             device="GPU" if cuda else device.type.upper())
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -139,11 +149,43 @@ class MemoryReport(Callback):
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         if self.options.plan:
             self.plan = self.build_plan(trainer, pl_module)
-            self._emit(trainer, "memory plan before the first step")
+            self._pending = True
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._tokens is None:
             self._tokens = count_tokens(batch)
+        if self._pending and self.plan is not None:
+            self._pending = False
+            if self.plan.predicted_peak is None:
+                self.predict(trainer, pl_module, batch)
+            self._emit(trainer, "memory plan before the first step")
+
+    def predict(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        """Add the predicted peak of a step on ``batch`` to the plan, or the reason there is none."""
+        assert self.plan is not None
+        if not self.options.predict:
+            self.plan.prediction_note = "not predicted: MemoryReport(predict=False)"
+            return
+        if not trainer.is_global_zero:
+            return
+        device = pl_module.device
+        owners = attribute(pl_module, trainer.optimizers, device_type=device.type,
+                           allocated=torch.cuda.memory_allocated(device) if device.type == "cuda" else None)
+        got = forecast.predict(trainer, pl_module, batch, owners, forecast.allocated_now(pl_module, owners, batch))
+        if isinstance(got, str):
+            self.plan.prediction_note = f"no prediction: {got}"
+            return
+        self.plan.predicted_peak = got.peak.allocated
+        self.plan.predicted = dict(got.parts)
+        notes = "; ".join(got.notes)
+        self.plan.prediction_note = (f"peak in the {got.peak.phase}: training_step and backward traced on fake "
+                                     f"tensors ({got.trace.ops} ops, {got.trace.seconds:.1f} s)"
+                                     + (f"; {notes}" if notes else ""))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending and self.plan is not None:  # no batch ran
+            self._pending = False
+            self._emit(trainer, "memory plan")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.options.plan or self.plan is None or self._steps >= self.options.measure_steps:
@@ -152,6 +194,7 @@ class MemoryReport(Callback):
         if self._steps >= self.options.measure_steps:
             if pl_module.device.type == "cuda":
                 self.plan.measured_peak = torch.cuda.max_memory_allocated(pl_module.device)
+                self.plan.measured_reserved = torch.cuda.max_memory_reserved(pl_module.device)
             self._emit(trainer, f"memory plan after {self._steps} steps")
 
     @rank_zero_only

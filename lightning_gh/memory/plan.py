@@ -104,8 +104,12 @@ class MemoryPlan:
         host: host bytes per part from the host-memory plan (held plus announced).
         host_available: host bytes available now, or ``None`` where unknown.
         decisions: what the parts decided and why (``{"SuperOffload": "tail 23% ...", ...}``).
-        predicted_peak: the peak GPU bytes the parts predict for a step, or ``None``.
-        measured_peak: the peak GPU bytes of the measured steps, or ``None`` before they ran.
+        predicted_peak: the peak allocated GPU bytes predicted for a step (``torch.cuda.max_memory_allocated``),
+            or ``None``.
+        predicted: what the predicted peak is made of (see :class:`lightning_gh.memory.forecast.Prediction`).
+        prediction_note: how the peak was predicted, or the one-line reason it was not.
+        measured_peak: the peak allocated GPU bytes of the measured steps, or ``None`` before they ran.
+        measured_reserved: the peak bytes the caching allocator reserved in them (allocated plus its cache).
         device: the label of the device rows (``"GPU"``, or ``"CPU"`` in a CPU run).
     """
 
@@ -117,7 +121,10 @@ class MemoryPlan:
     host_available: int | None = None
     decisions: dict[str, str] = field(default_factory=dict)
     predicted_peak: int | None = None
+    predicted: dict[str, int] = field(default_factory=dict)
+    prediction_note: str | None = None
     measured_peak: int | None = None
+    measured_reserved: int | None = None
     device: str = "GPU"
 
     def headroom(self) -> int | None:
@@ -135,9 +142,11 @@ class MemoryPlan:
         """The plan as a markdown table (one row per owner and part), then the decisions."""
         rows = ["| where | what | bytes |", "| --- | --- | ---: |"]
         rows += [f"| {self.device} | {k} | {fmt_bytes(v)} |" for k, v in self.gpu.items()]
+        rows += [f"| {self.device} | predicted: {k} | {fmt_bytes(v)} |" for k, v in self.predicted.items()]
         for label, value in (("allocator reserve", self.reserved), ("free", self.gpu_free),
                              ("total", self.gpu_total), ("predicted peak", self.predicted_peak),
-                             ("measured peak", self.measured_peak), ("headroom", self.headroom())):
+                             ("measured peak", self.measured_peak), ("measured peak reserved", self.measured_reserved),
+                             ("headroom", self.headroom())):
             if value is not None:
                 rows.append(f"| {self.device} | {label} | {fmt_bytes(value)} |")
         rows += [f"| host | {k} | {fmt_bytes(v)} |" for k, v in self.host.items()]
@@ -145,6 +154,8 @@ class MemoryPlan:
             rows.append(f"| host | available | {fmt_bytes(self.host_available)} |")
         err = self.peak_error()
         lines = rows + [f"- {k}: {v}" for k, v in self.decisions.items()]
+        if self.prediction_note:
+            lines.append(f"- predicted peak: {self.prediction_note}")
         if err is not None:
             lines.append(f"- predicted peak vs measured: {err:+.1%}")
         return "\n".join(lines)
@@ -160,7 +171,7 @@ class MemoryPlan:
 def plot_plan(plan: MemoryPlan, ax: Any = None) -> Any:
     """The plan as two stacked bars, GPU and host, one segment per owner or part (GiB); returns the axes.
 
-    Lines mark the GPU's total and, where measured, its peak; matplotlib is imported here only."""
+    Lines mark the GPU's total and, where known, its measured and predicted peaks; matplotlib is imported here only."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -173,7 +184,8 @@ def plot_plan(plan: MemoryPlan, ax: Any = None) -> Any:
                 continue
             ax.bar(x, nbytes / gib, bottom=bottom, label=f"{plan.device if x == 0 else 'host'}: {name}")
             bottom += nbytes / gib
-    for value, style, label in ((plan.gpu_total, "-", "GPU total"), (plan.measured_peak, "--", "GPU peak")):
+    for value, style, label in ((plan.gpu_total, "-", "GPU total"), (plan.measured_peak, "--", "GPU peak"),
+                                (plan.predicted_peak, ":", "GPU predicted peak")):
         if value is not None:
             ax.hlines(value / gib, -0.4, 0.4, colors="k", linestyles=style, label=label)
     if plan.host_available is not None:

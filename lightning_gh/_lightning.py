@@ -31,6 +31,7 @@ __all__ = [
     "in_hook",
     "is_compiled",
     "is_last_training_batch",
+    "let_one_process_strategies_be_local",
     "log_to_loggers",
     "route_clip_gradients",
     "set_closure_result",
@@ -200,6 +201,34 @@ def keep_user_sampler(trainer: pl.Trainer) -> None:
     connector = _require(trainer, "_accelerator_connector", "Trainer")
     _require(connector, "use_distributed_sampler", "_AcceleratorConnector")
     connector.use_distributed_sampler = False
+
+
+def let_one_process_strategies_be_local() -> None:
+    """Make ``_AcceleratorConnector.is_distributed`` ask the strategy when it runs one process (idempotent).
+
+    Lightning answers ``is_distributed`` with an isinstance check on ``DDPStrategy`` (and four others) before it
+    asks the strategy, so a strategy that subclasses ``DDPStrategy`` only for its launchers counts as distributed
+    even on one device, and ``Tuner.scale_batch_size`` / ``BatchSizeFinder`` refuse it. After this call a strategy
+    whose ``lgh_one_process`` attribute is true is answered ``False``; every other strategy gets Lightning's answer.
+    """
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    current = _AcceleratorConnector.__dict__.get("is_distributed")
+    original = current.fget if isinstance(current, property) else None
+    if getattr(original, "_lgh_wrapped", False):
+        return
+    if original is None:
+        raise LightningInternalsChanged(
+            f"lightning_gh expects _AcceleratorConnector.is_distributed to be a property in lightning "
+            f"{lightning.__version__} (it was written against lightning 2.6). Please report this.")
+
+    def is_distributed(self: Any) -> bool:
+        if getattr(self.strategy, "lgh_one_process", False):
+            return False
+        return original(self)
+
+    is_distributed._lgh_wrapped = True  # type: ignore[attr-defined]
+    _AcceleratorConnector.is_distributed = property(is_distributed, doc=current.__doc__)
 
 
 # ------------------------------------------------------------------------------------------------------------------

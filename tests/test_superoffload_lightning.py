@@ -282,3 +282,22 @@ def test_stats_reach_the_users_logger(tmp_path):
     logged = {k for r in rows for k, v in r.items() if v}
     assert {"lgh/superoffload/cpu_update_ms", "lgh/superoffload/host_bytes_per_step",
             "lgh/superoffload/gpu_tail_frac"} <= logged, logged
+
+
+def test_tuner_scales_the_batch_size_on_one_device_but_several_stay_distributed(tmp_path):
+    """On one device the strategy is local (``Tuner.scale_batch_size`` runs); with several it is distributed."""
+    from lightning.pytorch.tuner import Tuner
+
+    model = TinyLM()
+    dm = OrderedData.for_model(model, num_train_samples=64, batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="superoffload", max_steps=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        enable_checkpointing=False, default_root_dir=tmp_path)
+    assert trainer._accelerator_connector.is_distributed is False
+    found = Tuner(trainer).scale_batch_size(model, datamodule=dm, mode="power", steps_per_trial=1, max_trials=2,
+                                            init_val=2)
+    assert found > 2 and dm.batch_size == found  # it doubled the batch and kept the result
+    several = L.Trainer(accelerator="cpu", devices=2, strategy="superoffload", logger=False)
+    assert several._accelerator_connector.is_distributed is True
+    plain_ddp = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
+    assert plain_ddp._accelerator_connector.is_distributed is True  # Lightning's answer for its own strategies

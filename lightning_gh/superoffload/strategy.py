@@ -109,6 +109,7 @@ class SuperOffloadStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          start_method=start_method, **extra)
+        _lightning.let_one_process_strategies_be_local()  # one device: not distributed for the tuner (lgh_one_process)
         self._clip_installed = False
         self._scaler_warned = False
         self._ckpt_warned = False
@@ -117,6 +118,12 @@ class SuperOffloadStrategy(DDPStrategy):
     @property
     def _several(self) -> bool:
         return self.num_nodes * self.num_processes > 1
+
+    @property
+    def lgh_one_process(self) -> bool:
+        """True on one device: Lightning then treats the run as local, not distributed (the tuner accepts it).
+        See :func:`lightning_gh._lightning.let_one_process_strategies_be_local`."""
+        return not self._several
 
     def _configure_launcher(self) -> None:
         # One device: no launcher and no process group, as a single-device strategy (DDP's would start neither

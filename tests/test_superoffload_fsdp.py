@@ -26,7 +26,14 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_gh.superoffload.fsdp import SuperOffloadFSDPStrategy, check_optimizers
-from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW, fsdp_units, unsupported_options
+from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
+from lightning_gh.superoffload.fsdp_units import (
+    LocalShard,
+    fsdp_units,
+    positioned_update,
+    tail_range,
+    unsupported_options,
+)
 from lightning_gh.superoffload.options import SuperOffloadOptions
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -200,8 +207,12 @@ def _save(model, opt, sched, path: str) -> None:
 def _load(model, opt, sched, path: str) -> None:
     """As Lightning's ModelParallelStrategy loads a distributed checkpoint: the model first, then the optimizer."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=path)
@@ -319,7 +330,7 @@ def test_forward_waits_before_fsdp_all_gather(module_runs):
 
 def test_dcp_checkpoint_resumes_on_two_and_on_one(module_runs):
     ranks, one = module_runs["ranks"], module_runs["one"]
-    for rank, out in enumerate(ranks):
+    for out in ranks:
         assert out["resumed_losses"] == out["losses"][MID:]
         assert all(torch.equal(p, q) for p, q in zip(out["resumed_params"], out["params"]))
     assert one["losses"] == [[ranks[0]["losses"][s], ranks[1]["losses"][s]] for s in range(MID, STEPS)]
@@ -476,3 +487,52 @@ def test_unsharded_model_errors_name_configure_model(tmp_path):
     assert len(msgs) == 2
     assert "no module of Sequential is fully_shard-ed" in msgs[0] and "configure_model()" in msgs[0]
     assert "is not sharded by fully_shard" in msgs[1] and "root module last" in msgs[1]
+
+
+@pytest.mark.parametrize(("numels", "rank", "expected"), [
+    ([12, 11], 0, (12, 12)),  # 23 elements: the tail is [16, 23), all on rank 1
+    ([12, 11], 1, (4, 11)),
+    ([20, 10], 0, (16, 20)),  # 30 elements: the tail [16, 30) straddles the ranks
+    ([20, 10], 1, (0, 10)),
+    ([16, 16], 1, (16, 16)),  # no tail
+    ([2, 1], 0, (0, 2)),
+    ([0, 3], 0, (0, 0)),  # an empty shard
+])
+def test_tail_range_table(numels, rank, expected):
+    assert tail_range(numels, rank) == expected
+
+
+@pytest.mark.parametrize("numels", [[12, 11], [20, 10], [2, 1], [40, 37], [9, 9, 9]])
+def test_rows_update_as_the_full_tensor(numels):
+    """Note [A shard's rows, updated as the full tensor's]: each rank's rows, updated by torch as positioned here
+    (the body padded to whole units, the tail placed where the full tensor's starts), equal torch's fused AdamW on
+    the full tensor bitwise, however the ranks cut it."""
+    gen = torch.Generator().manual_seed(sum(numels))
+    n = sum(numels)
+    p, g, m = (torch.randn(n, generator=gen) for _ in range(3))
+    v = torch.rand(n, generator=gen) * 1e-3
+    hp = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
+    coef = torch.tensor(0.37)
+    ref = [t.clone() for t in (p, m, v)]
+    rg = g.clone()
+    torch._foreach_mul_([rg], coef)
+    torch._fused_adamw_([ref[0]], [rg], [ref[1]], [ref[2]], [], [torch.tensor(3.0)], lr=hp["lr"], beta1=hp["beta1"],
+                        beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False,
+                        maximize=False)
+    start = 0
+    for rank, k in enumerate(numels):
+        s = LocalShard(0, p, 0, k, 0, numels, step=torch.tensor(2.0), rank=rank)
+        rows = tuple(t[start:start + k] for t in (p, m, v))
+        lo, hi = s.tail_rows()
+        out = [torch.empty(k) for _ in range(3)]
+        if lo:
+            body = positioned_update(tuple(r[:lo] for r in rows), g[start:start + lo], s, 0, lo, hp, coef, body=True)
+            for o, b in zip(out, body):
+                o[:lo] = b
+        if hi > lo:
+            tail = positioned_update(tuple(r[lo:hi] for r in rows), g[start + lo:start + hi], s, lo, hi, hp, coef)
+            for o, b in zip(out, tail):
+                o[lo:hi] = b
+        for o, r in zip(out, ref):
+            assert torch.equal(o, r[start:start + k]), (numels, rank)
+        start += k

@@ -88,7 +88,7 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: as for ``ModelParallelStrategy``: a folder of shards (the default; use it on
             GPUs) or one full file assembled on rank 0.
         options: :class:`~lightning_gh.superoffload.SuperOffloadOptions` (``skip_nonfinite``, ``cpu_threads``,
-            ``host_memory_check`` apply; see :func:`~.fsdp_optimizer.unsupported_options`).
+            ``host_memory_check`` apply; see :func:`~.fsdp_units.unsupported_options`).
         **option_kwargs: the same options as keywords instead.
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
 

@@ -54,16 +54,25 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gh._host import HostBuffer, check_host_room
+from lightning_gh._host import check_host_room
 from lightning_gh.superoffload import cpu_adamw
-from lightning_gh.superoffload.cpu_adamw import _TAIL as _UNIT  # torch's fused CPU AdamW's unit of work
+from lightning_gh.superoffload.fsdp_units import (
+    HostUnit,
+    LocalShard,
+    check_no_forward_prefetch,
+    fsdp_units,
+    host_dtensor,
+    local_rows,
+    norm_owner,
+    positioned_update,
+    unsupported_options,
+)
 from lightning_gh.superoffload.memory import PLAN_PART, local_world_size
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options, validate_knobs
 from lightning_gh.superoffload.state import check_group
@@ -71,188 +80,7 @@ from lightning_gh.superoffload.step import GradNorms, StepCtx
 from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE
 from lightning_gh.superoffload.zero import rank_cpu_threads
 
-__all__ = ["ShardedHostAdamW", "check_no_forward_prefetch", "fsdp_units", "norm_owner", "unsupported_options"]
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def norm_owner(index: int, ranks: int) -> int:
-    """The rank that assembles parameter ``index``'s full gradient and takes its norm: round-robin.
-
-    >>> [norm_owner(i, 2) for i in range(5)]
-    [0, 1, 0, 1, 0]
-    """
-    return index % ranks
-
-
-def unsupported_options(options: SuperOffloadOptions) -> list[str]:
-    """The :class:`SuperOffloadOptions` fields set to something the ZeRO-3 path cannot honour, as ``name=value``.
-
-    The ZeRO-3 path keeps the whole state in host memory (no GPU tail: ``gpu_fraction`` must be ``"auto"`` or
-    ``0.0``) and updates each unit once its step's decision is known (no speculation: ``speculative`` must be
-    ``"auto"`` or ``False``); ``bucket_size`` and ``rollback`` do not apply (the unit of work is the FSDP module).
-
-    >>> unsupported_options(SuperOffloadOptions())
-    []
-    >>> unsupported_options(SuperOffloadOptions(gpu_fraction=0.5, speculative=True))
-    ['gpu_fraction=0.5', 'speculative=True']
-    """
-    bad = []
-    if options.gpu_fraction not in ("auto", 0.0):
-        bad.append(f"gpu_fraction={options.gpu_fraction!r}")
-    if options.speculative is True:
-        bad.append("speculative=True")
-    return bad
-
-
-def fsdp_units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Every ``fully_shard``-ed module of ``module`` with the parameters it manages (its own and its children's,
-    less those of nested ``fully_shard``-ed modules), in ``named_modules`` order (the root first).
-
-    Raises:
-        ValueError: no module of ``module`` is ``fully_shard``-ed.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    if not units:
-        raise ValueError(
-            f"ShardedHostAdamW needs a model sharded with FSDP2: no module of {type(module).__name__} is "
-            "fully_shard-ed. In the LightningModule's configure_model(), call "
-            "torch.distributed.fsdp.fully_shard(block, mesh=self.device_mesh['data_parallel']) on each decoder "
-            "layer, then on the root module.")
-    out = []
-    for unit in units:
-        params: list[nn.Parameter] = []
-        stack = [unit]
-        while stack:
-            m = stack.pop()
-            params.extend(m.parameters(recurse=False))
-            stack.extend(reversed([c for c in m.children() if not isinstance(c, FSDPModule)]))
-        out.append((unit, params))
-    return out
-
-
-def check_no_forward_prefetch(unit: nn.Module) -> None:
-    """Refuse FSDP2's explicit forward prefetching on ``unit`` (see Note [ZeRO-3 step and the forward's wait])."""
-    state = getattr(unit, "_get_fsdp_state", None)
-    state = state() if state is not None else None
-    if state is not None and getattr(state, "_states_to_forward_prefetch", None):
-        raise ValueError(
-            f"ShardedHostAdamW: {type(unit).__name__} has explicit forward prefetching "
-            "(set_modules_to_forward_prefetch), which all-gathers a later module before that module's update is "
-            "in place. Remove the set_modules_to_forward_prefetch call (backward prefetching is fine).")
-
-
-@dataclass
-class _Shard:
-    """One parameter's local rows and where their state lives in its unit's host buffers."""
-
-    index: int  # position in the optimizer's parameter order
-    param: torch.Tensor  # the DTensor
-    group: int
-    numel: int  # local elements on this rank
-    offset: int  # in the unit's flat buffers
-    numels: list[int]  # local elements on each rank
-    step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
-    master_loaded: bool = False  # the master rows came from a checkpoint (else re-derived from the weights)
-    rank: int = 0
-
-    def tail_rows(self) -> tuple[int, int]:
-        """The local range of this shard's elements that lie in the full tensor's tail (its last ``numel % 16``
-        elements), possibly empty. See Note [A shard's rows, updated as the full tensor's]."""
-        full = sum(self.numels)
-        start = sum(self.numels[:self.rank])
-        tail = full - full % _UNIT
-        return min(max(tail - start, 0), self.numel), self.numel
-
-
-class _Unit:
-    """One ``fully_shard``-ed module's parameters: the unit of gradient copy, norm exchange, CPU work and wait."""
-
-    def __init__(self, index: int, module: nn.Module, shards: list[_Shard], pin: bool) -> None:
-        self.index = index
-        self.module = module
-        self.shards = shards
-        self.numel = sum(s.numel for s in shards)
-        dtypes = {s.param.dtype for s in shards}
-        self.grad_dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16} \
-            else torch.float32
-        # [master | exp_avg | exp_avg_sq], fp32, and the gradient rows in the parameters' dtype
-        self.state = HostBuffer(3 * self.numel, pin=pin, zero=True)
-        self.grad = HostBuffer(self.numel, pin=pin, zero=True, dtype=self.grad_dtype)
-        self.ready = threading.Event()
-        self.ready.set()
-        self.active: list[_Shard] = []  # shards with a gradient this step
-        self.d2h_event: Any = None
-        self.h2d_event: Any = None
-        self.hook: Any = None  # the forward pre-hook's handle
-
-    def region(self, k: int) -> torch.Tensor:
-        """0: master, 1: exp_avg, 2: exp_avg_sq (flat fp32 views over the unit)."""
-        return self.state.tensor[k * self.numel:(k + 1) * self.numel]
-
-    def view(self, s: _Shard, k: int) -> torch.Tensor:
-        return self.region(k)[s.offset:s.offset + s.numel]
-
-    def release(self) -> None:
-        self.state.release()
-        self.grad.release()
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The DTensor's local rows, as the tensor FSDP2 all-gathers from (fetched each time: FSDP2 may re-point it)."""
-    with torch.no_grad():
-        return p.to_local()
-
-
-def _host_dtensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A DTensor sharded like the parameter ``like`` whose local tensor is ``local`` itself (host memory, no copy).
-
-    ``DTensor.from_local`` would move a host tensor to the mesh's device (the GPU); FSDP2's CPU offload builds its
-    host-resident DTensors with the constructor used here."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    spec = like._spec
-    meta = TensorMeta(like.shape, like.stride(), local.dtype)
-    return DTensor(local.view(_local(like).shape), DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
-                   requires_grad=False)
-
-
-# Note [A shard's rows, updated as the full tensor's]
-# torch's fused CPU AdamW is not the same function for every element of a tensor: it works in 16-float units and runs
-# the last ``numel % vector width`` elements of each tensor through a scalar loop that rounds differently from its
-# vector loop (see cpu_adamw). A rank holds a slice of each tensor, so its local tensors have other tails than the
-# full ones, and updating them as tensors of their own would change the last bits of some rows. Each row is
-# therefore updated as it would be in the full tensor: the rows of the full tensor's body by the package's kernel
-# (elementwise, the vector loop's arithmetic), the rows of its tail (the last ``numel % 16``, found from the rank's
-# global offset) by torch on a span that starts where the full tensor's tail starts, padded with zeros where other
-# ranks hold the rows, so torch splits it into vector and scalar parts exactly as it splits the full tensor.
-# Without the kernel, each shard's body goes through torch padded to whole units (every row on the vector path).
-
-
-def _positioned(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor, s: _Shard, lo: int,
-                hi: int, hp: dict[str, float], coef: torch.Tensor | None, body: bool = False) -> tuple[torch.Tensor, ...]:
-    """torch's fused AdamW on local rows ``[lo, hi)`` of shard ``s`` (``rows``, ``grad``: those rows only), placed in
-    a zero-padded span as the full tensor's tail (or, ``body``, a span of whole units); returns the new
-    (master, exp_avg, exp_avg_sq) rows. See Note [A shard's rows, updated as the full tensor's]."""
-    n = hi - lo
-    if body:
-        lead, length = 0, -(-n // _UNIT) * _UNIT
-    else:
-        full = sum(s.numels)
-        tail = full - full % _UNIT
-        lead, length = sum(s.numels[:s.rank]) + lo - tail, full % _UNIT
-    span = [torch.zeros(length, dtype=torch.float32) for _ in range(4)]
-    for t, r in zip(span, (*rows, grad)):
-        t[lead:lead + n].copy_(r)
-    if coef is not None:
-        torch._foreach_mul_([span[3]], coef)
-    torch._fused_adamw_([span[0]], [span[3]], [span[1]], [span[2]], [], [s.step + 1], lr=hp["lr"],
-                        beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
-                        amsgrad=False, maximize=False)
-    return tuple(t[lead:lead + n] for t in span[:3])
+__all__ = ["ShardedHostAdamW"]
 
 
 class ShardedHostAdamW(torch.optim.Optimizer):
@@ -269,7 +97,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         module: the model the parameters belong to (its ``fully_shard``-ed modules get the forward pre-hooks).
         max_grad_norm: clip the global gradient L2 norm to this value (as ``clip_grad_norm_``), or ``None``.
         options: :class:`SuperOffloadOptions`; ``skip_nonfinite``, ``cpu_threads`` and ``host_memory_check``
-            apply (see :func:`unsupported_options` for the rest).
+            apply (see :func:`~.fsdp_units.unsupported_options` for the rest).
         **option_kwargs: the same options as keywords instead (see :class:`SuperOffloadOptions`).
 
     Example::
@@ -334,17 +162,17 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._pg = mesh.get_group() if mesh is not None else None
         self.world = mesh.size() if mesh is not None else 1
         self.rank = mesh.get_local_rank() if mesh is not None else 0
-        self.device = _local(params[0]).device if params else torch.device("cpu")
+        self.device = local_rows(params[0]).device if params else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         # every rank's local element count of every parameter: FSDP2 cuts dim 0 like torch.chunk (uneven shards)
-        mine = torch.tensor([_local(p).numel() for p in params], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([local_rows(p).numel() for p in params], dtype=torch.int64, device=self.device)
         if self.world > 1:
             gathered = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(gathered, mine, group=self._pg)
         else:
             gathered = [mine]
         numels = torch.stack(gathered).cpu().tolist()
-        pending: list[tuple[nn.Module, list[_Shard]]] = []
+        pending: list[tuple[nn.Module, list[LocalShard]]] = []
         seen: set[int] = set()
         host_bytes = 0
         for unit_module, unit_params in units:
@@ -352,7 +180,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             owned = sorted(index_of[id(p)] for p in unit_params if id(p) in index_of)
             shards, off = [], 0
             for i in owned:
-                s = _Shard(i, params[i], group_of[id(params[i])], numels[self.rank][i], off,
+                s = LocalShard(i, params[i], group_of[id(params[i])], numels[self.rank][i], off,
                            [numels[r][i] for r in range(self.world)], rank=self.rank)
                 shards.append(s)
                 off += s.numel
@@ -369,11 +197,11 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                             "rank's shards)", headroom=0.9 / max(1, min(local_world_size(), self.world)),
                             tips=["run more ranks (each holds 1/N of the state)", "fewer ranks per host"],
                             opt_out="host_memory_check=False", part=PLAN_PART, owner=self)
-        self._units: list[_Unit] = []
+        self._units: list[HostUnit] = []
         for ui, (unit_module, shards) in enumerate(pending):
-            unit = _Unit(ui, unit_module, shards, pin=torch.cuda.is_available())
+            unit = HostUnit(ui, unit_module, shards, pin=torch.cuda.is_available())
             for s in shards:
-                unit.view(s, 0).copy_(_local(s.param).reshape(-1))
+                unit.view(s, 0).copy_(local_rows(s.param).reshape(-1))
             self._hook(unit)
             self._units.append(unit)
         self._shards = sorted((s for u in self._units for s in u.shards), key=lambda s: s.index)
@@ -386,7 +214,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self._masters_stale = True  # re-derived from the weights at the first step (a model loaded since)
 
-    def _hook(self, unit: _Unit) -> None:
+    def _hook(self, unit: HostUnit) -> None:
         ref = weakref.ref(self)
 
         def pre_forward(module: nn.Module, args: Any) -> None:
@@ -404,10 +232,10 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         Lightning's setup, which would otherwise move every tensor of ``self.state`` to the GPU."""
         for u in self._units:
             for s in u.shards:
-                entry = {"step": s.step, "exp_avg": _host_dtensor(u.view(s, 1), s.param),
-                         "exp_avg_sq": _host_dtensor(u.view(s, 2), s.param)}
+                entry = {"step": s.step, "exp_avg": host_dtensor(u.view(s, 1), s.param),
+                         "exp_avg_sq": host_dtensor(u.view(s, 2), s.param)}
                 if s.param.dtype != torch.float32:
-                    entry["master"] = _host_dtensor(u.view(s, 0), s.param)
+                    entry["master"] = host_dtensor(u.view(s, 0), s.param)
                 self.state[s.param] = entry
 
     def hide_state(self) -> None:
@@ -453,7 +281,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._masters_stale = True
         self.publish_state()
 
-    def _copy_rows(self, dst: torch.Tensor, value: torch.Tensor, s: _Shard) -> None:
+    def _copy_rows(self, dst: torch.Tensor, value: torch.Tensor, s: LocalShard) -> None:
         from torch.distributed.tensor import DTensor
 
         if isinstance(value, DTensor):
@@ -506,7 +334,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self.stats["steps"] += 1
         return loss
 
-    def _order(self) -> list[_Unit]:
+    def _order(self) -> list[HostUnit]:
         """The units in the last forward's order (units it did not run after, in module order)."""
         seen = list(self._recording)
         self._recording = {}
@@ -519,33 +347,33 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         for u in self._units:
             for s in u.shards:
                 if not s.master_loaded:
-                    u.view(s, 0).copy_(_local(s.param).reshape(-1))
+                    u.view(s, 0).copy_(local_rows(s.param).reshape(-1))
         self._masters_stale = False
 
-    def _grads_to_host(self, u: _Unit) -> None:
+    def _grads_to_host(self, u: HostUnit) -> None:
         if not self.cuda:
             for s in u.active:
-                u.grad.tensor[s.offset:s.offset + s.numel].copy_(_local(s.param.grad).reshape(-1))
+                u.grad.tensor[s.offset:s.offset + s.numel].copy_(local_rows(s.param.grad).reshape(-1))
             return
         stream = self._streams[0]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for s in u.active:
-                g = _local(s.param.grad)
+                g = local_rows(s.param.grad)
                 u.grad.tensor[s.offset:s.offset + s.numel].copy_(g.reshape(-1), non_blocking=True)
                 g.record_stream(stream)
             u.d2h_event = torch.cuda.Event()
             u.d2h_event.record(stream)
 
-    def _take_norms(self, u: _Unit) -> None:
+    def _take_norms(self, u: HostUnit) -> None:
         """Assemble each active parameter's full gradient on its owner (one all_to_all per dtype) and write its
         norm there. See Note [ZeRO-3 step and the forward's wait]."""
-        by_dtype: dict[torch.dtype, list[_Shard]] = {}
+        by_dtype: dict[torch.dtype, list[LocalShard]] = {}
         for s in u.active:
             by_dtype.setdefault(s.param.grad.dtype, []).append(s)
         for dtype, shards in by_dtype.items():
             if self.world == 1:
-                fulls = {s.index: _local(s.param.grad) for s in shards}
+                fulls = {s.index: local_rows(s.param.grad) for s in shards}
             else:
                 fulls = self._exchange(shards, dtype)
             if not fulls:
@@ -556,12 +384,12 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                 torch._foreach_norm(grads, 2.0, dtype=torch.float32)
             self._norms.vector.index_copy_(0, torch.tensor(idx, device=self.device), torch.stack(norms))
 
-    def _exchange(self, shards: list[_Shard], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    def _exchange(self, shards: list[LocalShard], dtype: torch.dtype) -> dict[int, torch.Tensor]:
         n, me = self.world, self.rank
         send_parts: list[torch.Tensor] = []
         in_splits = []
         for d in range(n):
-            mine = [_local(s.param.grad).reshape(-1) for s in shards if norm_owner(s.index, n) == d]
+            mine = [local_rows(s.param.grad).reshape(-1) for s in shards if norm_owner(s.index, n) == d]
             send_parts += mine
             in_splits.append(sum(t.numel() for t in mine))
         owned = [s for s in shards if norm_owner(s.index, n) == me]
@@ -598,7 +426,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._recording.setdefault(unit_index)
         self._wait(self._units[unit_index])
 
-    def _wait(self, u: _Unit) -> None:
+    def _wait(self, u: HostUnit) -> None:
         if not u.ready.is_set():
             t0 = time.perf_counter()
             while not u.ready.wait(0.05):
@@ -667,7 +495,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             finally:
                 u.ready.set()
 
-    def _update(self, u: _Unit, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
+    def _update(self, u: HostUnit, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
         """Update the unit's active rows in place, bitwise as ``torch._fused_adamw_`` updates the full parameters.
         See Note [A shard's rows, updated as the full tensor's]."""
         if self.cuda and u.h2d_event is not None:
@@ -676,11 +504,11 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         span = (u.region(0), u.region(1), u.region(2))
         c = None if coef is None else float(coef)
         # the rows in the full tensors' tails, from the inputs (an in-place kernel call overwrites them)
-        tails = [(s, lo, hi, _positioned(tuple(t[s.offset + lo:s.offset + hi] for t in span),
+        tails = [(s, lo, hi, positioned_update(tuple(t[s.offset + lo:s.offset + hi] for t in span),
                                          grad[s.offset + lo:s.offset + hi], s, lo, hi, hp[s.group], coef))
                  for s in u.active for lo, hi in [s.tail_rows()] if hi > lo]
         if self._kernel is not None:
-            runs: list[list[_Shard]] = []  # consecutive shards of one group and one step count: one call each
+            runs: list[list[LocalShard]] = []  # consecutive shards of one group and one step count: one call each
             for s in u.active:
                 last = runs[-1][-1] if runs else None
                 if (last is not None and last.offset + last.numel == s.offset and last.group == s.group
@@ -701,7 +529,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                 lo, hi = 0, s.tail_rows()[0]  # the rows before the full tensor's tail
                 if hi > lo:
                     rows = tuple(t[s.offset + lo:s.offset + hi] for t in span)
-                    out = _positioned(rows, grad[s.offset + lo:s.offset + hi], s, lo, hi, hp[s.group], coef,
+                    out = positioned_update(rows, grad[s.offset + lo:s.offset + hi], s, lo, hi, hp[s.group], coef,
                                       body=True)
                     for d, o in zip(rows, out):
                         d.copy_(o)
@@ -711,18 +539,18 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         for s in u.active:
             s.step.add_(1)
 
-    def _push(self, u: _Unit) -> None:
+    def _push(self, u: HostUnit) -> None:
         """Copy the unit's new master rows into the parameters' local shards (cast to their dtype)."""
         master = u.region(0)
         if not self.cuda:
             for s in u.active:
-                loc = _local(s.param)
+                loc = local_rows(s.param)
                 loc.copy_(master[s.offset:s.offset + s.numel].view(loc.shape))
             return
         with torch.cuda.stream(self._streams[1]):
             stage = torch.empty(u.numel, dtype=torch.float32, device=self.device)
             stage.copy_(master, non_blocking=True)
-            locs = [_local(s.param) for s in u.active]
+            locs = [local_rows(s.param) for s in u.active]
             torch._foreach_copy_(locs, [stage[s.offset:s.offset + s.numel].view(t.shape)
                                         for s, t in zip(u.active, locs)])
             u.h2d_event = torch.cuda.Event()

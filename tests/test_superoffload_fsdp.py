@@ -478,11 +478,32 @@ def _errors(rank: int, world: int, tmp: str) -> None:
         msgs.append(str(e.value))
     with open(f"{tmp}/errors.txt", "w") as f:
         f.write("\n".join(msgs))
+    # bf16 weights: the fp32 master rows are in the state dict ("master") and come back on load
+    model = shard(make_model().to(torch.bfloat16))
+    opt = _opt(model)
+    model(torch.randn(6, 12, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)).float().square().mean() \
+        .backward()
+    opt.step()
+    sd = opt.state_dict()
+    masters = {k: st["master"].to_local().clone() for k, st in sd["state"].items()}
+    opt.close()
+    other = shard(make_model().to(torch.bfloat16))
+    opt2 = _opt(other)
+    opt2.load_state_dict(sd)
+    loaded = {k: st["master"].to_local() for k, st in opt2.state_dict()["state"].items()}
+    torch.save({"masters": masters, "loaded": loaded,
+                "weights": [p.to_local().clone() for p in model.parameters()]}, f"{tmp}/bf16.pt")
+    opt2.close()
     dist.destroy_process_group()
 
 
-def test_unsharded_model_errors_name_configure_model(tmp_path):
+def test_unsharded_model_errors_and_bf16_masters(tmp_path):
     run_ranks(_errors, 1, str(tmp_path))
+    out = torch.load(tmp_path / "bf16.pt")
+    assert set(out["masters"]) == set(range(6))
+    for k, master in out["masters"].items():
+        assert master.dtype == torch.float32 and torch.equal(out["loaded"][k], master)
+    assert any(not torch.equal(m.to(torch.bfloat16).float(), m) for m in out["masters"].values())  # finer than bf16
     msgs = (tmp_path / "errors.txt").read_text().splitlines()
     assert len(msgs) == 2
     assert "no module of Sequential is fully_shard-ed" in msgs[0] and "configure_model()" in msgs[0]

@@ -177,3 +177,24 @@ def test_keep_user_sampler_superoffload_relies_on():
     assert trainer._accelerator_connector.use_distributed_sampler is True
     keep_user_sampler(trainer)
     assert trainer._accelerator_connector.use_distributed_sampler is False
+
+
+def test_is_distributed_asks_a_one_process_strategy():
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    _lightning.let_one_process_strategies_be_local()
+    _lightning.let_one_process_strategies_be_local()  # idempotent: wrapped once
+    fget = _AcceleratorConnector.__dict__["is_distributed"].fget
+    assert getattr(fget, "_lgh_wrapped", False)
+
+    class Local:
+        lgh_one_process = True
+
+    class Other:
+        pass
+
+    connector = object.__new__(_AcceleratorConnector)
+    connector.strategy = Local()
+    assert connector.is_distributed is False
+    connector.strategy = Other()
+    assert connector.is_distributed is False  # Lightning's own answer for a strategy it does not know

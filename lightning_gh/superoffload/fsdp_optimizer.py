@@ -35,7 +35,8 @@ Note [ZeRO-3 step and the forward's wait]
        update of later units therefore overlaps the forward of earlier ones, and no all-gather can read a shard
        before its update is in place. FSDP2's explicit forward prefetching
        (``FSDPModule.set_modules_to_forward_prefetch``) all-gathers a later module from an earlier module's
-       pre-forward, before the later module's own hook runs; it is refused (see :func:`check_no_forward_prefetch`).
+       pre-forward, before the later module's own hook runs; it is refused (see
+       :func:`~.fsdp_units.check_no_forward_prefetch`).
 
     Whatever reads the parameters or the state outside a forward (``state_dict()``, a checkpoint, the next
     ``step()``) waits for every unit first (:meth:`ShardedHostAdamW.synchronize`).

@@ -46,7 +46,13 @@ if TYPE_CHECKING:
     from lightning_gh.profiling.stall import DataStallDetector
     from lightning_gh.profiling.summary import summarize_trace
     from lightning_gh.profiling.throughput import ThroughputMonitor, ThroughputOptions
-    from lightning_gh.superoffload import HeterogeneousAdamW, SuperOffloadOptions, SuperOffloadStrategy
+    from lightning_gh.superoffload import (
+        HeterogeneousAdamW,
+        ShardedHostAdamW,
+        SuperOffloadFSDPStrategy,
+        SuperOffloadOptions,
+        SuperOffloadStrategy,
+    )
     from lightning_gh.unified import (
         ManagedMemoryError,
         ManagedMemoryOptions,
@@ -89,6 +95,8 @@ _WHERE: dict[str, str] = {
     "HeterogeneousAdamW": "lightning_gh.superoffload",
     "SuperOffloadOptions": "lightning_gh.superoffload",
     "SuperOffloadStrategy": "lightning_gh.superoffload",
+    "SuperOffloadFSDPStrategy": "lightning_gh.superoffload",
+    "ShardedHostAdamW": "lightning_gh.superoffload",
     "HostMemoryError": "lightning_gh._host",
     "MemoryReport": "lightning_gh.memory",
     "MemoryReportOptions": "lightning_gh.memory",

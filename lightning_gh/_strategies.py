@@ -1,4 +1,4 @@
-"""``Trainer(strategy="superoffload")`` after ``import lightning_gh``, without importing torch or Lightning for it.
+"""``Trainer(strategy="superoffload")`` and ``"superoffload_fsdp"`` after ``import lightning_gh``, without importing torch or Lightning for it.
 
 ``import lightning_gh`` loads its parts on first use, so a command that only parses a trace
 (``python -m lightning_gh.profiling summarize``) never pays for torch. The strategy name must still be known to
@@ -28,10 +28,21 @@ DESCRIPTION = ("Heterogeneous CPU/GPU AdamW (lightning_gh): optimizer state in h
                "with backward")
 
 
+FSDP_NAME = "superoffload_fsdp"
+FSDP_DESCRIPTION = ("ZeRO-3 through FSDP2 (lightning_gh): AdamW state of each rank's shards in host memory, CPU "
+                    "update overlapped with the next forward, exact clipping")
+
+
 def _superoffload(**kwargs: Any) -> Any:
     from lightning_gh.superoffload import SuperOffloadStrategy
 
     return SuperOffloadStrategy(**kwargs)
+
+
+def _superoffload_fsdp(**kwargs: Any) -> Any:
+    from lightning_gh.superoffload.fsdp import SuperOffloadFSDPStrategy
+
+    return SuperOffloadFSDPStrategy(**kwargs)
 
 
 WRONG_TRAINER = ("lightning_gh's strategy, callbacks and precision plugins run in the `lightning` package's Trainer "
@@ -52,6 +63,9 @@ def _register(target: str = _TARGET) -> None:
         factory = _superoffload
     if NAME not in registry:
         registry.register(NAME, factory, description=DESCRIPTION)
+    if FSDP_NAME not in registry:
+        registry.register(FSDP_NAME, factory if target == _PL_TARGET else _superoffload_fsdp,
+                          description=FSDP_DESCRIPTION)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

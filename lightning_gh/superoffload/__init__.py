@@ -17,7 +17,9 @@ Modules, one idea each:
 * :mod:`.state`: what the optimizer accepts, and its state dict in ``torch.optim.AdamW``'s format;
 * :mod:`.optimizer`: :class:`HeterogeneousAdamW`, the ``torch.optim.Optimizer`` facade (param groups, hooks,
   ``step()``, state dict) over the parts above;
-* :mod:`.strategy`: :class:`SuperOffloadStrategy`, registered as ``"superoffload"`` on import.
+* :mod:`.strategy`: :class:`SuperOffloadStrategy`, registered as ``"superoffload"`` on import;
+* ZeRO-3 through FSDP2: :mod:`.fsdp_units` (FSDP2's shards as host rows), :mod:`.fsdp_optimizer`
+  (:class:`ShardedHostAdamW`) and :mod:`.fsdp` (:class:`SuperOffloadFSDPStrategy`, ``"superoffload_fsdp"``).
 
 Example::
 
@@ -28,6 +30,8 @@ Example::
     >>> model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.close()
 """
 
+from lightning_gh.superoffload.fsdp import SuperOffloadFSDPStrategy
+from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
 from lightning_gh.superoffload.memory import (
     HostBuffer,
     HostMemoryError,
@@ -46,6 +50,8 @@ __all__ = [
     "HostBuffer",
     "HostMemoryError",
     "HostMemoryPlan",
+    "ShardedHostAdamW",
+    "SuperOffloadFSDPStrategy",
     "SuperOffloadOptions",
     "SuperOffloadStrategy",
     "available_host_bytes",

@@ -184,6 +184,51 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
+#: Largest output (bytes) an op whose inputs are all real runs for real with (See Note [Real small ops]).
+SMALL = 1 << 20
+
+
+# Note [Real small ops]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A fake tensor has no values, so code that reads them (``.item()``, ``if mask.all()``, a boolean index) cannot run
+# on one, and code that checks for fake tensors takes another path (transformers builds a 4-D attention mask and
+# repeats grouped k/v heads "while tracing" where the real run uses SDPA's ``is_causal`` and its GQA). So the batch
+# stays real (a copy: the step may edit it in place), and an op whose tensor inputs are all real and whose outputs
+# are small (positions, masks, shifted labels: at most SMALL bytes, measured on meta tensors first) runs for real;
+# anything that touches a parameter, a buffer or an activation runs on fake tensors. The step then takes the branches
+# the real step takes, and its small real tensors are counted like the others.
+
+
+class _RealSmallOps(TorchDispatchMode):
+    """Runs ops whose tensor inputs are all real and whose outputs are small for real. See Note [Real small ops]."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            return func(*args, **kwargs)
+        with unset_fake_temporarily():
+            try:
+                meta = func(*pytree.tree_map(_to_meta, args), **pytree.tree_map(_to_meta, kwargs))
+                size = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(meta)
+                           if isinstance(t, torch.Tensor))
+            except Exception:  # no meta kernel, or a shape that depends on the values: decide by the inputs
+                size = sum(t.numel() * t.element_size() for t in tensors)
+            if size <= SMALL:
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _to_meta(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a.to("meta")
+    if isinstance(a, torch.device):
+        return torch.device("meta")
+    return a
+
+
 @dataclass(frozen=True)
 class StepTrace:
     """What one traced step holds on its device, in allocator blocks (Note [What the allocator counts]).
@@ -241,7 +286,7 @@ def trace_step(step: Callable[..., Any], *args: Any, device_type: str, module: t
     Args:
         step: the forward and loss; the ``"loss"`` of a returned dict, else the first floating-point tensor that
             requires grad among its outputs, else its ``.loss``, is the loss.
-        args: passed to ``step``; their tensors become fake ones.
+        args: passed to ``step`` (a copy of their tensors; See Note [Real small ops]).
         device_type: the device whose memory is predicted (``"cuda"``).
         module: the module whose parameters and buffers ``step`` uses: they become fake ones while it runs, and the
             backward's gradients land on those (nothing real gets a gradient).
@@ -257,10 +302,10 @@ def trace_step(step: Callable[..., Any], *args: Any, device_type: str, module: t
 
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-    if mode is not None:
-        args = pytree.tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args)
+    if mode is not None:  # the step may edit its batch in place: it gets a copy (See Note [Real small ops])
+        args = pytree.tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, args)
     with (mode or contextlib.nullcontext()), _fake_weights(module if fake else None, mode), \
-            LiveBytes(device_type, mode) as live:
+            LiveBytes(device_type, mode) as live, (_RealSmallOps() if fake else contextlib.nullcontext()):
         with SavedBytes(live) as saved:
             out = step(*args)
         loss = _loss_of(out)

@@ -104,6 +104,15 @@ def test_the_plan_is_written_before_the_first_step(tmp_path):
     assert data["gpu"]["weights"] == sum(p.numel() * p.element_size() for p in cb_model(cb).parameters())
 
 
+def test_the_plan_before_the_first_step_has_the_predicted_peak(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="lightning_gh.memory.callback"):
+        cb = fit(tmp_path, Tiny(), measure_steps=2)
+    titles = [r.getMessage().splitlines()[0] for r in caplog.records if "memory plan" in r.getMessage()]
+    assert titles == ["memory plan before the first step:", "memory plan after 2 steps:"]
+    assert cb.plan.predicted_peak >= sum(cb.plan.gpu[k] for k in ("weights", "gradients", "optimizer state"))
+    assert cb.plan.predicted["gradients"] == 32 * 8 * 4  # the embedding's, before AdamW has made any
+
+
 def test_a_cuda_oom_writes_the_report_and_the_error_is_reraised(tmp_path):
     with pytest.raises(torch.cuda.OutOfMemoryError):
         fit(tmp_path, Tiny(fail_at=2, error=torch.cuda.OutOfMemoryError(OOM)))
@@ -124,7 +133,8 @@ def test_a_host_memory_error_reports_the_host_plan(tmp_path):
 
 
 @pytest.mark.parametrize(("kw", "exc"), [({"measure_steps": 0}, ValueError), ({"plan": "yes"}, TypeError),
-                                         ({"folder": ""}, ValueError), ({"history_entries": 1.5}, TypeError)])
+                                         ({"folder": ""}, ValueError), ({"history_entries": 1.5}, TypeError),
+                                         ({"predict": 1}, TypeError)])
 def test_bad_options_are_refused_with_the_name(kw, exc):
     with pytest.raises(exc, match=next(iter(kw))):
         MemoryReport(**kw)

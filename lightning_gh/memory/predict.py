@@ -122,11 +122,14 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        self._sweep()
         inputs = None
+        swept = False
         for t in pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
+            if not swept:  # drop the storages that died since the last op before counting new ones
+                self._sweep()
+                swept = True
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):

@@ -80,3 +80,44 @@ def test_te_with_its_own_masters_is_refused_with_the_way_out(plugin, refused):
     fit_fp8_weights(plugin, model)
     expected = torch.bfloat16 if getattr(plugin, "lgh_part", None) == "fp8" else torch.float32
     assert model.weight.dtype == expected
+
+
+class HookPlaces(Callback):
+    """Where the optimizer's forward pre-hooks sit while training (the optimizer removes them at teardown)."""
+
+    def __init__(self) -> None:
+        self.places: dict[str, tuple[int, bool]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_gh.superoffload.layout import is_compiled_region
+
+        self.places = {name: (len(m._forward_pre_hooks), is_compiled_region(m))
+                       for name, m in pl_module.named_modules() if m._forward_pre_hooks or is_compiled_region(m)}
+
+
+def test_compiled_fp8_blocks_wait_outside_their_graphs():
+    """The plugin compiles each fp8 block in place before the strategy builds the optimizer: each block gets one
+    forward pre-hook, outside its graph, and its submodules none, so no hook of ours breaks a block's graph (see
+    Note [Forward hooks stay out of compiled regions] in lightning_gh.superoffload.layout)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = LlamaLM.from_preset("tiny")
+    plugin = precision("fp8-ao-tensorwise", min_dim=0, emulate=True, compile_blocks={"backend": "eager"})
+    hooks = HookPlaces()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, plugins=[plugin], strategy="superoffload",
+                        callbacks=[hooks], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, gradient_clip_val=1.0)
+    with pytest.warns(UserWarning):  # SuperOffload off the GPU steps aside
+        trainer.fit(model, MarkovDataModule.for_model(model))
+    assert isinstance(trainer.optimizers[0], HeterogeneousAdamW)
+    blocks = [name for name, (_, compiled) in hooks.places.items() if compiled]
+    assert blocks and all(hooks.places[b] == (1, True) for b in blocks)
+    inside = [name for name in hooks.places if any(name.startswith(b + ".") for b in blocks)]
+    assert inside == []
+    breaks = " ".join(counters["graph_break"])
+    assert "perf_counter" not in breaks and "Condition" not in breaks and "_before_forward" not in breaks, breaks
+    assert counters["stats"]["unique_graphs"] >= 1

@@ -21,7 +21,8 @@ import torch
 from lightning_gh.superoffload import memory
 from lightning_gh.superoffload.memory import HostBuffer
 
-__all__ = ["Bucket", "HostLayout", "RollbackCopy", "Slot", "chunk_by_size"]
+__all__ = ["Bucket", "HostLayout", "RollbackCopy", "Slot", "chunk_by_size", "compiled_regions", "forward_hook_sites",
+           "is_compiled_region"]
 
 
 @dataclass
@@ -125,6 +126,53 @@ def chunk_by_size(slots: list[Slot], bucket_size: int) -> list[list[Slot]]:
         groups.append(chunk)
     return groups
 
+
+
+def is_compiled_region(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs compiled: a ``torch.compile`` wrapper (``OptimizedModule``) or a module compiled in
+    place (``module.compile()``, which sets its ``_compiled_call_impl``)."""
+    wrapper = type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+    return wrapper or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_regions(module: torch.nn.Module) -> frozenset[int]:
+    """The ``id`` of every compiled region in ``module`` (see :func:`is_compiled_region`)."""
+    return frozenset(id(m) for m in module.modules() if is_compiled_region(m))
+
+
+def forward_hook_sites(module: torch.nn.Module,
+                       slot_of: dict[int, Slot]) -> list[tuple[torch.nn.Module, list[Slot], bool]]:
+    """Where the optimizer's forward pre-hooks go, as ``(module, slots it waits for, compiled)``.
+
+    Note [Forward hooks stay out of compiled regions]
+        A compiled region runs its own forward pre-hooks inside the compiled call (``module.compile()`` compiles
+        ``_call_impl``, hooks included) and traces those of its submodules into its graph, where a hook that waits
+        for a CPU thread breaks the graph. So a compiled region gets one hook for every parameter under it and
+        its submodules none; the optimizer wraps that hook in ``torch._dynamo.disable``, so Dynamo runs it before
+        the region's graph instead of tracing it. Elsewhere each module waits for the parameters it owns itself,
+        so a layer waits only for its own bucket.
+
+    Args:
+        module: the model.
+        slot_of: the optimizer's slots, by ``id`` of their parameter.
+    """
+    sites: list[tuple[torch.nn.Module, list[Slot], bool]] = []
+    seen: set[int] = set()
+
+    def visit(m: torch.nn.Module) -> None:
+        if id(m) in seen:  # a module registered twice gets one hook
+            return
+        seen.add(id(m))
+        compiled = is_compiled_region(m)
+        slots = [slot_of[id(p)] for p in m.parameters(recurse=compiled) if id(p) in slot_of]
+        if slots:
+            sites.append((m, slots, compiled))
+        if not compiled:
+            for child in m.children():
+                visit(child)
+
+    visit(module)
+    return sites
 
 
 class HostLayout:

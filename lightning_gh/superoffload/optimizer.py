@@ -83,9 +83,8 @@ import torch
 from torch import nn
 
 from lightning_gh import hardware
-from lightning_gh._util import warn_once
 from lightning_gh.superoffload import memory
-from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot
+from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot, compiled_regions, forward_hook_sites
 from lightning_gh.superoffload.memory import HostMemoryPlan
 from lightning_gh.superoffload.options import (
     SuperOffloadOptions,
@@ -143,9 +142,13 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         **option_kwargs: the same options as keyword arguments instead (``gpu_fraction=0.0``, ...); see
             :class:`~lightning_gh.superoffload.SuperOffloadOptions`. Giving both is an error.
 
-    ``stats`` holds counters for diagnosis: steps clipped, skipped and rolled back, the tail's decision, the CPU
-    worker's cumulative milliseconds per phase (``cpu_phases_ms``) and the training thread's in the optimizer's
-    hooks (``loop_phases_ms``: ``grad_hooks``, and ``forward_hooks`` less their waits for the CPU, which
+    ``stats`` holds counters for diagnosis: steps clipped and skipped, steps allowed to speculate
+    (``speculated_steps``; ``last_speculated`` for the last decided step, see
+    :func:`~lightning_gh.superoffload.step.should_speculate`), buckets updated speculatively
+    (``speculative_buckets``) and redone after a rollback (``rollbacks``), how long the CPU still worked on the last
+    step after ``step()`` (``last_cpu_after_step_ms``), the tail's decision, the CPU worker's cumulative
+    milliseconds per phase (``cpu_phases_ms``) and the training thread's in the optimizer's hooks
+    (``loop_phases_ms``: ``grad_hooks``, and ``forward_hooks`` less their waits for the CPU, which
     ``last_stall_ms`` reports per step).
 
     This class holds the param groups, the hooks, ``step()`` and the state dict; its collaborators are the host
@@ -200,7 +203,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         self._norms = GradNorms(self.device)
         self._shard = None if group is None else RankShard(group, layout, self._norms, self._streams[0])
         self.stats: dict[str, Any] = {"steps": 0, "clipped_steps": 0, "skipped_steps": 0, "rollbacks": 0,
-                                      "speculative_buckets": 0, "prefetched_backups": 0, "last_stall_ms": 0.0,
+                                      "speculative_buckets": 0, "prefetched_backups": 0, "speculated_steps": 0,
+                                      "last_speculated": None, "last_cpu_after_step_ms": None, "last_stall_ms": 0.0,
                                       "last_slack_ms": None, "cpu_ms_per_step": 0.0, "tail_moves": 0,
                                       "tail_moves_back": 0, "tail_limited": 0, "tail_move_failures": 0,
                                       "tail_decision": None, "cpu_phases_ms": {},
@@ -217,6 +221,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         self._in_closure = False
         self._module: nn.Module | None = None
         self._module_hooks: list[Any] = []
+        self._regions: frozenset[int] = frozenset()  # the compiled regions of the module when hooked
         self._closed = False
         self._plan_host()  # before anything is allocated
         if module is not None:
@@ -362,32 +367,24 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
     def attach(self, module: nn.Module) -> None:
         """Install forward pre-hooks on ``module`` so each layer waits only for its own bucket.
 
-        A ``torch.compile``-d submodule gets one hook that waits for every bucket (hooks inside a compiled
-        region would break its graph)."""
+        A compiled block (``torch.compile``-d, or compiled in place with ``block.compile()``) gets one hook, run
+        outside its graph, that waits for every bucket under it. See Note [Forward hooks stay out of compiled
+        regions] in :mod:`.layout`; blocks compiled or uncompiled later get their hooks re-placed at the next
+        ``step()``."""
         for h in self._module_hooks:
             h.remove()
-        self._module_hooks = []
-        self._module = module
+        self._module, self._module_hooks = module, []
+        self._regions = compiled_regions(module)
         wself = weakref.ref(self)
-        skip_prefixes: list[str] = []
-        slot_of = self._layout.slot_of
-        for name, m in module.named_modules():
-            if any(name == s or name.startswith(s + ".") for s in skip_prefixes):
-                continue
-            if type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod"):  # torch.compile wrapper
-                skip_prefixes.append(name)
-                slots = None  # wait for everything
-            else:
-                slots = [slot_of[id(p)] for p in m.parameters(recurse=False) if id(p) in slot_of]
-                if not slots:
-                    continue
+        for m, slots, compiled in forward_hook_sites(module, self._layout.slot_of):
 
             def pre_hook(mod: nn.Module, args: Any, _slots=slots, _wself=wself) -> None:
                 opt = _wself()
                 if opt is not None:
                     opt._before_forward(_slots)
 
-            self._module_hooks.append(m.register_forward_pre_hook(pre_hook))
+            self._module_hooks.append(m.register_forward_pre_hook(torch._dynamo.disable(pre_hook) if compiled
+                                                                  else pre_hook))
 
     def synchronize(self) -> None:
         """Block until every queued CPU update has finished and make the current stream wait for the copies
@@ -616,7 +613,10 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
             self._norms.take(tail, ctx.id)
 
         hp_now = self._hp_snapshot()
-        coef, found_inf = self._post_decision(ctx, hp_now)
+        if ctx.needs_validation and self._shard is not None:
+            self._shard.sum_norms()
+        coef, found_inf = ctx.decide(self._norms, hp_now, self._max_grad_norm, self.options.skip_nonfinite,
+                                     self._layout.cuda, self.device)
         update_device_tail([s for s in tail if s.param.grad is not None], hp_now, coef, found_inf)
         self._ctx = None
         self._posted_step = ctx.id
@@ -632,30 +632,6 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         self._after_step()
         return loss
 
-    def _post_decision(self, ctx: StepCtx, hp_now: list[dict[str, float]]) -> tuple[torch.Tensor | None,
-                                                                                      torch.Tensor | None]:
-        """Compute the global norm (on the device), the clip coefficient and the non-finite flag, and post them
-        to the worker; returns ``(coef, found_inf)`` for the GPU tail's update."""
-        coef = found_inf = packed = None
-        max_norm, skip_nonfinite = self._max_grad_norm, self.options.skip_nonfinite
-        if ctx.needs_validation:
-            if self._shard is not None:
-                self._shard.sum_norms()
-            total = self._norms.total(ctx.arrival)
-            if max_norm is not None:
-                # the same expression as torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise equal
-                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            if skip_nonfinite:
-                found_inf = (~torch.isfinite(total)).to(torch.float32)
-            packed = torch.stack([total, coef if coef is not None else torch.ones_like(total)])
-        elif hp_now != ctx.hp:
-            warn_once("superoffload:hp-changed",
-                      "HeterogeneousAdamW: hyper-parameters changed between backward and step(); without "
-                      "validation (max_grad_norm=None, skip_nonfinite=False) the CPU update uses the values read "
-                      "when backward started. Set the learning rate before backward.", stacklevel=4)
-        ctx.post(hp_now, max_norm, skip_nonfinite, packed, self._layout.cuda, self.device)
-        return coef, found_inf
-
     def _after_step(self) -> None:
         times = self._times
         self.stats["steps"] += 1
@@ -664,6 +640,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         times.end_step(time.perf_counter())
         self.stats["cpu_ms_per_step"] = sum(b.cpu_ms for b in self._layout.buckets)
         self._updater.count_decisions(block=False)
+        if self._module is not None and compiled_regions(self._module) != self._regions:
+            self.attach(self._module)  # a block was compiled (or uncompiled) since: see Note [Forward hooks ...]
         if self._tail is not None and (self._layout.cuda or self._shard is not None):  # off CUDA: no GPU tail
             self._tail.step(times, self._step_id - self._layout.built_at, self.synchronize)
 

@@ -11,15 +11,48 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_gh._util import warn_once
+
 if TYPE_CHECKING:
     from lightning_gh.superoffload.layout import Bucket, Slot
 
-__all__ = ["Decision", "GradNorms", "StepCtx"]
+__all__ = ["SPECULATION_WINDOW", "Decision", "GradNorms", "StepCtx", "should_speculate"]
+
+#: The decided steps :func:`should_speculate` looks back on.
+SPECULATION_WINDOW = 4
+
+
+def should_speculate(redone: Sequence[bool], window: int = SPECULATION_WINDOW) -> bool:
+    """Whether the next step's buckets may be updated before its decision is known (see Note [Speculative update
+    and exact rollback] in :mod:`.worker`), from the last decided steps.
+
+    A speculative update pays when the step is neither clipped nor skipped: the CPU works while backward still runs.
+    Otherwise it is thrown away and redone once the decision is known, and its rollback copy (``rollback="copy"``),
+    its copy back and its share of the host's memory bandwidth were spent for nothing. So a step speculates while
+    fewer than half of the last ``window`` steps had to redo it: a run clipped on (almost) every step stops after its
+    first step and its CPU then waits for each step's decision (the update runs once, in forward order, with no
+    rollback copy); a rarely clipped run goes on speculating through a clipped step; a run whose gradient norm
+    falls under the threshold resumes within a window.
+
+    Args:
+        redone: for each decided step, oldest first, :attr:`Decision.redo` (clipped, skipped, or hyper-parameters
+            changed after backward began), whether or not that step speculated.
+        window: how many of the last steps count.
+
+    Example::
+
+        >>> should_speculate([]), should_speculate([True]), should_speculate([False, False, False, True])
+        (True, False, True)
+    """
+    recent = list(redone)[-window:]
+    return not recent or 2 * sum(recent) < len(recent)
 
 
 @dataclass(frozen=True)
@@ -55,6 +88,8 @@ class StepCtx:
         self.decision: Decision | None = None if needs_validation else Decision(False, None, hp, False)
         self.posted = threading.Event()
         self.spec: list[Bucket] = []  # buckets updated speculatively, in the order the worker updated them
+        self.speculate: bool | None = None  # whether its buckets may speculate (the worker decides at its first)
+        self.posted_t = 0.0  # when step() posted its outcome (perf_counter)
         self.arrival: list[int] = []  # slot indices in the order their gradients arrived
         # written by post() before `posted` is set
         self.result_host: torch.Tensor | None = None  # [total_norm, clip_coef]
@@ -63,11 +98,34 @@ class StepCtx:
         self.max_norm: float | None = None
         self.skip_nonfinite = True
 
+    def decide(self, norms: GradNorms, hp_now: list[dict[str, float]], max_norm: float | None,
+               skip_nonfinite: bool, cuda: bool, device: torch.device) -> tuple[torch.Tensor | None,
+                                                                              torch.Tensor | None]:
+        """Compute the global norm from ``norms`` (on the device), the clip coefficient and the non-finite flag, and
+        post them (:meth:`post`); returns ``(coef, found_inf)`` for the GPU tail's update."""
+        coef = found_inf = packed = None
+        if self.needs_validation:
+            total = norms.total(self.arrival)
+            if max_norm is not None:
+                # the same expression as torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise equal
+                coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            if skip_nonfinite:
+                found_inf = (~torch.isfinite(total)).to(torch.float32)
+            packed = torch.stack([total, coef if coef is not None else torch.ones_like(total)])
+        elif hp_now != self.hp:
+            warn_once("superoffload:hp-changed",
+                      "HeterogeneousAdamW: hyper-parameters changed between backward and step(); without "
+                      "validation (max_grad_norm=None, skip_nonfinite=False) the CPU update uses the values read "
+                      "when backward started. Set the learning rate before backward.", stacklevel=4)
+        self.post(hp_now, max_norm, skip_nonfinite, packed, cuda, device)
+        return coef, found_inf
+
     def post(self, hp_now: list[dict[str, float]], max_norm: float | None, skip_nonfinite: bool,
              result: torch.Tensor | None, cuda: bool, device: torch.device | None = None) -> None:
         """Hand the step's outcome to the worker: ``result`` is ``[total_norm, clip_coef]`` on the device (copied to
         page-locked host memory behind an event on CUDA), or ``None`` without validation."""
         self.hp_now, self.max_norm, self.skip_nonfinite = hp_now, max_norm, skip_nonfinite
+        self.posted_t = time.perf_counter()
         if result is not None and cuda:
             self.result_host = torch.empty(2, dtype=torch.float32, pin_memory=True)
             self.result_host.copy_(result, non_blocking=True)
@@ -80,6 +138,7 @@ class StepCtx:
     def drop(self) -> None:
         """Abandon an unfinished step (the optimizer closes): every update of it is skipped."""
         self.decision = Decision(True, None, self.hp, True)
+        self.posted_t = time.perf_counter()
         self.posted.set()
 
     def poll(self, block: bool) -> Decision | None:
@@ -116,7 +175,7 @@ class GradNorms:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.vector: torch.Tensor | None = None
-        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        self._index: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def open(self, count: int, zero: bool) -> None:
         """Make room for ``count`` norms; ``zero``: clear them (several ranks write only the norms they own)."""
@@ -159,6 +218,9 @@ class GradNorms:
         """The global L2 norm over the parameters in ``arrival``, combined in parameter order as
         ``clip_grad_norm_`` combines them."""
         idx = sorted(arrival)
-        norms = self.vector if len(idx) == self.vector.numel() else \
-            self.vector[torch.tensor(idx, device=self.device)]
-        return torch.linalg.vector_norm(norms, 2.0)
+        if len(idx) == self.vector.numel():
+            return torch.linalg.vector_norm(self.vector, 2.0)
+        key = ("total", *idx)  # cached as index(): a fresh index tensor would wait for the device to catch up
+        if key not in self._index:
+            self._index[key] = torch.tensor(idx, device=self.device)
+        return torch.linalg.vector_norm(self.vector[self._index[key]], 2.0)

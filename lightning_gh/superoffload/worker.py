@@ -17,10 +17,11 @@ Note [Speculative update and exact rollback]
 
     When the decision arrives, speculative buckets are committed, or restored and redone with the clipped
     gradients and the current hyper-parameters, or left restored (a skipped step), and their weights are copied
-    back again. Buckets the worker reaches after the decision is known are updated once, in place, with no copy.
-    After a step whose speculation had to be redone the next step waits for its decision (speculation would most
-    likely be wasted again); speculation resumes after a step that needed no redo. The result is identical to
-    the non-speculative path: the same kernel on the same inputs.
+    back again, each bucket in the order the next forward needs it. Buckets the worker reaches after the decision
+    is known are updated once, in place, with no copy. Whether a step speculates at all is decided once, at its
+    first bucket, from the recent steps (:func:`~lightning_gh.superoffload.step.should_speculate`): a run clipped
+    on almost every step stops speculating, so its CPU does each update once, after the decision, and makes no
+    rollback copy. The result is identical to the non-speculative path: the same kernel on the same inputs.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot
-from lightning_gh.superoffload.step import Decision, StepCtx
+from lightning_gh.superoffload.step import SPECULATION_WINDOW, Decision, StepCtx, should_speculate
 
 __all__ = ["CpuUpdater", "worker_loop"]
 
@@ -67,16 +69,24 @@ class CpuUpdater:
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        # the last decided step had to redo its speculation: the next step waits for its decision
-        self._speculation_paused = False
+        # whether each of the last decided steps invalidated speculation (see should_speculate)
+        self._redone: deque[bool] = deque(maxlen=SPECULATION_WINDOW)
         self._uncounted: list[StepCtx] = []  # validated steps with no host work: their decision is counted here
         self._waiting_for_decision = False  # the worker is blocked until a step's decision is posted
 
     # ------------------------------------------------------------------ the training thread's side
     @property
     def will_speculate(self) -> bool:
-        """Whether the next bucket the worker reaches before its step's decision is updated speculatively."""
-        return self.speculative and not self._speculation_paused
+        """Whether a step that starts now may speculate (its buckets marked speculative by the host plan), from the
+        steps decided so far (:func:`~lightning_gh.superoffload.step.should_speculate`)."""
+        return self.speculative and should_speculate(self._redone)
+
+    def speculates(self, ctx: StepCtx) -> bool:
+        """Whether step ``ctx``'s buckets may be updated before its decision: decided once per step, when the worker
+        reaches its first bucket (every earlier step's decision is counted by then)."""
+        if ctx.speculate is None:
+            ctx.speculate = self.will_speculate
+        return ctx.speculate
 
     @property
     def settled(self) -> bool:
@@ -173,7 +183,7 @@ class CpuUpdater:
         kind, b, ctx = task
         if ctx.poll(block=False) is not None:
             return False
-        return kind != "bucket" or not (self.will_speculate and b.speculative)
+        return kind != "bucket" or not (self.speculates(ctx) and b.speculative)
 
     def setup_thread(self) -> None:
         torch.set_num_threads(self.cpu_threads)
@@ -206,7 +216,7 @@ class CpuUpdater:
         if self.layout.cuda:
             b.d2h_event.synchronize()
         self._phase("wait_d2h", t0)
-        speculate = self.will_speculate and b.speculative
+        speculate = self.speculates(ctx) and b.speculative
         t0 = time.perf_counter()
         self._waiting_for_decision = not speculate
         dec = ctx.poll(block=not speculate)
@@ -258,9 +268,15 @@ class CpuUpdater:
         dec = ctx.poll(block=True)
         t0 = time.perf_counter()
         self._resolve_speculation(ctx, dec)
-        self._speculation_paused = dec.redo
+        self._redone.append(dec.redo)
         self._count(dec)
-        self.stats["finish_ms"] = (time.perf_counter() - t0) * 1e3
+        st = self.stats
+        st["last_speculated"] = spec = bool(ctx.speculate)
+        st["speculated_steps"] += spec
+        st["finish_ms"] = (time.perf_counter() - t0) * 1e3
+        # how long after step() posted its decision the step's last bucket was ready: the CPU work the next
+        # forward may wait for
+        st["last_cpu_after_step_ms"] = (time.perf_counter() - ctx.posted_t) * 1e3
 
     def _resolve_speculation(self, ctx: StepCtx, dec: Decision) -> None:
         """Commit, or undo and redo, the step's speculative updates now. See Note [Speculative update and exact

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -135,9 +136,9 @@ def is_compiled_region(module: torch.nn.Module) -> bool:
     return wrapper or getattr(module, "_compiled_call_impl", None) is not None
 
 
-def compiled_regions(module: torch.nn.Module) -> frozenset[int]:
-    """The ``id`` of every compiled region in ``module`` (see :func:`is_compiled_region`)."""
-    return frozenset(id(m) for m in module.modules() if is_compiled_region(m))
+def compiled_regions(modules: Iterable[torch.nn.Module]) -> frozenset[int]:
+    """The ``id`` of every compiled region among ``modules`` (see :func:`is_compiled_region`)."""
+    return frozenset(id(m) for m in modules if is_compiled_region(m))
 
 
 def forward_hook_sites(module: torch.nn.Module,

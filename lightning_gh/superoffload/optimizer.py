@@ -221,7 +221,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         self._in_closure = False
         self._module: nn.Module | None = None
         self._module_hooks: list[Any] = []
-        self._regions: frozenset[int] = frozenset()  # the compiled regions of the module when hooked
+        # the hooked module's submodules, and which of them were compiled regions then (see attach)
+        self._watch: tuple[list[nn.Module], frozenset[int]] = ([], frozenset())
         self._closed = False
         self._plan_host()  # before anything is allocated
         if module is not None:
@@ -374,7 +375,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         for h in self._module_hooks:
             h.remove()
         self._module, self._module_hooks = module, []
-        self._regions = compiled_regions(module)
+        modules = list(module.modules())
+        self._watch = (modules, compiled_regions(modules))
         wself = weakref.ref(self)
         for m, slots, compiled in forward_hook_sites(module, self._layout.slot_of):
 
@@ -640,7 +642,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         times.end_step(time.perf_counter())
         self.stats["cpu_ms_per_step"] = sum(b.cpu_ms for b in self._layout.buckets)
         self._updater.count_decisions(block=False)
-        if self._module is not None and compiled_regions(self._module) != self._regions:
+        if self._module is not None and compiled_regions(self._watch[0]) != self._watch[1]:
             self.attach(self._module)  # a block was compiled (or uncompiled) since: see Note [Forward hooks ...]
         if self._tail is not None and (self._layout.cuda or self._shard is not None):  # off CUDA: no GPU tail
             self._tail.step(times, self._step_id - self._layout.built_at, self.synchronize)

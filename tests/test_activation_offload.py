@@ -456,7 +456,6 @@ def test_find_blocks():
     [
         (dict(policy="some"), "policy='some'"),
         (dict(policy=-1), "policy=-1"),
-        (dict(policy=True), "policy=True"),
         (dict(min_tensor_bytes=-1), "min_tensor_bytes=-1"),
         (dict(prefetch_blocks=0), "prefetch_blocks=0"),
         (dict(max_inflight_blocks=0), "max_inflight_blocks=0"),
@@ -472,6 +471,22 @@ def test_argument_errors_name_the_argument(kwargs, match):
         ActivationOffload(**kwargs)
     policy = kwargs.pop("policy", "auto")
     with pytest.raises(ValueError, match=match):
+        offload_activations(nn.Linear(2, 2), policy, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(policy=True), r"policy=True\): expected 'auto', 'all', or an int K >= 0 .*, got bool"),
+    (dict(policy=0.5), r"policy=0.5\): expected 'auto', 'all', or an int K >= 0 .*, got float"),
+    (dict(min_tensor_bytes=2.5), r"min_tensor_bytes=2.5\): expected an int, got float"),
+    (dict(margin="0.5"), r"margin='0.5'\): expected a float, got str"),
+    (dict(backend=3), r"backend=3\): expected a string, got int"),
+    (dict(bandwidth_gbps=("fast", 2.0)), r"bandwidth_gbps=\('fast', 2.0\)\): expected a float, a \(float, float\)"),
+])
+def test_wrong_types_are_type_errors_naming_the_argument(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        ActivationOffload(**kwargs)
+    policy = kwargs.pop("policy", "auto")
+    with pytest.raises(TypeError, match=match):
         offload_activations(nn.Linear(2, 2), policy, **kwargs)
 
 
@@ -491,7 +506,7 @@ def test_options_are_frozen_and_validated_at_construction():
         ActivationOffloadOptions(policy="some")
     with pytest.raises(ValueError, match=r"recompute='everything' is not valid; use None"):
         ActivationOffloadOptions(recompute="everything")
-    with pytest.raises(TypeError, match=r"dedupe_casts='yes' must be a bool"):
+    with pytest.raises(TypeError, match=r"dedupe_casts='yes'\): expected True or False, got str"):
         ActivationOffloadOptions(dedupe_casts="yes")
     model, _ = _llama()
     assert ActivationOffloadOptions(blocks=list(model.layers)).blocks == tuple(model.layers)

@@ -218,12 +218,16 @@ def test_plan_with_recompute_takes_the_blocks_not_offloaded_and_forecasts_the_pe
 # ------------------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("bad", ["cheap", True, 1, "SELECTIVE"])
-def test_bad_recompute_value_names_argument_value_and_choices(bad):
-    match = rf"recompute={bad!r} is not valid; use None .*'selective'.*'full'"
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("bad, error, match", [
+    ("cheap", ValueError, r"recompute='cheap' is not valid; use None .*'selective'.*'full'"),
+    ("SELECTIVE", ValueError, r"recompute='SELECTIVE' is not valid; use None .*'selective'.*'full'"),
+    (True, TypeError, r"recompute=True\): expected a string or None, got bool"),
+    (1, TypeError, r"recompute=1\): expected a string or None, got int"),
+])
+def test_bad_recompute_value_names_argument_value_and_choices(bad, error, match):
+    with pytest.raises(error, match=match):
         ActivationOffload(policy="auto", recompute=bad)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         offload_activations(torch.nn.Linear(2, 2), "auto", recompute=bad)
 
 

@@ -448,7 +448,7 @@ def test_callback_refuses_float_and_negative_ids(prompts, match):
     ("", ValueError, "filename='' must name a file"),
     ("   ", ValueError, "filename='   ' must name a file"),
     ("samples/", ValueError, "filename='samples/' must name a file"),
-    (3, TypeError, "filename=3 must be a str or None"),
+    (3, TypeError, r"GenerationCallback\(filename=3\): expected a string or None, got int"),
 ])
 def test_callback_refuses_a_filename_that_names_no_file(filename, error, match):
     with pytest.raises(error, match=match):

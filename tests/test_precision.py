@@ -235,19 +235,22 @@ def test_filter_names_ignore_torch_compile_wrappers():
     assert plan.should_convert("net._orig_mod.1")
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(min_dim=-1), r"min_dim=-1"), (dict(min_dim=1.5), r"min_dim=1.5"), (dict(include=[3]), "non-empty string"),
-    (dict(skip_head="yes"), r"skip_head='yes'"),
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    (dict(min_dim=-1), ValueError, r"min_dim=-1"), (dict(include=[""]), ValueError, "non-empty string"),
+    (dict(min_dim=1.5), TypeError, r"LayerFilter\(min_dim=1.5\): expected an int, got float"),
+    (dict(include=[3]), TypeError, "every pattern must be a string, got 3"),
+    (dict(include=3), TypeError, "expected a glob string or a sequence of them, got int"),
+    (dict(skip_head="yes"), TypeError, r"LayerFilter\(skip_head='yes'\): expected True or False, got str"),
 ])
-def test_filter_rejects_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_filter_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
         LayerFilter(**kwargs)
 
 
 def test_filter_from_options():
     f = LayerFilter.from_options({"min_dim": 0}, exclude=["*.wo"])
     assert f == LayerFilter(min_dim=0, exclude=("*.wo",))
-    with pytest.raises(ValueError, match=r"\['bogus'\] are not known"):
+    with pytest.raises(TypeError, match=r"\['bogus'\] are not known"):
         LayerFilter.from_options({"bogus": 1})
 
 
@@ -298,7 +301,7 @@ def test_export_bf16_state_dict_strips_compile_wrappers_and_copies():
 
 
 def test_fp8_auto_options_are_checked_even_where_fp8_cannot_run():
-    with pytest.raises(ValueError, match=r"precision\('fp8-auto'\) does not take option\(s\) \['bogus'\]"):
+    with pytest.raises(TypeError, match=r"precision\('fp8-auto'\) does not take option\(s\) \['bogus'\]"):
         precision("fp8-auto", bogus=1)
     with pytest.raises(ValueError, match=r"LayerFilter\(min_dim=-1\)"):
         precision("fp8-auto", min_dim=-1)
@@ -313,7 +316,7 @@ def test_float8_options_are_frozen_validated_and_shared():
     assert opts.layer_filter == LayerFilter(exclude=("*.wo",), min_dim=0)
     with pytest.raises(FrozenInstanceError):
         opts.recipe = "rowwise"
-    with pytest.raises(ValueError, match=r"Float8Options\(layer_filter=3\)"):
+    with pytest.raises(TypeError, match=r"Float8Options\(layer_filter=3\)"):
         Float8Options("tensorwise", layer_filter=3)
     if ao_missing_reason() is None:
         plugin = TorchAOFloat8Precision(options=opts, emulate=True)

@@ -42,7 +42,7 @@ def test_choice_table(compiled, strategy, te, ao, expected):
 
 def test_only_layer_filter_options_are_taken():
     AutoFloat8Precision(exclude=["*.wo"], min_dim=0)
-    with pytest.raises(ValueError, match=r"does not take option\(s\) \['weights_dtype'\].*'min_dim'"):
+    with pytest.raises(TypeError, match=r"does not take option\(s\) \['weights_dtype'\].*'min_dim'"):
         AutoFloat8Precision(weights_dtype=torch.bfloat16)
 
 
@@ -155,8 +155,10 @@ def test_the_trial_runs_only_with_two_candidates_and_a_failure_falls_back(monkey
         assert AutoFloat8Precision(trial=broken)._measure(model, ["a", "b"], torch.device("cpu")) == {}
     with pytest.raises(ValueError, match=r"trial_tokens=8.*int >= 16"):
         AutoFloat8Precision(trial_tokens=8)
-    with pytest.raises(ValueError, match=r"trial='fast'"):
+    with pytest.raises(TypeError, match=r"trial='fast'"):
         AutoFloat8Precision(trial="fast")
+    with pytest.raises(TypeError, match=r"trial_tokens=8.5\): expected an int >= 16, got float"):
+        AutoFloat8Precision(trial_tokens=8.5)
 
 
 def test_gemm_shapes_are_the_converted_layers():

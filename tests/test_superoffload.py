@@ -352,11 +352,29 @@ def test_gradient_arriving_twice_without_step_is_an_error():
         ({"bucket_size": 0}, "bucket_size=0"),
         ({"pipeline_trigger": "always"}, "pipeline_trigger='always'"),
         ({"max_gpu_fraction": 1.5}, "max_gpu_fraction=1.5"),
-        ({"max_gpu_fraction": "auto"}, "max_gpu_fraction='auto'"),
     ],
 )
 def test_argument_errors_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        HeterogeneousAdamW(make_model().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": "0.1"}, r"HeterogeneousAdamW\(lr='0.1'\): expected a float, got str"),
+        ({"betas": "0.9"}, r"HeterogeneousAdamW\(betas='0.9'\): expected a \(float, float\) tuple, got str"),
+        ({"betas": (0.9, True)}, r"betas=\(0.9, True\)\): expected a \(float, float\) tuple"),
+        ({"weight_decay": True}, r"weight_decay=True\): expected a float, got bool"),
+        ({"max_grad_norm": "1"}, r"max_grad_norm='1'\): expected a float or None, got str"),
+        ({"pipeline_trigger": 1}, r"pipeline_trigger=1\): expected a string, got int"),
+        ({"max_gpu_fraction": "auto"}, r"SuperOffloadOptions\(max_gpu_fraction='auto'\): expected a float or None"),
+        ({"bucket_size": 2.5}, r"bucket_size=2.5\): expected an int, got float"),
+        ({"skip_nonfinite": 0}, r"skip_nonfinite=0\): expected True or False, got int"),
+    ],
+)
+def test_wrong_types_are_type_errors_naming_the_argument(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         HeterogeneousAdamW(make_model().parameters(), **kwargs)
 
 
@@ -495,20 +513,21 @@ def test_options_are_frozen_and_validated():
     assert opts.gpu_fraction == 0.0 and isinstance(opts.gpu_fraction, float) and opts.max_gpu_fraction == 1.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.speculative = False  # type: ignore[misc]
-    for kwargs, match in [({"speculative": "no"}, r"speculative='no' must be True, False or 'auto'"),
-                          ({"speculative": 1}, r"speculative=1 must be True, False or 'auto'"),
-                          ({"skip_nonfinite": 1}, r"skip_nonfinite=1 must be True or False"),
-                          ({"host_memory_check": None}, r"host_memory_check=None must be True or False"),
-                          ({"gpu_fraction": "half"}, r"gpu_fraction='half' must be a float in \[0, 1\] or 'auto'"),
-                          ({"gpu_fraction": -0.1}, r"gpu_fraction=-0.1"),
-                          ({"max_gpu_fraction": 2.0}, r"max_gpu_fraction=2.0 must be a float in \[0, 1\] or None"),
-                          ({"cpu_threads": 0}, r"cpu_threads=0 must be an int >= 1 or None"),
-                          ({"cpu_threads": 2.0}, r"cpu_threads=2.0"),
-                          ({"bucket_size": 0}, r"bucket_size=0 must be a positive int")]:
-        with pytest.raises(ValueError, match=match):
+    for kwargs, error, match in [
+            ({"speculative": "no"}, ValueError, r"speculative='no' must be True, False or 'auto'"),
+            ({"speculative": 1}, TypeError, r"speculative=1\): expected True, False or a string, got int"),
+            ({"skip_nonfinite": 1}, TypeError, r"skip_nonfinite=1\): expected True or False, got int"),
+            ({"host_memory_check": None}, TypeError, r"host_memory_check=None\): expected True or False, got NoneType"),
+            ({"gpu_fraction": "half"}, ValueError, r"gpu_fraction='half' must be a float in \[0, 1\] or 'auto'"),
+            ({"gpu_fraction": -0.1}, ValueError, r"gpu_fraction=-0.1"),
+            ({"max_gpu_fraction": 2.0}, ValueError, r"max_gpu_fraction=2.0 must be a float in \[0, 1\] or None"),
+            ({"cpu_threads": 0}, ValueError, r"cpu_threads=0 must be an int >= 1 or None"),
+            ({"cpu_threads": 2.0}, TypeError, r"cpu_threads=2.0\): expected an int or None, got float"),
+            ({"bucket_size": 0}, ValueError, r"bucket_size=0 must be a positive int")]:
+        with pytest.raises(error, match=match):
             SuperOffloadOptions(**kwargs)
         # the optimizer's keyword arguments build the same dataclass, so they fail the same way
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(error, match=match):
             HeterogeneousAdamW([nn.Parameter(torch.zeros(2))], **kwargs)
 
 
@@ -532,11 +551,12 @@ def test_every_param_group_is_validated_like_adamw():
     a bad group would otherwise fail deep in the CPU worker's fused kernel (or silently diverge)."""
     model = make_model()
     params = list(model.parameters())
-    for key, value, match in [("betas", (2.0, 2.0), r"param_groups\[1\] betas=\(2.0, 2.0\) must be a pair of floats"),
-                              ("lr", -1.0, r"param_groups\[1\] lr=-1.0 must be a float >= 0"),
-                              ("eps", "tiny", r"param_groups\[1\] eps='tiny' must be a float >= 0"),
-                              ("weight_decay", -0.1, r"param_groups\[1\] weight_decay=-0.1 must be a float >= 0")]:
-        with pytest.raises(ValueError, match=match):
+    for key, value, error, match in [
+            ("betas", (2.0, 2.0), ValueError, r"param_groups\[1\] betas=\(2.0, 2.0\) must be a pair of floats"),
+            ("lr", -1.0, ValueError, r"param_groups\[1\] lr=-1.0 must be a float >= 0"),
+            ("eps", "tiny", TypeError, r"param_groups\[1\]\(eps='tiny'\): expected a float, got str"),
+            ("weight_decay", -0.1, ValueError, r"param_groups\[1\] weight_decay=-0.1 must be a float >= 0")]:
+        with pytest.raises(error, match=match):
             HeterogeneousAdamW([{"params": params[:1]}, {"params": params[1:], key: value}])
     # the constructor's own values are checked with the argument's name alone
     with pytest.raises(ValueError, match=r"^betas=\(2.0, 2.0\) must be"):

@@ -87,13 +87,14 @@ def test_without_cuda_one_warning_and_a_plain_block():
 
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(preferred="disk"), ValueError, r"preferred='disk' is not a location .* allowed: 'cpu' .* or 'gpu'"),
-    (dict(preferred=None), ValueError, "preferred=None"),
+    (dict(preferred=None), TypeError, r"preferred=None\): expected a string, got NoneType"),
+    (dict(preferred=1), TypeError, r"preferred=1\): expected a string, got int"),
     (dict(prefetch="always"), ValueError, r"prefetch='always' is not a prefetch policy; allowed: 'none' .* 'step'"),
     (dict(headroom_bytes=-1), ValueError, r"headroom_bytes=-1 must be >= 0 bytes"),
-    (dict(headroom_bytes=1.5), TypeError, r"headroom_bytes=1.5 must be an int"),
-    (dict(headroom_bytes=True), TypeError, r"headroom_bytes=True must be an int"),
-    (dict(accessed_by_gpu=1), TypeError, r"accessed_by_gpu=1 must be True or False"),
-    (dict(allow_oversubscription="yes"), TypeError, r"allow_oversubscription='yes' must be True or False"),
+    (dict(headroom_bytes=1.5), TypeError, r"headroom_bytes=1.5\): expected an int, got float"),
+    (dict(headroom_bytes=True), TypeError, r"headroom_bytes=True\): expected an int, got bool"),
+    (dict(accessed_by_gpu=1), TypeError, r"accessed_by_gpu=1\): expected True or False, got int"),
+    (dict(allow_oversubscription="yes"), TypeError, r"allow_oversubscription='yes'\): expected True or False"),
 ])
 def test_options_reject_bad_values_everywhere(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -104,6 +105,17 @@ def test_options_reject_bad_values_everywhere(kwargs, exc, match):
         with pytest.raises(exc, match=match):
             with managed_memory(**kwargs):
                 pass
+
+
+def test_callback_takes_options_or_keywords_not_both():
+    opts = ManagedMemoryOptions(preferred="gpu", prefetch="step", headroom_bytes=1 << 20)
+    assert ManagedOptimizerState(options=opts).options is opts
+    assert ManagedOptimizerState("gpu", prefetch="step", headroom_bytes=1 << 20).options == opts
+    assert ManagedOptimizerState(options=opts, preferred="cpu").options is opts  # a default: not counted as given
+    with pytest.raises(TypeError, match=r"ManagedOptimizerState got both options= and accessed_by_gpu=False"):
+        ManagedOptimizerState(options=opts, accessed_by_gpu=False)
+    with pytest.raises(TypeError, match=r"ManagedOptimizerState\(options=\.\.\.\) must be a ManagedMemoryOptions"):
+        ManagedOptimizerState(options={"preferred": "gpu"})
 
 
 @pytest.mark.parametrize("device, exc, match", [

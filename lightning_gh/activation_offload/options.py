@@ -16,6 +16,10 @@ Example::
     Traceback (most recent call last):
     ...
     ValueError: margin=-1 must be a number >= 0 (0.25: transfers planned 25% slower than measured).
+    >>> ActivationOffloadOptions(margin="0.5")
+    Traceback (most recent call last):
+    ...
+    TypeError: ActivationOffloadOptions(margin='0.5'): expected a float, got str.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any, Union
 
 from torch import nn
 
-from lightning_gh._options import resolve
+from lightning_gh._options import check_types, resolve
 from lightning_gh.activation_offload.budget import parse_budget
 from lightning_gh.activation_offload.recompute import RECOMPUTE_MODES
 
@@ -37,11 +41,6 @@ POLICIES = "'auto', 'all', or an int K >= 0 (offload the first K transformer blo
 BACKENDS = ("auto", "cuda", "host-copy")
 
 Blocks = Union[str, Sequence[nn.Module], None]
-
-
-def _int_at_least(name: str, value: Any, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name}={value!r} must be an int >= {lo}.")
 
 
 @dataclass(frozen=True)
@@ -143,30 +142,28 @@ class ActivationOffloadOptions:
     causal_sdpa: bool = True
 
     def __post_init__(self) -> None:
+        # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
+        check_types(self, skip=("blocks",), allowed={"policy": POLICIES,
+                                                     "lean_loss": "None (the budget planner decides), True or False"})
         policy = self.policy
-        if isinstance(policy, bool) or not (policy in ("auto", "all") or (isinstance(policy, int) and policy >= 0)):
+        if not (policy in ("auto", "all") or (isinstance(policy, int) and policy >= 0)):
             raise ValueError(f"policy={policy!r} is not valid; use {POLICIES}.")
         self._check_blocks()
         for name, lo in (("min_tensor_bytes", 0), ("skip_last_blocks", 0), ("prefetch_blocks", 1),
                          ("profile_steps", 1)):
-            _int_at_least(name, getattr(self, name), lo)
-        if self.max_inflight_blocks is not None:
-            try:
-                _int_at_least("max_inflight_blocks", self.max_inflight_blocks, 1)
-            except ValueError:
-                raise ValueError(f"max_inflight_blocks={self.max_inflight_blocks!r} must be an int >= 1 or None.") \
-                    from None
-        margin = self.margin
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
-            raise ValueError(f"margin={margin!r} must be a number >= 0 (0.25: transfers planned 25% slower than "
+            if getattr(self, name) < lo:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= {lo}.")
+        if self.max_inflight_blocks is not None and self.max_inflight_blocks < 1:
+            raise ValueError(f"max_inflight_blocks={self.max_inflight_blocks!r} must be an int >= 1 or None.")
+        if not self.margin >= 0:
+            raise ValueError(f"margin={self.margin!r} must be a number >= 0 (0.25: transfers planned 25% slower than "
                              "measured).")
-        frac = self.host_memory_fraction
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
-            raise ValueError(f"host_memory_fraction={frac!r} must be in (0, 1].")
+        if not 0 < self.host_memory_fraction <= 1:
+            raise ValueError(f"host_memory_fraction={self.host_memory_fraction!r} must be in (0, 1].")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not valid; use one of {BACKENDS}.")
         rc = self.recompute
-        if rc is not None and (not isinstance(rc, str) or rc not in RECOMPUTE_MODES):
+        if rc is not None and rc not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={rc!r} is not valid; use None (keep what the blocks save), 'norm-act' "
                              "(recompute the norm and gated-activation modules), 'selective' (recompute all but "
                              "matmul and attention outputs) or 'full' (keep only the block inputs).")
@@ -179,18 +176,10 @@ class ActivationOffloadOptions:
         bw = self.bandwidth_gbps
         if bw is not None:
             vals = bw if isinstance(bw, (tuple, list)) else (bw,)
-            if len(vals) not in (1, 2) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                                                    for v in vals):
+            if len(vals) not in (1, 2) or not all(v > 0 for v in vals):
                 raise ValueError(f"bandwidth_gbps={bw!r} must be a positive number or a (d2h, h2d) pair of them.")
             if isinstance(bw, list):
                 object.__setattr__(self, "bandwidth_gbps", tuple(bw))
-        if not isinstance(self.causal_sdpa, bool):
-            raise TypeError(f"causal_sdpa={self.causal_sdpa!r} must be True or False.")
-        if self.lean_loss is not None and not isinstance(self.lean_loss, bool):
-            raise TypeError(f"lean_loss={self.lean_loss!r} must be None (the budget planner decides), True or False.")
-        for name in ("record_timeline", "dedupe_casts", "recompute_param_casts"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool.")
 
     def _check_blocks(self) -> None:
         blocks = self.blocks

@@ -33,7 +33,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gh import compat
-from lightning_gh._options import resolve
+from lightning_gh._options import check_type, resolve
 from lightning_gh.kv.cache import OffloadedKVCache
 from lightning_gh.kv.options import KVOffloadOptions
 from lightning_gh.kv.spec import cache_kwarg, find_generator, vocab_size
@@ -192,14 +192,18 @@ class GenerationCallback(L.Callback):
         prefill_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
+        # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
+        for name, value, annotation in (("every_n_steps", every_n_steps, int), ("max_new_tokens", max_new_tokens, int),
+                                        ("cache", cache, str), ("prefill_chunk_size", prefill_chunk_size, int | None),
+                                        ("filename", filename, str | None)):
+            check_type("GenerationCallback", name, value, annotation)
+        if every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps!r} must be an int >= 1.")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
         if cache not in CACHES:
             raise ValueError(f"cache={cache!r} is not known; choose one of {list(CACHES)}.")
-        if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
-                                               or isinstance(prefill_chunk_size, bool) or prefill_chunk_size < 1):
+        if prefill_chunk_size is not None and prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size={prefill_chunk_size!r} must be None or an int >= 1 (prompt tokens "
                              "per prefill forward).")
         ids = _as_ids(prompts)
@@ -209,8 +213,6 @@ class GenerationCallback(L.Callback):
                                  f"list of strings; got {type(prompts).__name__}.")
             if tokenizer is None:
                 raise ValueError("prompts are strings, so a tokenizer is needed (tokenizer=None).")
-        if filename is not None and not isinstance(filename, str):
-            raise TypeError(f"filename={filename!r} must be a str or None; got {type(filename).__name__}.")
         if filename is not None and (not filename.strip() or not os.path.basename(filename)):
             raise ValueError(f"filename={filename!r} must name a file (e.g. 'generations.jsonl'), or be None to "
                              "write no file.")

@@ -9,12 +9,18 @@ Example::
     Traceback (most recent call last):
     ...
     ValueError: num_slots=1 must be an int >= 2: ...
+    >>> KVOffloadOptions(placement=1)
+    Traceback (most recent call last):
+    ...
+    TypeError: KVOffloadOptions(placement=1): expected a string, got int.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+from lightning_gh._options import check_types
 
 __all__ = ["BACKENDS", "PLACEMENTS", "KVOffloadOptions"]
 
@@ -67,18 +73,19 @@ class KVOffloadOptions:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
+        check_types(self)  # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
         r = self.resident_layers
         if not (r == "auto" or (_is_int(r) and r >= 0)):
             raise ValueError(f"resident_layers={r!r} must be 'auto' or an int >= 0 (layers kept on the GPU).")
-        if self.max_length is not None and not (_is_int(self.max_length) and self.max_length > 0):
+        if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"max_length={self.max_length!r} must be None or an int > 0 (prompt + new tokens).")
-        if self.gpu_budget_bytes is not None and not (_is_int(self.gpu_budget_bytes) and self.gpu_budget_bytes > 0):
+        if self.gpu_budget_bytes is not None and self.gpu_budget_bytes <= 0:
             raise ValueError(f"gpu_budget_bytes={self.gpu_budget_bytes!r} must be None or an int > 0 (bytes).")
         for name in ("gpu_memory_fraction", "host_memory_fraction"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+            if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name}={v!r} must be a number in (0, 1].")
-        if not (_is_int(self.num_slots) and self.num_slots >= 2):
+        if self.num_slots < 2:
             raise ValueError(f"num_slots={self.num_slots!r} must be an int >= 2: a layer's staging slot may be "
                              "refilled only after attention has read it, so the next layer needs a slot of its own.")
         if self.placement not in PLACEMENTS:

@@ -69,20 +69,25 @@ TRIAL_OPTIONS = ("trial", "trial_tokens")  # fp8-auto's own: how it measures the
 
 
 def check_auto_options(options: Mapping[str, Any], extra: tuple[str, ...] = ()) -> None:
-    """Raise ``ValueError`` naming any option fp8-auto does not take (``extra``: more names the caller allows)."""
+    """Raise ``TypeError`` naming any option fp8-auto does not take, as Python does for an unknown keyword
+    (``extra``: more names the caller allows)."""
     allowed = [*AUTO_OPTIONS, *extra]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ValueError(f"precision('fp8-auto') does not take option(s) {unknown}; allowed: {allowed} "
-                         "(backend options need a named recipe, e.g. precision('fp8-te-current', ...)).")
+        raise TypeError(f"precision('fp8-auto') does not take option(s) {unknown}; allowed: {allowed} "
+                        "(backend options need a named recipe, e.g. precision('fp8-te-current', ...)).")
 
 
 def check_trial_options(trial: Any = True, trial_tokens: Any = 8192) -> None:
-    """Raise ``ValueError`` naming a bad ``trial`` / ``trial_tokens`` value of fp8-auto."""
+    """Check fp8-auto's ``trial`` / ``trial_tokens``: ``TypeError`` for a wrong type, ``ValueError`` for
+    ``trial_tokens`` below 16 (see Note [Wrong type, wrong value] in :mod:`lightning_gh._options`)."""
     if not (isinstance(trial, bool) or callable(trial)):
-        raise ValueError(f"precision('fp8-auto', trial={trial!r}): expected True, False or a callable "
-                         "(module, candidates, device) -> {name: ms}.")
-    if isinstance(trial_tokens, bool) or not isinstance(trial_tokens, int) or trial_tokens < 16:
+        raise TypeError(f"precision('fp8-auto', trial={trial!r}): expected True, False or a callable "
+                        f"(module, candidates, device) -> {{name: ms}}, got {type(trial).__name__}.")
+    if isinstance(trial_tokens, bool) or not isinstance(trial_tokens, int):
+        raise TypeError(f"precision('fp8-auto', trial_tokens={trial_tokens!r}): expected an int >= 16, got "
+                        f"{type(trial_tokens).__name__}.")
+    if trial_tokens < 16:
         raise ValueError(f"precision('fp8-auto', trial_tokens={trial_tokens!r}): expected an int >= 16.")
 
 
@@ -195,7 +200,8 @@ class AutoFloat8Precision(Float8PrecisionBase):
             ``layer_filter``), passed to the chosen plugin.
 
     Raises:
-        ValueError: an option that is not a layer-filter option, or a bad value for one.
+        TypeError: an option that is not a layer-filter option, or a value of the wrong type.
+        ValueError: a bad value.
 
     After ``Trainer.fit`` has set up, ``trainer.precision_plugin`` is the chosen plugin (its ``name`` reads
     ``"fp8-auto (fp8-...)"``) and ``choice`` on this object says what was picked and why.

@@ -47,6 +47,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from torch import nn
 
+from lightning_gh._options import check_types
+
 __all__ = ["LayerFilter", "LayerDecision", "LayerPlan", "clean_name", "DEFAULT_MIN_DIM"]
 
 # The crossover (min(in_features, out_features)) below which an fp8 GEMM is not faster than bf16 (see rule 6 in the
@@ -129,9 +131,12 @@ def _as_patterns(value: Any, arg: str) -> tuple[str, ...]:
     try:
         patterns = tuple(value)
     except TypeError:
-        raise ValueError(f"LayerFilter({arg}={value!r}): expected a glob string or a sequence of them.") from None
+        raise TypeError(f"LayerFilter({arg}={value!r}): expected a glob string or a sequence of them, got "
+                        f"{type(value).__name__}.") from None
     for p in patterns:
-        if not isinstance(p, str) or not p:
+        if not isinstance(p, str):
+            raise TypeError(f"LayerFilter({arg}={value!r}): every pattern must be a string, got {p!r}.")
+        if not p:
             raise ValueError(f"LayerFilter({arg}={value!r}): every pattern must be a non-empty string, got {p!r}.")
     return patterns
 
@@ -162,15 +167,18 @@ class LayerFilter:
     def __post_init__(self) -> None:
         object.__setattr__(self, "include", _as_patterns(self.include, "include"))
         object.__setattr__(self, "exclude", _as_patterns(self.exclude, "exclude"))
-        for arg in ("skip_head", "skip_first"):
-            if not isinstance(getattr(self, arg), bool):
-                raise ValueError(f"LayerFilter({arg}={getattr(self, arg)!r}): expected True or False.")
-        if isinstance(self.min_dim, bool) or not isinstance(self.min_dim, int) or self.min_dim < 0:
+        check_types(self)  # TypeError before the range check; see Note [Wrong type, wrong value]
+        if self.min_dim < 0:
             raise ValueError(f"LayerFilter(min_dim={self.min_dim!r}): expected an int >= 0 (0 converts any size).")
 
     @classmethod
     def from_options(cls, value: LayerFilter | Mapping[str, Any] | None = None, **overrides: Any) -> LayerFilter:
-        """Build from a ``LayerFilter``, a dict of its fields, or ``None`` (the defaults), then apply overrides."""
+        """Build from a ``LayerFilter``, a dict of its fields, or ``None`` (the defaults), then apply overrides.
+
+        Raises:
+            TypeError: ``value`` of another type, an unknown field, or a field of the wrong type.
+            ValueError: a field with a bad value.
+        """
         if value is None:
             base: dict[str, Any] = {}
         elif isinstance(value, LayerFilter):
@@ -178,11 +186,12 @@ class LayerFilter:
         elif isinstance(value, Mapping):
             base = dict(value)
         else:
-            raise ValueError(f"layer_filter={value!r}: expected a LayerFilter, a dict of its fields, or None.")
+            raise TypeError(f"layer_filter={value!r}: expected a LayerFilter, a dict of its fields, or None, got "
+                            f"{type(value).__name__}.")
         base.update({k: v for k, v in overrides.items() if v is not None})
         unknown = sorted(set(base) - set(FIELDS))
         if unknown:
-            raise ValueError(f"layer_filter fields {unknown} are not known; allowed: {list(FIELDS)}.")
+            raise TypeError(f"layer_filter fields {unknown} are not known; allowed: {list(FIELDS)}.")
         return cls(**base)
 
     def plan(self, model: nn.Module, already_converted: Iterable[type] = ()) -> LayerPlan:

@@ -23,14 +23,13 @@ from typing import Any, Mapping
 
 import torch
 
+from lightning_gh._options import check_types
 from lightning_gh.precision.layer_filter import LayerFilter
 
 __all__ = ["Float8Options", "TEOptions"]
 
 
-def _bool(where: str, arg: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{where}({arg}={value!r}): expected True or False.")
+_COMPILE_BLOCKS = "'auto', True, False or a dict of torch.compile arguments"
 
 
 @dataclass(frozen=True)
@@ -78,23 +77,14 @@ class TEOptions:
     recipe_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for arg in ("master_weights", "fused_master_update", "compile_te_layers"):
-            _bool("TEOptions", arg, getattr(self, arg))
-        if self.weights_dtype is not None and not isinstance(self.weights_dtype, torch.dtype):
-            raise TypeError(f"TEOptions(weights_dtype={self.weights_dtype!r}): expected None, torch.float32 or "
-                            "torch.bfloat16.")
+        # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
+        check_types(self, allowed={"weights_dtype": "None, torch.float32 or torch.bfloat16",
+                                   "compile_blocks": _COMPILE_BLOCKS, "recipe_options": "a dict or None"})
         if self.weights_dtype not in (None, torch.float32, torch.bfloat16):
             raise ValueError(f"TEOptions(weights_dtype={self.weights_dtype!r}): expected None (keep the model's), "
                              "torch.float32 or torch.bfloat16.")
-        if isinstance(self.compile_blocks, str):
-            if self.compile_blocks != "auto":
-                raise ValueError(f"TEOptions(compile_blocks={self.compile_blocks!r}): expected 'auto', True, False "
-                                 "or a dict of torch.compile arguments.")
-        elif not isinstance(self.compile_blocks, (bool, Mapping)):
-            raise TypeError(f"TEOptions(compile_blocks={self.compile_blocks!r}): expected 'auto', True, False or a "
-                            "dict of torch.compile arguments.")
-        if self.recipe_options is not None and not isinstance(self.recipe_options, Mapping):
-            raise TypeError(f"TEOptions(recipe_options={self.recipe_options!r}): expected a dict or None.")
+        if isinstance(self.compile_blocks, str) and self.compile_blocks != "auto":
+            raise ValueError(f"TEOptions(compile_blocks={self.compile_blocks!r}): expected {_COMPILE_BLOCKS}.")
 
     def module_dtype(self) -> torch.dtype | None:
         """The dtype the plugin casts the module to (``None``: the model's own): ``weights_dtype`` as resolved."""
@@ -118,8 +108,8 @@ class Float8Options:
             takes them.
 
     Raises:
+        TypeError: a field of the wrong type (``recipe`` that is not a string, ``te`` that is not a ``TEOptions``).
         ValueError: a bad value, or ``te.compile_te_layers=True`` with the ``delayed`` recipe.
-        TypeError: ``te`` that is not a ``TEOptions``.
     """
 
     recipe: str
@@ -128,15 +118,13 @@ class Float8Options:
     te: TEOptions | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.recipe, str) or not self.recipe:
-            raise ValueError(f"Float8Options(recipe={self.recipe!r}): expected a recipe name (a non-empty string).")
-        if self.name is not None and not isinstance(self.name, str):
-            raise ValueError(f"Float8Options(name={self.name!r}): expected a string or None.")
         if not isinstance(self.layer_filter, LayerFilter):
-            raise ValueError(f"Float8Options(layer_filter={self.layer_filter!r}): expected a LayerFilter; build one "
-                             "from a dict or keyword arguments with Float8Options.build(...).")
-        if self.te is not None and not isinstance(self.te, TEOptions):
-            raise TypeError(f"Float8Options(te={self.te!r}): expected a TEOptions or None.")
+            raise TypeError(f"Float8Options(layer_filter={self.layer_filter!r}): expected a LayerFilter, got "
+                            f"{type(self.layer_filter).__name__}; build one from a dict or keyword arguments with "
+                            "Float8Options.build(...).")
+        check_types(self)  # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
+        if not self.recipe:
+            raise ValueError(f"Float8Options(recipe={self.recipe!r}): expected a recipe name (a non-empty string).")
         if self.te is not None and self.te.compile_te_layers and self.recipe == "delayed":
             raise ValueError("Float8Options(recipe='delayed', compile_te_layers=True): DelayedScaling cannot be "
                              "traced by torch.compile. Use recipe 'current' (fp8-te-current) to compile the TE layers, "
@@ -157,7 +145,8 @@ class Float8Options:
                 fields of ``layer_filter`` (``None`` keeps it).
 
         Raises:
-            ValueError: a filter field with a bad value, or an unknown field.
+            TypeError: an unknown filter field, or one of the wrong type.
+            ValueError: a filter field with a bad value.
         """
         return cls(recipe=recipe, name=name, layer_filter=LayerFilter.from_options(layer_filter, **filter_fields),
                    te=te)

@@ -15,6 +15,10 @@ Example::
     Traceback (most recent call last):
     ...
     ValueError: speculative='no' must be True, False or 'auto'.
+    >>> SuperOffloadOptions(cpu_threads="4")
+    Traceback (most recent call last):
+    ...
+    TypeError: SuperOffloadOptions(cpu_threads='4'): expected an int or None, got str.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_gh._options import resolve
+from lightning_gh._options import check_type, check_types, resolve
 
 __all__ = ["SuperOffloadOptions", "resolve_options", "validate_hyperparameters", "validate_knobs", "validate_options"]
 
@@ -83,6 +87,7 @@ class SuperOffloadOptions:
     rollback: str = "auto"
 
     def __post_init__(self) -> None:
+        check_types(self)  # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
         gf = self.gpu_fraction
         if not (gf == "auto" or (_is_number(gf) and 0.0 <= gf <= 1.0)):
             raise ValueError(f"gpu_fraction={gf!r} must be a float in [0, 1] or 'auto'.")
@@ -129,29 +134,37 @@ def resolve_options(options: SuperOffloadOptions | None, owner: str, **kwargs: A
     return resolve(SuperOffloadOptions, options, owner, **kwargs)
 
 
+# name -> (type, value check, what is allowed)
 _HYPERPARAMETERS = {
-    "lr": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
-    "betas": (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_number(b) and 0.0 <= b < 1.0
-                                                                              for b in v), "a pair of floats in [0, 1)"),
-    "eps": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
-    "weight_decay": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
+    "lr": (float, lambda v: v >= 0, "a float >= 0"),
+    "betas": (tuple[float, float], lambda v: len(v) == 2 and all(0.0 <= b < 1.0 for b in v),
+              "a pair of floats in [0, 1)"),
+    "eps": (float, lambda v: v >= 0, "a float >= 0"),
+    "weight_decay": (float, lambda v: v >= 0, "a float >= 0"),
+}
+_KNOBS = {
+    "max_grad_norm": (float | None, lambda v: v is None or v > 0, "a float > 0 or None"),
+    "max_grad_value": (float | None, lambda v: v is None or v > 0, "a float > 0 or None"),
+    "pipeline_trigger": (str, lambda v: v in ("backward", "closure"), "'backward' or 'closure'"),
 }
 
 
-def _check_hyperparameter(where: str, name: str, value: Any) -> None:
-    ok, allowed = _HYPERPARAMETERS[name]
+def _check_argument(table: dict[str, Any], where: str, name: str, value: Any) -> None:
+    annotation, ok, allowed = table[name]
+    check_type(where.strip() or "HeterogeneousAdamW", name, value, annotation)
     if not ok(value):
         raise ValueError(f"{where}{name}={value!r} must be {allowed}.")
 
 
 def validate_hyperparameters(where: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    """Check AdamW's hyper-parameters as ``torch.optim.AdamW`` does, naming where they come from.
+    """Check AdamW's hyper-parameters as ``torch.optim.AdamW`` does, naming where they come from: ``TypeError`` for
+    a value of the wrong type, ``ValueError`` for one out of range.
 
     Args:
         where: ``""`` for the constructor's arguments, or ``"param_groups[i] "`` for a param group.
     """
     for name, value in (("lr", lr), ("betas", betas), ("eps", eps), ("weight_decay", weight_decay)):
-        _check_hyperparameter(where, name, value)
+        _check_argument(_HYPERPARAMETERS, where, name, value)
 
 
 def validate_knobs(**knobs: Any) -> None:
@@ -165,26 +178,26 @@ def validate_knobs(**knobs: Any) -> None:
         Traceback (most recent call last):
         ...
         ValueError: max_grad_norm=0 must be a float > 0 or None.
+        >>> validate_knobs(pipeline_trigger=1)
+        Traceback (most recent call last):
+        ...
+        TypeError: HeterogeneousAdamW(pipeline_trigger=1): expected a string, got int.
     """
-    for name in ("max_grad_norm", "max_grad_value"):
-        value = knobs.pop(name, None)
-        if value is not None and not (_is_number(value) and value > 0):
-            raise ValueError(f"{name}={value!r} must be a float > 0 or None.")
-    if "pipeline_trigger" in knobs:
-        trigger = knobs.pop("pipeline_trigger")
-        if trigger not in ("backward", "closure"):
-            raise ValueError(f"pipeline_trigger={trigger!r} must be 'backward' or 'closure'.")
-    if knobs:
-        raise TypeError(f"unknown knob(s) {sorted(knobs)}; the knobs are max_grad_norm, max_grad_value and "
+    unknown = sorted(set(knobs) - set(_KNOBS))
+    if unknown:
+        raise TypeError(f"unknown knob(s) {unknown}; the knobs are max_grad_norm, max_grad_value and "
                         f"pipeline_trigger.")
+    for name, value in knobs.items():
+        _check_argument(_KNOBS, "", name, value)
 
 
 def validate_options(**kwargs: Any) -> None:
     """Check :class:`HeterogeneousAdamW`'s arguments as its constructor does, without building it: the AdamW
     hyper-parameters, the knobs (:func:`validate_knobs`) and the :class:`SuperOffloadOptions` fields. Raises
-    ``ValueError`` naming the argument, the value and what is allowed."""
+    ``TypeError`` for a value of the wrong type and ``ValueError`` for one out of range, naming the argument, the
+    value and what is allowed."""
     for name in [k for k in kwargs if k in _HYPERPARAMETERS]:
-        _check_hyperparameter("", name, kwargs.pop(name))
+        _check_argument(_HYPERPARAMETERS, "", name, kwargs.pop(name))
     validate_knobs(**{k: kwargs.pop(k) for k in ("max_grad_norm", "max_grad_value", "pipeline_trigger")
                       if k in kwargs})
     SuperOffloadOptions(**kwargs)

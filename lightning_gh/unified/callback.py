@@ -41,6 +41,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_gh import _lightning, compat
+from lightning_gh._options import resolve
 from lightning_gh._util import fmt_bytes
 from lightning_gh.unified.guard import ManagedMemoryUnavailable
 from lightning_gh.unified.options import DEFAULT_HEADROOM_BYTES, ManagedMemoryOptions
@@ -83,8 +84,11 @@ class ManagedOptimizerState(L.Callback):
         allow_oversubscription: let managed memory exceed the GPU's free memory; only on GPUs coherent with host
             memory (Grace Hopper), an error elsewhere.
         headroom_bytes: GPU memory the safety guard keeps free beyond the managed bytes.
+        options: a ready :class:`~lightning_gh.unified.options.ManagedMemoryOptions` instead of the keyword
+            arguments (never both: see :func:`lightning_gh._options.resolve`).
 
     Attributes:
+        options: the :class:`~lightning_gh.unified.options.ManagedMemoryOptions` in use.
         reports: one :class:`~lightning_gh.unified.state.PlacementReport` per optimizer after ``on_train_start``.
 
     Example::
@@ -97,11 +101,12 @@ class ManagedOptimizerState(L.Callback):
     lgh_part = "ManagedOptimizerState"
 
     def __init__(self, preferred: str = "cpu", *, prefetch: str = "none", accessed_by_gpu: bool = True,
-                 allow_oversubscription: bool = False, headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> None:
+                 allow_oversubscription: bool = False, headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+                 options: ManagedMemoryOptions | None = None) -> None:
         super().__init__()
-        self.options = ManagedMemoryOptions(preferred=preferred, prefetch=prefetch, accessed_by_gpu=accessed_by_gpu,
-                                            allow_oversubscription=allow_oversubscription,
-                                            headroom_bytes=headroom_bytes)
+        self.options = resolve(ManagedMemoryOptions, options, "ManagedOptimizerState", preferred=preferred,
+                               prefetch=prefetch, accessed_by_gpu=accessed_by_gpu,
+                               allow_oversubscription=allow_oversubscription, headroom_bytes=headroom_bytes)
         self.enabled = False
         self._placements: dict[int, OptimizerStatePlacement] = {}
         self.reports: list[PlacementReport] = []

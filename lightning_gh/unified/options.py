@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from lightning_gh._options import check_types
+
 __all__ = ["DEFAULT_HEADROOM_BYTES", "PREFERRED", "PREFETCH", "ManagedMemoryOptions"]
 
 #: Where the pages of a pool should live.
@@ -33,19 +35,6 @@ _PREFERRED_HELP = ("'cpu' (pages live in host memory, the GPU reads them in plac
                    "memory, the driver may move them to the host)")
 _PREFETCH_HELP = ("'none' (the GPU reads the state where it lives) or 'step' (move the state to the GPU just "
                   "before each optimizer step and back to its preferred location after it)")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    # bool(0), "yes" and None would all be accepted silently by an `if`; a flag must be a real bool.
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be True or False (got {type(value).__name__}).")
-
-
-def _check_bytes(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int number of bytes (got {type(value).__name__}).")
-    if value < 0:
-        raise ValueError(f"{name}={value!r} must be >= 0 bytes.")
 
 
 @dataclass(frozen=True)
@@ -83,14 +72,15 @@ class ManagedMemoryOptions:
     prefetch: str = "none"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.preferred, str) or self.preferred not in PREFERRED:
+        # bool(0), "yes" and None would all pass an `if`: a flag must be a real bool, a size a real int.
+        check_types(self)  # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
+        if self.preferred not in PREFERRED:
             raise ValueError(f"preferred={self.preferred!r} is not a location for managed memory; allowed: "
                              f"{_PREFERRED_HELP}.")
-        if not isinstance(self.prefetch, str) or self.prefetch not in PREFETCH:
+        if self.prefetch not in PREFETCH:
             raise ValueError(f"prefetch={self.prefetch!r} is not a prefetch policy; allowed: {_PREFETCH_HELP}.")
-        _check_bool("accessed_by_gpu", self.accessed_by_gpu)
-        _check_bool("allow_oversubscription", self.allow_oversubscription)
-        _check_bytes("headroom_bytes", self.headroom_bytes)
+        if self.headroom_bytes < 0:
+            raise ValueError(f"headroom_bytes={self.headroom_bytes!r} must be >= 0 bytes.")
 
     @property
     def location(self) -> str:

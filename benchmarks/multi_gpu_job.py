@@ -1,5 +1,4 @@
-"""The one-GPU job on N GPUs of one host: a Hugging Face decoder trained data-parallel, each variant a Lightning
-multi-process job of its own, the anchors in the same run.
+"""The one-GPU job on N GPUs of one host, each variant a Lightning multi-process job, the anchors in the same run.
 
 A plain ``LightningModule`` builds ``transformers.LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (random init, SDPA
 attention, HF gradient checkpointing) in ``configure_model``: on the meta device, then ``fully_shard`` per decoder

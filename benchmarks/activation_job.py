@@ -4,8 +4,10 @@ The model users bring: a ``transformers`` decoder (``LlamaForCausalLM``, ``Qwen2
 ``MistralForCausalLM``), random init, SDPA attention, hidden 2048, 8 layers, FFN 5632, 16 heads with 4 KV heads (the
 offload suite's budget table's shape, :data:`suites.offload.HF_CFG`), vocab 32000, 4 x 2048 tokens, in a plain
 ``LightningModule`` whose ``training_step`` computes its own loss from the logits (no ``labels=``), with
-``torch.optim.AdamW(fused=True)`` and ``Trainer(precision="bf16-mixed")``. Per family, in one process, one variant
-after the other, each on a fresh model (same seed, same batches):
+``torch.optim.AdamW(fused=True)`` and ``Trainer(precision="bf16-mixed")``. Each family runs in a fresh process of its
+own (``--in-process``: all in this one), its variants one after the other in that process, each on a fresh model (same
+seed, same batches), with a full garbage collection and ``torch.cuda.empty_cache()`` between them (a row records what
+stayed allocated after its cleanup, ``leftover_mib``, and the run warns where that looks like a leak):
 
 ================  ==================================================================================================
 variant           what runs
@@ -36,7 +38,10 @@ Usage (on the GPU machine)::
     python benchmarks/activation_job.py --family qwen2 --variants plain auto --iters 30
     python benchmarks/activation_job.py --device cpu --smoke              # every code path on a tiny model, CPU
 
-Without a CUDA GPU (and without ``--device cpu --smoke``) it says so and exits with status 0.
+Output in ``--out`` (default ``$OUT``, else ``bench_out/``): ``activation_job.jsonl``, one JSON object a line, written as
+each row ends (``"kind"``: ``"run"`` for the run and for each family's process, with the machine and the measured link,
+``"row"`` per variant, ``"goals"`` per family), and ``activation_job.md``, the table printed at the end. Without a CUDA
+GPU (and without ``--device cpu --smoke``) it says so and exits with status 0.
 """
 
 from __future__ import annotations
@@ -479,25 +484,64 @@ def family_rows(family: str, args: argparse.Namespace, device: torch.device, out
     return rows
 
 
+def family_process(family: str, args: argparse.Namespace, out_dir: Path) -> tuple[dict[str, Any] | None,
+                                                                                  list[dict[str, Any]]]:
+    """``family``'s run line and rows from a fresh Python process running this script for it alone (its output goes
+    through)."""
+    import subprocess
+
+    name = f"activation_job.{family}.jsonl"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--family", family, "--variants", *args.variants,
+           "--warmup", str(args.warmup), "--iters", str(args.iters), "--max-warmup", str(args.max_warmup),
+           "--kv-heads", str(args.kv_heads), "--seed", str(args.seed), "--device", args.device,
+           "--out", str(out_dir), "--child", name, *(["--smoke"] if args.smoke else [])]
+    why = None
+    try:
+        rc = subprocess.run(cmd, timeout=args.timeout).returncode
+        why = f"the process of {family} exited with code {rc}" if rc else None
+    except subprocess.TimeoutExpired:
+        why = f"the process of {family} ran past --timeout={args.timeout:g} s"
+    path = out_dir / name
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    path.unlink(missing_ok=True)  # folded into activation_job.jsonl
+    rows = [x for x in lines if x.get("kind") == "row"]
+    if why is not None:
+        done = {r["variant"] for r in rows}
+        chosen = ["plain"] + [v for v in VARIANTS if v in args.variants and v != "plain"]
+        rows += [{"kind": "row", "family": family, "variant": v, "device": args.device, "error": why, "wall_s": 0.0}
+                 for v in chosen if v not in done]
+    add_comparisons(rows)
+    head = next((dict(x, family=family) for x in lines if x.get("kind") == "run"), None)
+    return head, rows
+
+
 @contextlib.contextmanager
 def variant_process(one_thread: bool = False) -> Iterator[None]:
     """The process state the variants run in, restored after.
 
     What is alive on entry (the imported modules) is frozen out of the garbage collector, so the full collection
     between variants scans only what the variants made and stays short. ``one_thread``: torch on one CPU thread (a
-    tiny model gains nothing from threads, and they contend on a busy machine). Lightning's note that the in-memory
-    batches have no loader workers is silenced.
+    tiny model gains nothing from threads, and they contend on a busy machine). Lightning's notes at each fit (the
+    accelerator, the loader's workers, tips) are silenced: the rows say what ran.
     """
+    import logging
+
     gc.collect()
     gc.freeze()
     threads = torch.get_num_threads()
     if one_thread:
         torch.set_num_threads(1)
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
     try:
+        for lg in loggers:
+            lg.setLevel(logging.WARNING)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*does not have many workers.*")
             yield
     finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
         gc.unfreeze()
         torch.set_num_threads(threads)
 
@@ -519,7 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help=f"a tiny model ({SMOKE_CFG['num_hidden_layers']} layers, hidden {SMOKE_CFG['hidden_size']}, "
                          f"seq {HF_SEQ_CPU}) for 1 + 1 steps: proves the code paths, measures nothing")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every family in this process (default: a fresh process per family when there are several)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per family's process")
     ap.add_argument("--out", default=None, help="folder for activation_job.jsonl and .md (default: $OUT or bench_out)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a family's process: its JSON lines file
     args = ap.parse_args(argv)
     if args.iters <= 0 or args.warmup < 0:
         ap.error(f"--iters={args.iters} must be > 0 and --warmup={args.warmup} >= 0")
@@ -535,10 +583,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True  # as benchmarks/run.py sets it
         torch.backends.cudnn.allow_tf32 = True
     out_dir = Path(args.out or os.environ.get("OUT") or "bench_out")
-    out = JsonLines(out_dir / "activation_job.jsonl")
+    out = JsonLines(out_dir / (args.child or "activation_job.jsonl"))
     command = "python benchmarks/activation_job.py " + " ".join(sys.argv[1:] if argv is None else argv)
     head: dict[str, Any] = {"kind": "run", "command": command, **machine_info(), "args": vars(args)}
-    if device.type == "cuda":
+    isolate = len(args.family) > 1 and not (args.in_process or args.child)
+    if device.type == "cuda" and not isolate:  # each family's process measures it (this one leaves CUDA alone)
         from lightning_gh import hardware
 
         link = hardware.link_bandwidth()
@@ -547,26 +596,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[activation_job] link: {link.d2h_gbps:.1f} GB/s device->host, {link.h2d_gbps:.1f} GB/s "
                   "host->device (pinned)", flush=True)
     out.write(head)
-    rows: list[dict[str, Any]] = []
-    summary: list[str] = []
-    import transformers
-
-    for family in args.family:  # import the model code now (transformers imports it lazily, on first use) ...
-        getattr(transformers, FAMILIES[family][1])
-    # ... so that it is frozen with the rest of what is alive now (see variant_process).
-    with variant_process(one_thread=args.smoke):
+    by_family: dict[str, list[dict[str, Any]]] = {}
+    if isolate:
         for family in args.family:
-            fam = family_rows(family, args, device, out)
-            rows += fam
-            summary.append(goal_line(family, fam))
-            out.write({"kind": "goals", "family": family,
-                       **{k: {"met": m, "why": w} for k, (m, w) in goals(fam).items()},
-                       "rows": [{k: r.get(k) for k in ("variant", "x_plain", "act_less", "loss_max_abs_diff")}
-                                for r in fam]})
-    report = table(rows)
+            family_head, by_family[family] = family_process(family, args, out_dir)
+            for r in ([family_head] if family_head else []) + by_family[family]:
+                out.write(r)
+    else:
+        import transformers
+
+        for family in args.family:  # import the model code now (transformers imports it lazily, on first use) ...
+            getattr(transformers, FAMILIES[family][1])
+        with variant_process(one_thread=args.smoke):  # ... so that it is frozen with the rest (see variant_process)
+            for family in args.family:
+                by_family[family] = family_rows(family, args, device, out)
+    summary = [goal_line(family, fam) for family, fam in by_family.items()]
+    for family, fam in by_family.items():
+        out.write({"kind": "goals", "family": family, **{k: {"met": m, "why": w} for k, (m, w) in goals(fam).items()},
+                   "rows": [{k: r.get(k) for k in ("variant", "x_plain", "act_less", "loss_max_abs_diff")}
+                            for r in fam]})
+    if args.child:  # the parent reports
+        return 0
+    rows = [r for fam in by_family.values() for r in fam]
     plans = [f"[activation_job] {r['family']}/{r['variant']} plan: " + str(r["plan"]).replace("\n", "\n    ")
              for r in rows if r.get("plan")]
-    text = "\n".join([report, "", *plans, *([""] if plans else []), *summary])
+    text = "\n".join([table(rows), "", *plans, *([""] if plans else []), *summary])
     print("\n" + text, flush=True)
     (out_dir / "activation_job.md").write_text(f"`{command}`\n\n{text}\n")
     return 0

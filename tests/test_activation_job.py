@@ -190,3 +190,26 @@ def test_the_probe_waits_for_the_plan_to_outlive_its_check():
         cb.plan = plan
         seen.append(probe._settled())
     assert seen == [False, False, False, False, False, False, True]
+
+
+def test_a_family_process_that_dies_leaves_its_rows_and_an_error_row_per_missing_variant(tmp_path, monkeypatch):
+    import argparse
+    import subprocess
+
+    def died_after_plain(cmd, timeout):
+        name = cmd[cmd.index("--child") + 1]
+        plain = {"kind": "row", "family": "qwen2", "variant": "plain", "step_ms": 100.0, "act_bytes": GIB,
+                 "losses": [1.0], "error": None}
+        (tmp_path / name).write_text(json.dumps({"kind": "run"}) + "\n" + json.dumps(plain) + "\n")
+        return subprocess.CompletedProcess(cmd, -9)
+
+    monkeypatch.setattr(subprocess, "run", died_after_plain)
+    args = argparse.Namespace(variants=["plain", "sac", "auto"], warmup=5, iters=15, max_warmup=40, kv_heads=4, seed=0,
+                              device="cuda", smoke=False, timeout=60.0)
+    head, rows = job.family_process("qwen2", args, tmp_path)
+    assert head == {"kind": "run", "family": "qwen2"}
+    assert [(r["variant"], r["error"]) for r in rows] == [
+        ("plain", None), ("sac", "the process of qwen2 exited with code -9"),
+        ("auto", "the process of qwen2 exited with code -9")]
+    assert rows[0]["x_plain"] == 1.0
+    assert list(tmp_path.iterdir()) == []  # the family's file is folded into the parent's

@@ -142,22 +142,22 @@ def _child(fn, rank: int, world: int, port: int, tmp: str, args: tuple) -> None:
     os._exit(0)
 
 
-def run_ranks(fn, world: int, tmp: str, *args) -> None:
-    """Run ``fn(rank, world, tmp, *args)`` in ``world`` forked processes; fail on an error or after TIMEOUT_S."""
+def run_ranks(fn, world: int, tmp: str, *args, timeout: float = TIMEOUT_S) -> None:
+    """Run ``fn(rank, world, tmp, *args)`` in ``world`` forked processes; fail on an error or after ``timeout``."""
     ctx = mp.get_context("fork")
     port = _free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world, port, tmp, args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(TIMEOUT_S)
+        p.join(timeout)
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
         p.join()
     errors = [open(f"{tmp}/error-{r}.txt").read() for r in range(world) if os.path.exists(f"{tmp}/error-{r}.txt")]
     assert not errors, "\n".join(errors)
-    assert not alive, f"{fn.__name__}: {len(alive)} process(es) still running after {TIMEOUT_S} s, killed"
+    assert not alive, f"{fn.__name__}: {len(alive)} process(es) still running after {timeout} s, killed"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
@@ -508,6 +508,36 @@ def test_unsharded_model_errors_and_bf16_masters(tmp_path):
     assert len(msgs) == 2
     assert "no module of Sequential is fully_shard-ed" in msgs[0] and "configure_model()" in msgs[0]
     assert "is not sharded by fully_shard" in msgs[1] and "root module last" in msgs[1]
+
+
+def _host_room_fails_on_rank_1(rank: int, world: int, tmp: str) -> None:
+    from lightning_gh._host import HostMemoryError
+    from lightning_gh.superoffload import fsdp_optimizer
+
+    _init(rank, world)
+    if rank == 1:
+        def no_room(*args, **kwargs):
+            raise HostMemoryError("no host room on rank 1 (test)")
+
+        fsdp_optimizer.check_host_room = no_room  # a forked process: the parent's module is untouched
+    try:
+        _opt(shard(make_model()))
+        outcome = "built"
+    except HostMemoryError as e:
+        outcome = f"HostMemoryError: {e}"
+    with open(f"{tmp}/host-{rank}.txt", "w") as f:
+        f.write(outcome)
+    dist.destroy_process_group()
+
+
+def test_host_memory_check_fails_on_every_rank_together(tmp_path):
+    """One rank without host room: every rank raises HostMemoryError before any rank pins its buffers (no rank
+    goes on to wait for the others in a collective)."""
+    run_ranks(_host_room_fails_on_rank_1, WORLD, str(tmp_path), timeout=90)
+    rank0, rank1 = ((tmp_path / f"host-{r}.txt").read_text() for r in range(WORLD))
+    assert rank1 == "HostMemoryError: no host room on rank 1 (test)"
+    assert rank0.startswith("HostMemoryError: ShardedHostAdamW: 1 other rank(s) of this job lack host memory")
+    assert "see their HostMemoryError" in rank0
 
 
 @pytest.mark.parametrize(("numels", "rank", "expected"), [

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gh._host import check_host_room
+from lightning_gh._host import PLAN, HostMemoryError, check_host_room
 from lightning_gh.superoffload import cpu_adamw
 from lightning_gh.superoffload.fsdp_units import (
     HostUnit,
@@ -193,11 +193,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"ShardedHostAdamW: parameters {missing} of the optimizer are not in the module passed as "
                              "module= (pass the model whose configure_model() sharded them).")
-        if self.options.host_memory_check:
-            check_host_room(host_bytes, what="ShardedHostAdamW (fp32 master, moments and gradient rows of this "
-                            "rank's shards)", headroom=0.9 / max(1, min(local_world_size(), self.world)),
-                            tips=["run more ranks (each holds 1/N of the state)", "fewer ranks per host"],
-                            opt_out="host_memory_check=False", part=PLAN_PART, owner=self)
+        self._check_host(host_bytes)
         self._units: list[HostUnit] = []
         for ui, (unit_module, shards) in enumerate(pending):
             unit = HostUnit(ui, unit_module, shards, pin=torch.cuda.is_available())
@@ -214,6 +210,32 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             self.cuda, min(local_world_size(), self.world))
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self._masters_stale = True  # re-derived from the weights at the first step (a model loaded since)
+
+    def _check_host(self, host_bytes: int) -> None:
+        """Every rank checks its host room before any rank pins its buffers, and the ranks fail together: a rank
+        that checked after another had pinned would see that memory as gone, and a rank that raised alone would
+        leave the others waiting in their next collective."""
+        err: HostMemoryError | None = None
+        if self.options.host_memory_check:
+            try:
+                check_host_room(host_bytes, what="ShardedHostAdamW (fp32 master, moments and gradient rows of "
+                                "this rank's shards)", headroom=0.9 / max(1, min(local_world_size(), self.world)),
+                                tips=["run more ranks (each holds 1/N of the state)", "fewer ranks per host"],
+                                opt_out="host_memory_check=False", part=PLAN_PART, owner=self)
+            except HostMemoryError as e:
+                err = e
+        if self.world > 1:
+            failed = torch.tensor([0.0 if err is None else 1.0], device=self.device)
+            dist.all_reduce(failed, group=self._pg)
+            if err is None and failed.item():
+                if self.options.host_memory_check:
+                    PLAN.release(PLAN_PART)  # this rank's claim: nothing gets pinned
+                raise HostMemoryError(
+                    f"ShardedHostAdamW: {int(failed.item())} other rank(s) of this job lack host memory for their "
+                    "shards (see their HostMemoryError); no rank pinned its buffers. Run more ranks (each holds 1/N "
+                    "of the state), fewer ranks per host, or pass host_memory_check=False.")
+        if err is not None:
+            raise err
 
     def _hook(self, unit: HostUnit) -> None:
         ref = weakref.ref(self)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 
 import lightning as L
 import pytest
@@ -339,7 +340,10 @@ class _RequireRecompute(L.Callback):
 
 
 def test_callback_under_ddp_matches_plain_ddp():
-    kw = dict(devices=2, strategy="ddp_spawn", steps=2)
+    # ddp_fork, as in test_activation_offload.py; the pickle round trip stands for what ddp_spawn does.
+    callbacks = [ActivationOffload(policy=1, recompute="selective", **CPU), _RequireRecompute()]
+    callbacks = pickle.loads(pickle.dumps(callbacks))
+    kw = dict(devices=2, strategy="ddp_fork", steps=2)
     plain, _ = _fit([], **kw)
-    model, _ = _fit([ActivationOffload(policy=1, recompute="selective", **CPU), _RequireRecompute()], **kw)
+    model, _ = _fit(callbacks, **kw)
     assert _equal(list(model.parameters()), list(plain.parameters()))

@@ -119,6 +119,40 @@ def reference(steps: int = STEPS) -> dict:
         torch.set_num_threads(threads)
 
 
+def reference_accumulated(steps: int) -> dict:
+    """The reference with two micro-batches a step (batches ``2 s`` and ``2 s + 1``), each loss divided by 2 as
+    Lightning's ``accumulate_grad_batches=2`` divides it; each micro-batch's gradient averaged over the ranks as the
+    reduce-scatter forms it, then summed as FSDP2 sums it into the sharded gradient."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model()
+        opt = torch.optim.AdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), fused=True)
+        sched = schedule(opt)
+        params = list(model.parameters())
+        losses = {}
+        for step in range(steps):
+            acc = None
+            for batch in (2 * step, 2 * step + 1):
+                gs = []
+                for r in range(WORLD):
+                    loss = local_loss(model, batch, r)
+                    losses.setdefault(batch, []).append(loss.item())
+                    gs.append(torch.autograd.grad(loss / 2, params))
+                reduced = [(g0 + g1) / WORLD for g0, g1 in zip(*gs)]
+                acc = reduced if acc is None else [a + g for a, g in zip(acc, reduced)]
+            for p, g in zip(params, acc):
+                p.grad = g
+            total = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+            if torch.isfinite(total):
+                opt.step()
+            opt.zero_grad()
+            sched.step()
+        return {"params": [p.detach().clone() for p in params], "losses": losses}
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # processes with a timeout
 
@@ -235,10 +269,12 @@ def _module_run(rank: int, world: int, tmp: str) -> None:
     opt = _opt(model, SpyAdamW)
     sched = schedule(opt)
     losses = []
+    released = []  # after backward, before step(): no parameter holds a gradient (all moved to the host)
     for step in range(STEPS):
         loss = local_loss(model, step, rank)
         losses.append(loss.item())
         loss.backward()
+        released.append(all(p.grad is None for p in model.parameters()))
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -247,7 +283,7 @@ def _module_run(rank: int, world: int, tmp: str) -> None:
     opt.synchronize()  # the last step's update is in the weights (the next forward would wait for it)
     out = {"params": _full(model), "state": _full_state(opt), "stats": dict(opt.stats), "losses": losses,
            "sharded_at_wait": list(SpyAdamW.test_sharded_at_wait), "control": control,
-           "host_numel": sum(u.numel for u in opt._units)}
+           "host_numel": sum(u.numel for u in opt._units), "released": released}
     opt.close()
 
     # resume on the same 2 ranks from the step-MID checkpoint
@@ -319,6 +355,14 @@ def test_two_ranks_equal_one_process_adamw_bitwise(module_runs):
         assert st["steps"] == STEPS and st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
     total = sum(p.numel() for p in ref["params"])
     assert sum(out["host_numel"] for out in module_runs["ranks"]) == total  # each rank holds its rows only
+
+
+def test_gradients_leave_the_device_during_backward(module_runs):
+    """Note [ZeRO-3 step and the forward's wait]: every unit's gradients were taken at its post-reduce point during
+    backward (3 units a step) and released from param.grad before step(), with the results still bitwise (above)."""
+    for out in module_runs["ranks"]:
+        assert out["released"] == [True] * STEPS
+        assert out["stats"]["streamed_units"] == 3 * STEPS
 
 
 def test_forward_waits_before_fsdp_all_gather(module_runs):
@@ -421,6 +465,112 @@ def test_trainer_checkpoint_of_two_ranks_resumes_on_two_and_on_one(trainer_runs)
     for s, pair in one["losses"].items():
         assert pair == [full[0]["losses"][s][0], full[1]["losses"][s][0]]
     assert all(torch.equal(p, q) for p, q in zip(one["params"], full[0]["params"]))
+
+
+ACCUM_STEPS = 5  # optimizer steps of two micro-batches; batch INF_STEP is the second of step 3 (skipped)
+
+
+class AccumulatingLM(ShardedLM):
+    """Each micro-batch's data from its batch index; records whether param.grad was released after each backward."""
+
+    def training_step(self, batch, batch_idx):
+        loss = local_loss(self.model, int(batch), self.global_rank)
+        self.losses[int(batch)] = [loss.item()]
+        return loss
+
+    def on_after_backward(self):
+        self.released = [*getattr(self, "released", []), all(p.grad is None for p in self.model.parameters())]
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(list(range(2 * ACCUM_STEPS)), batch_size=None)
+
+    def on_fit_end(self):
+        super().on_fit_end()
+        torch.save(self.released, f"{self.out}/released-rank{self.global_rank}.pt")
+
+
+def _fit_accumulated(rank: int, world: int, tmp: str) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=SuperOffloadFSDPStrategy(cpu_threads=1),
+                        max_steps=ACCUM_STEPS, accumulate_grad_batches=2, logger=False, gradient_clip_val=MAX_NORM,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        enable_checkpointing=False, default_root_dir=tmp)
+    trainer.fit(AccumulatingLM(tmp, "accumulated"))
+
+
+def test_trainer_accumulate_grad_batches_equals_reference_bitwise(tmp_path):
+    """accumulate_grad_batches=2: the first micro-batch's gradients stay in param.grad (FSDP2 sums the second's
+    into them), the second's backward moves the sums to the host; parameters bitwise equal to the reference."""
+    run_ranks(_fit_accumulated, WORLD, str(tmp_path))
+    ref = reference_accumulated(ACCUM_STEPS)
+    for rank in range(WORLD):
+        out = torch.load(tmp_path / f"accumulated-rank{rank}.pt")
+        assert {b: v[0] for b, v in out["losses"].items()} == {b: v[rank] for b, v in ref["losses"].items()}
+        for p, q in zip(out["params"], ref["params"]):
+            assert torch.equal(p, q), f"rank {rank}: parameters differ"
+        st = out["stats"]
+        assert st["steps"] == ACCUM_STEPS and st["skipped_steps"] == 1 and st["clipped_steps"] > 0, st
+        assert st["streamed_units"] == 3 * ACCUM_STEPS, st
+        assert torch.load(tmp_path / f"released-rank{rank}.pt") == [False, True] * ACCUM_STEPS
+
+
+def _streaming_switches(rank: int, world: int, tmp: str) -> None:
+    _init(rank, world)
+    model = shard(make_model())
+    opt = _opt(model)
+    out = {}
+    local_loss(model, 0, 0).backward()
+    out["plain"] = [p.grad is None for p in model.parameters()]
+    opt.step()
+    opt.zero_grad()
+    with opt.accumulating():
+        local_loss(model, 1, 0).backward()
+    out["accumulating"] = [p.grad is not None for p in model.parameters()]
+    local_loss(model, 2, 0).backward()
+    out["completing"] = [p.grad is None for p in model.parameters()]
+    opt.step()
+    opt.zero_grad()
+    opt.set_gradient_streaming(False)
+    local_loss(model, 3, 0).backward()
+    out["off"] = [p.grad is not None for p in model.parameters()]
+    opt.step()
+    opt.zero_grad()
+    opt.set_gradient_streaming(True)
+    local_loss(model, 4, 0).backward()
+    # clipping turned on between backward and step(): the norms come from the host rows
+    late = shard(make_model())
+    opt_late = ShardedHostAdamW(groups(late), lr=1e-2, betas=(0.9, 0.95), module=late, max_grad_norm=None,
+                                skip_nonfinite=False, cpu_threads=1)
+    local_loss(late, 0, 0).backward()
+    opt_late.set_max_grad_norm(MAX_NORM)
+    opt_late.step()
+    opt_late.synchronize()
+    clipped = shard(make_model())
+    opt_clipped = _opt(clipped)
+    local_loss(clipped, 0, 0).backward()
+    opt_clipped.step()
+    opt_clipped.synchronize()
+    out["late"] = [torch.equal(p.to_local(), q.to_local()) for p, q in zip(late.parameters(), clipped.parameters())]
+    out["late_clipped"] = opt_late.stats["clipped_steps"]
+    opt_late.close()
+    opt_clipped.close()
+    try:  # last: an error raised inside FSDP2's backward leaves its state unusable
+        local_loss(model, 5, 0).backward()  # a second backward before step(), not announced
+        out["second"] = "no error"
+    except RuntimeError as e:
+        out["second"] = str(e)
+    out["stats"] = dict(opt.stats)
+    opt.close()
+    torch.save(out, f"{tmp}/switches.pt")
+    dist.destroy_process_group()
+
+
+def test_gradient_streaming_switches(tmp_path):
+    run_ranks(_streaming_switches, 1, str(tmp_path))
+    out = torch.load(tmp_path / "switches.pt")
+    assert all(out["plain"]) and all(out["accumulating"]) and all(out["completing"]) and all(out["off"])
+    assert all(out["late"]) and out["late_clipped"] == 1
+    assert "a second backward reached FSDP unit" in out["second"] and "optimizer.accumulating()" in out["second"]
+    assert out["stats"]["steps"] == 3 and out["stats"]["streamed_units"] == 3 * 3  # not the accumulating or off ones
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import ExitStack, contextmanager
+from typing import Any, Generator
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -145,6 +146,17 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
         _lightning.route_clip_gradients(self.precision_plugin, _clip_gradients)
         for opt in self._ours():
             opt.publish_state()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this around the micro-batches that accumulate gradients (``accumulate_grad_batches``):
+        their gradients stay on the device for FSDP2 to sum, and the micro-batch that steps moves the sums to host
+        memory (see :meth:`ShardedHostAdamW.accumulating`)."""
+        with ExitStack() as stack:
+            for opt in self._ours():
+                stack.enter_context(opt.accumulating())
+            with super().block_backward_sync():
+                yield
 
     def _ours(self) -> list[ShardedHostAdamW]:
         return [o for o in self.optimizers if isinstance(o, ShardedHostAdamW)]

@@ -12,14 +12,26 @@ back, cast to the parameter's dtype, into the ``DTensor``'s local tensor, which 
 Note [ZeRO-3 step and the forward's wait]
     One optimizer step, on every rank (``N`` ranks, ``K`` parameters in the optimizer's order):
 
-    1. ``step()``, after backward (FSDP2 has reduce-scattered every gradient): per FSDP module (a *unit*), in the
-       order backward finished them (the reverse of the forward order), the local gradient rows are copied to the
-       unit's host gradient buffer (a side stream and an event per unit on CUDA, so the copies pipeline with
-       the rest of ``step()``) and, when the step may be clipped or skipped, each parameter's full gradient is
-       assembled on one rank, its *owner* (parameter ``i`` belongs to rank ``i % N``), by one ``all_to_all``
-       per unit; the owner takes its L2 norm with the kernel ``clip_grad_norm_`` uses (``torch._foreach_norm``).
-       Taking the norm of the full gradient, not a sum of per-shard partial sums, is what keeps every norm
-       bitwise equal to ``clip_grad_norm_``'s on the unsharded gradient.
+    1. During backward, per FSDP module (a *unit*), as soon as FSDP2 has reduce-scattered the unit's gradients:
+       FSDP2 runs the post-accumulate-grad hooks of each sharded parameter right after putting its reduce-scattered
+       gradient in ``param.grad`` (in its post-reduce stream on CUDA), and the hook of the unit's last parameter
+       takes the unit (:class:`~.fsdp_grads.UnitGradients`). It waits until the unit's last update has read the
+       unit's host gradient buffer (done since the unit's forward), copies the local gradient rows there (on a
+       side stream that waits for the post-reduce stream, with an event per unit, on CUDA; a plain copy on the
+       CPU) and, when the step may be clipped or skipped, assembles each parameter's full gradient on one rank,
+       its *owner* (parameter ``i`` belongs to rank ``i % N``), by one ``all_to_all`` per unit and dtype; the
+       owner takes its L2 norm with the kernel ``clip_grad_norm_`` uses (``torch._foreach_norm``). Taking the
+       norm of the full gradient, not a sum of per-shard partial sums, is what keeps every norm bitwise equal to
+       ``clip_grad_norm_``'s on the unsharded gradient. Backward runs the units in the same order on every rank,
+       so the collectives issued from the hooks match across ranks. Then the unit's ``param.grad`` are released:
+       no rank holds its sharded gradients until the end of backward.
+       Gradient accumulation: backward passes inside :meth:`ShardedHostAdamW.accumulating` (Lightning's
+       ``accumulate_grad_batches`` under the strategy) take nothing, so their gradients stay in ``param.grad``,
+       where FSDP2 adds the next micro-batch's before running the hooks; the backward that completes the step
+       takes the sums. A second backward that reaches a unit already taken since the last ``step()`` is an
+       error (its first gradients have left the device). ``step()`` takes, in reverse forward order, the units
+       no hook took (the hooks did not run, a parameter had no gradient, or streaming is off), as the hooks do
+       but keeping ``param.grad``.
     2. The per-parameter norms (each written by its owner, zero elsewhere: the sum is exact) are summed over the
        ranks, and every rank combines the same vector in parameter order with ``torch.linalg.vector_norm``, as
        ``clip_grad_norm_`` does, and derives the clip coefficient with its expression; so the global norm, the
@@ -55,7 +67,8 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -63,6 +76,7 @@ from torch import nn
 
 from lightning_gh._host import PLAN, HostMemoryError, check_host_room
 from lightning_gh.superoffload import cpu_adamw
+from lightning_gh.superoffload.fsdp_grads import UnitGradients
 from lightning_gh.superoffload.fsdp_units import (
     HostUnit,
     LocalShard,
@@ -70,14 +84,13 @@ from lightning_gh.superoffload.fsdp_units import (
     fsdp_units,
     host_dtensor,
     local_rows,
-    norm_owner,
     positioned_update,
     unsupported_options,
 )
 from lightning_gh.superoffload.memory import PLAN_PART, local_world_size
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options, validate_knobs
 from lightning_gh.superoffload.state import check_group
-from lightning_gh.superoffload.step import GradNorms, StepCtx
+from lightning_gh.superoffload.step import StepCtx
 from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE
 from lightning_gh.superoffload.zero import rank_cpu_threads
 
@@ -129,7 +142,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self.module = module
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.stats: dict[str, Any] = {"steps": 0, "skipped_steps": 0, "clipped_steps": 0, "wait_ms": 0.0,
-                                      "cpu_ms": 0.0}
+                                      "cpu_ms": 0.0, "streamed_units": 0}
         self._build(module)
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue()
@@ -203,12 +216,15 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             self._units.append(unit)
         self._shards = sorted((s for u in self._units for s in u.shards), key=lambda s: s.index)
         self._params = params
-        self._norms = GradNorms(self.device)
         self._kernel = cpu_adamw.load()
         threads = self.options.cpu_threads
         self.cpu_threads = threads if threads is not None else rank_cpu_threads(
             self.cuda, min(local_world_size(), self.world))
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
+        self._grads = UnitGradients(self._units, params, pg=self._pg, world=self.world, rank=self.rank,
+                                    device=self.device, stream=self._streams[0] if self.cuda else None,
+                                    wait=self._wait, validating=self._validating, stats=self.stats)
+        self._grads.register()
         self._masters_stale = True  # re-derived from the weights at the first step (a model loaded since)
 
     def _check_host(self, host_bytes: int) -> None:
@@ -324,6 +340,33 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         validate_knobs(max_grad_norm=value)
         self.max_grad_norm = None if value is None else float(value)
 
+    def _validating(self) -> bool:
+        return self.max_grad_norm is not None or self.options.skip_nonfinite
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside this block accumulate gradients for a later one (gradient accumulation): their
+        gradients stay in ``param.grad``, where FSDP2 adds the next ones, and the backward that completes the step,
+        outside the block, moves the sums to host memory. ``SuperOffloadFSDPStrategy`` enters it for Lightning's
+        ``accumulate_grad_batches``. See Note [ZeRO-3 step and the forward's wait]."""
+        before, self._grads.accumulating = self._grads.accumulating, True
+        try:
+            yield
+        finally:
+            self._grads.accumulating = before
+
+    def set_gradient_streaming(self, enabled: bool) -> None:
+        """``True`` (the default): each unit's gradients move to host memory, and leave the device, as soon as FSDP2
+        has reduce-scattered them. ``False``: they stay in ``param.grad`` until ``step()`` (which copies them then)
+        and ``zero_grad()``; for code that reads the gradients between backward and ``step()``."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_gradient_streaming(enabled={enabled!r}): enabled must be a bool.")
+        self._grads.streaming = enabled
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grads.reset()  # gradients taken by a backward that no step() consumed are dropped too
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None
@@ -338,17 +381,10 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         validate = self.max_grad_norm is not None or self.options.skip_nonfinite
         self._step_id += 1
         ctx = StepCtx(self._step_id, hp, needs_validation=validate)
-        if validate:
-            self._norms.open(len(self._params), zero=True)
-        present: list[int] = []
         order = self._order()
-        for u in reversed(order):  # backward finished the last units first
+        present = self._grads.finish(order, validate)  # the units backward did not take
+        for u in order:
             u.ready.clear()
-            u.active = [s for s in u.shards if s.param.grad is not None]
-            present += [s.index for s in u.active]
-            self._grads_to_host(u)
-            if validate:
-                self._take_norms(u)
         if validate:
             self._post(ctx, present, hp)
         self._forward_order = [u.index for u in order]
@@ -373,67 +409,12 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                     u.view(s, 0).copy_(local_rows(s.param).reshape(-1))
         self._masters_stale = False
 
-    def _grads_to_host(self, u: HostUnit) -> None:
-        if not self.cuda:
-            for s in u.active:
-                u.grad.tensor[s.offset:s.offset + s.numel].copy_(local_rows(s.param.grad).reshape(-1))
-            return
-        stream = self._streams[0]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for s in u.active:
-                g = local_rows(s.param.grad)
-                u.grad.tensor[s.offset:s.offset + s.numel].copy_(g.reshape(-1), non_blocking=True)
-                g.record_stream(stream)
-            u.d2h_event = torch.cuda.Event()
-            u.d2h_event.record(stream)
-
-    def _take_norms(self, u: HostUnit) -> None:
-        """Assemble each active parameter's full gradient on its owner (one all_to_all per dtype) and write its
-        norm there. See Note [ZeRO-3 step and the forward's wait]."""
-        by_dtype: dict[torch.dtype, list[LocalShard]] = {}
-        for s in u.active:
-            by_dtype.setdefault(s.param.grad.dtype, []).append(s)
-        for dtype, shards in by_dtype.items():
-            if self.world == 1:
-                fulls = {s.index: local_rows(s.param.grad) for s in shards}
-            else:
-                fulls = self._exchange(shards, dtype)
-            if not fulls:
-                continue
-            idx = sorted(fulls)
-            grads = [fulls[i].reshape(self._params[i].shape) for i in idx]
-            norms = torch._foreach_norm(grads, 2.0) if dtype == torch.float32 else \
-                torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            self._norms.vector.index_copy_(0, torch.tensor(idx, device=self.device), torch.stack(norms))
-
-    def _exchange(self, shards: list[LocalShard], dtype: torch.dtype) -> dict[int, torch.Tensor]:
-        n, me = self.world, self.rank
-        send_parts: list[torch.Tensor] = []
-        in_splits = []
-        for d in range(n):
-            mine = [local_rows(s.param.grad).reshape(-1) for s in shards if norm_owner(s.index, n) == d]
-            send_parts += mine
-            in_splits.append(sum(t.numel() for t in mine))
-        owned = [s for s in shards if norm_owner(s.index, n) == me]
-        out_splits = [sum(s.numels[r] for s in owned) for r in range(n)]
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=self.device)
-        recv = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
-        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self._pg)
-        pieces: dict[int, list[torch.Tensor]] = {s.index: [] for s in owned}
-        off = 0
-        for r in range(n):
-            for s in owned:
-                pieces[s.index].append(recv[off:off + s.numels[r]])
-                off += s.numels[r]
-        return {i: torch.cat(p) for i, p in pieces.items()}
-
     def _post(self, ctx: StepCtx, present: list[int], hp: list[dict[str, float]]) -> None:
         """Sum the owners' norms over the ranks, combine them as ``clip_grad_norm_`` does and post the outcome."""
-        vec = self._norms.vector
+        vec = self._grads.norms.vector
         if self.world > 1:
             dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self._pg)
-        total = self._norms.total(present) if present else torch.zeros((), device=self.device)
+        total = self._grads.norms.total(present) if present else torch.zeros((), device=self.device)
         if self.max_grad_norm is not None:
             # the same expression as torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise equal
             coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
@@ -483,6 +464,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                 self._queue.put(None)
                 self._thread.join(timeout=30)
                 self._thread = None
+            self._grads.remove_hooks()
             for u in self._units:
                 u.hook.remove()
                 u.release()

@@ -143,6 +143,7 @@ class HostUnit:
         self.d2h_event: Any = None
         self.h2d_event: Any = None
         self.hook: Any = None  # the forward pre-hook's handle
+        self.expected = 0  # gradients that complete the unit in a backward (its parameters that take one)
 
     def region(self, k: int) -> torch.Tensor:
         """0: master, 1: exp_avg, 2: exp_avg_sq (flat fp32 views over the unit)."""

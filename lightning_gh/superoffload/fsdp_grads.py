@@ -1,0 +1,208 @@
+"""The gradients of one ZeRO-3 step (:class:`~.fsdp_optimizer.ShardedHostAdamW`): per FSDP unit, the local gradient
+rows go to the unit's host buffer and the norms the exact clip needs are taken, as soon as FSDP2 has
+reduce-scattered the unit's gradients (during backward; the GPU gradients are then released), or in ``step()`` for
+the units whose gradients did not arrive that way (:class:`UnitGradients`). See Note [ZeRO-3 step and the forward's
+wait] in :mod:`.fsdp_optimizer`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from lightning_gh.superoffload.fsdp_units import HostUnit, LocalShard, local_rows, norm_owner
+from lightning_gh.superoffload.step import GradNorms
+
+__all__ = ["UnitGradients"]
+
+ACCUMULATION_HINT = (
+    "For gradient accumulation, run the backward passes that do not complete a step inside "
+    "`with optimizer.accumulating():` (Lightning's accumulate_grad_batches does this under "
+    "SuperOffloadFSDPStrategy), or call model.set_requires_gradient_sync(False) for them, or turn streaming off "
+    "with optimizer.set_gradient_streaming(False).")
+
+
+class UnitGradients:
+    """Moves each unit's gradient rows to its host buffer and takes their norms, once per step.
+
+    Args:
+        units: the optimizer's units (their shards hold the parameters).
+        params: the optimizer's parameters, in its order (a norm's slot is the parameter's index).
+        pg, world, rank: the data-parallel process group, its size and this rank in it.
+        device: the parameters' device (the norms live there).
+        stream: the side stream of the device-to-host copies on CUDA, else ``None`` (plain copies).
+        wait: ``wait(unit)`` returns once the unit's last update has read its host gradient rows.
+        validating: ``validating()`` says whether the step being formed needs the norms (clipping or the
+            non-finite check).
+        stats: the optimizer's stats (``streamed_units`` is counted here).
+    """
+
+    def __init__(self, units: list[HostUnit], params: list[torch.Tensor], *, pg: Any, world: int, rank: int,
+                 device: torch.device, stream: Any, wait: Callable[[HostUnit], None],
+                 validating: Callable[[], bool], stats: dict[str, Any]) -> None:
+        self.units = units
+        self.params = params
+        self.pg, self.world, self.rank, self.device = pg, world, rank, device
+        self.stream = stream
+        self.wait = wait
+        self.validating = validating
+        self.stats = stats
+        self.norms = GradNorms(device)
+        self.accumulating = False  # inside optimizer.accumulating(): gradients stay in param.grad
+        self.streaming = True
+        self.taken: dict[int, bool] = {}  # units taken since the last step -> whether their norms were taken
+        self.arrived: dict[int, int] = {}  # gradients arrived per unit in this backward
+        self.opened = False  # the norm vector was cleared for this step
+        self.handles: list[Any] = []
+        self._idx: dict[tuple[int, ...], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ during backward
+    def register(self) -> None:
+        """A post-accumulate-grad hook on every parameter that takes gradients. FSDP2 runs these hooks on the
+        sharded parameter right after it has put the reduce-scattered gradient in ``param.grad`` (in its
+        post-reduce stream on CUDA), so the unit's last one marks the moment its reduce-scatter is done."""
+        ref = weakref.ref(self)
+        for u in self.units:
+            hooked = [s for s in u.shards if s.param.requires_grad]
+            u.expected = len(hooked)
+            for s in hooked:
+                def hook(param: torch.Tensor, u: HostUnit = u) -> None:
+                    me = ref()
+                    if me is not None:
+                        me.arrive(u)
+
+                self.handles.append(s.param.register_post_accumulate_grad_hook(hook))
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    @torch.no_grad()
+    def arrive(self, u: HostUnit) -> None:
+        """One of ``u``'s gradients is reduce-scattered; at the last one, take the unit and release its GPU
+        gradients (unless the backward accumulates for a later step)."""
+        if self.accumulating or not self.streaming:
+            return
+        if u.index in self.taken:
+            raise RuntimeError(
+                f"ShardedHostAdamW: a second backward reached FSDP unit {u.index} ({type(u.module).__name__}) "
+                "before step(); its gradients of the first had already moved to host memory. " + ACCUMULATION_HINT)
+        n = self.arrived.get(u.index, 0) + 1
+        if n < u.expected:
+            self.arrived[u.index] = n
+            return
+        self.arrived.pop(u.index, None)
+        self.take(u, self.validating(), release=True)
+        self.stats["streamed_units"] += 1
+
+    # ------------------------------------------------------------------ in step()
+    def finish(self, order: list[HostUnit], validate: bool) -> list[int]:
+        """Take the units backward did not (in reverse forward order, the same on every rank), add the norms a unit
+        taken without them lacks, and return the indices of the parameters with a gradient this step."""
+        present: list[int] = []
+        for u in reversed(order):
+            got = self.taken.get(u.index)
+            if got is None:
+                self.take(u, validate, release=False)
+            elif validate and not got:
+                self._norms_from_host(u)
+            present += [s.index for s in u.active]
+        self.reset()
+        return present
+
+    def reset(self) -> None:
+        """Forget the units taken since the last step (after ``step()``, or at ``zero_grad()``)."""
+        self.taken.clear()
+        self.arrived.clear()
+        self.opened = False
+
+    # ------------------------------------------------------------------ one unit
+    def take(self, u: HostUnit, validate: bool, release: bool) -> None:
+        """Copy ``u``'s gradient rows to its host buffer, take their norms (``validate``), and drop the GPU
+        gradients (``release``)."""
+        self.wait(u)  # its last update has read the host rows about to be overwritten
+        u.active = [s for s in u.shards if s.param.grad is not None]
+        grads = {s.index: local_rows(s.param.grad) for s in u.active}
+        self._to_host(u, grads)
+        if validate:
+            self._norms_of(u, grads)
+        self.taken[u.index] = validate
+        if release:
+            for s in u.active:
+                s.param.grad = None  # the copy holds the rows until it has read them (record_stream)
+
+    def _to_host(self, u: HostUnit, grads: dict[int, torch.Tensor]) -> None:
+        if self.stream is None:
+            for s in u.active:
+                u.grad.tensor[s.offset:s.offset + s.numel].copy_(grads[s.index].reshape(-1))
+            return
+        # after what the current stream has queued: FSDP2's reduce-scatter of this unit (in its hook) or all of
+        # backward (in step())
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for s in u.active:
+                g = grads[s.index]
+                u.grad.tensor[s.offset:s.offset + s.numel].copy_(g.reshape(-1), non_blocking=True)
+                g.record_stream(self.stream)
+            u.d2h_event = torch.cuda.Event()
+            u.d2h_event.record(self.stream)
+
+    def _norms_from_host(self, u: HostUnit) -> None:
+        """The norms of a unit whose gradients left the device before the step needed them (validation turned
+        on between its backward and ``step()``): its host rows, back on the device in their own dtype (exact)."""
+        if self.stream is not None and u.d2h_event is not None:
+            u.d2h_event.synchronize()
+        grads = {s.index: u.grad.tensor[s.offset:s.offset + s.numel].to(self.device, s.param.dtype)
+                 for s in u.active}
+        self._norms_of(u, grads)
+        self.taken[u.index] = True
+
+    def _norms_of(self, u: HostUnit, grads: dict[int, torch.Tensor]) -> None:
+        """Assemble each active parameter's full gradient on its owner (one all_to_all per dtype) and write its
+        norm there. See Note [ZeRO-3 step and the forward's wait]."""
+        if not self.opened:
+            self.norms.open(len(self.params), zero=True)
+            self.opened = True
+        by_dtype: dict[torch.dtype, list[LocalShard]] = {}
+        for s in u.active:
+            by_dtype.setdefault(grads[s.index].dtype, []).append(s)
+        for dtype, shards in by_dtype.items():
+            if self.world == 1:
+                fulls = {s.index: grads[s.index] for s in shards}
+            else:
+                fulls = self._exchange(shards, grads, dtype)
+            if not fulls:
+                continue
+            idx = tuple(sorted(fulls))
+            full = [fulls[i].reshape(self.params[i].shape) for i in idx]
+            norms = torch._foreach_norm(full, 2.0) if dtype == torch.float32 else \
+                torch._foreach_norm(full, 2.0, dtype=torch.float32)
+            if idx not in self._idx:  # cached: a fresh index tensor in a hook would wait for a host copy
+                self._idx[idx] = torch.tensor(idx, device=self.device)
+            self.norms.vector.index_copy_(0, self._idx[idx], torch.stack(norms))
+
+    def _exchange(self, shards: list[LocalShard], grads: dict[int, torch.Tensor],
+                  dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        n, me = self.world, self.rank
+        send_parts: list[torch.Tensor] = []
+        in_splits = []
+        for d in range(n):
+            mine = [grads[s.index].reshape(-1) for s in shards if norm_owner(s.index, n) == d]
+            send_parts += mine
+            in_splits.append(sum(t.numel() for t in mine))
+        owned = [s for s in shards if norm_owner(s.index, n) == me]
+        out_splits = [sum(s.numels[r] for s in owned) for r in range(n)]
+        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=self.device)
+        recv = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.pg)
+        pieces: dict[int, list[torch.Tensor]] = {s.index: [] for s in owned}
+        off = 0
+        for r in range(n):
+            for s in owned:
+                pieces[s.index].append(recv[off:off + s.numels[r]])
+                off += s.numels[r]
+        return {i: torch.cat(p) for i, p in pieces.items()}

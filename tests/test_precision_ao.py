@@ -7,6 +7,7 @@ numerics checks) lets the same code path train, which is what the parity, checkp
 from __future__ import annotations
 
 import copy
+import pickle
 
 import lightning as L
 import pytest
@@ -175,11 +176,13 @@ class _RankCheck(Callback):
 
 
 def test_ddp_two_processes(tmp_path):
+    # ddp_fork: two ranks without a fresh interpreter each; the pickle round trip is what ddp_spawn does with them.
+    plugin = precision("fp8-ao-tensorwise", min_dim=0, emulate=True, compile_blocks=False)
+    plugin, check = pickle.loads(pickle.dumps((plugin, _RankCheck())))
     model = LlamaLM.from_preset("tiny")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, callbacks=[_RankCheck()],
-                        plugins=[precision("fp8-ao-tensorwise", min_dim=0, emulate=True, compile_blocks=False)])
+                        default_root_dir=tmp_path, callbacks=[check], plugins=[plugin])
     trainer.fit(model, MarkovDataModule.for_model(model))
     assert trainer.state.finished
 

@@ -8,6 +8,7 @@ import gzip
 import inspect
 import json
 import logging
+import pickle
 import signal
 import warnings
 from pathlib import Path
@@ -266,8 +267,9 @@ def test_another_torch_profiler_session_is_not_a_crash(tmp_path):
 
 def test_only_selected_ranks_write_under_ddp(tmp_path):
     prof = SelectiveProfiler(steps="1-2", ranks="last", output_dir=tmp_path / "p", summary=False)
+    prof = pickle.loads(pickle.dumps(prof))  # what ddp_spawn does; the ranks are forked (no fresh interpreter each)
     model = _model()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=[prof], default_root_dir=tmp_path)
     trainer.fit(model, _dm(model))

@@ -9,7 +9,8 @@ Importing this package compiles nothing and needs no GPU: the allocator shim is 
 
 Modules: ``options`` (one frozen options dataclass), ``guard`` (the safety rule and the errors), ``shim`` (loads the
 C++ allocator of ``csrc/managed.cpp``, built at first use by :mod:`lightning_gh._native`), ``pool`` (MemPool,
-``managed_memory()``), ``advice`` (advise / prefetch tensors), ``state`` (optimizer state placement), ``callback``
+``managed_memory()``), ``lifetime`` (pools never destroyed, scopes tracked, the allocator's open-context check),
+``advice`` (advise / prefetch tensors), ``state`` (optimizer state placement), ``callback``
 (the Lightning callback), ``forecast`` (the GH200 forecast from measured step times; the bandwidth itself is
 measured by ``hardware.managed_bandwidth``).
 """

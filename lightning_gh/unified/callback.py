@@ -19,7 +19,9 @@ Lifecycle (single device or DDP, automatic or manual optimization):
   ``CUDAGraphCapture`` that follows captures a step whose state is settled.
 * ``on_before_optimizer_step`` (after backward, just before ``step()`` creates Adam's state): creates the missing
   AdamW state in the pool; with ``prefetch="step"`` prefetches the state to the GPU. A step post-hook sends it back.
-* ``teardown``: removes the hooks; the state stays where it is (checkpoints save it like any CUDA tensor).
+* ``teardown`` (or ``on_exception`` when the fit fails, where Lightning skips ``teardown``): removes the hooks; the
+  state stays where it is (checkpoints save it like any CUDA tensor). No managed scope stays open between hooks:
+  each is a ``with`` block inside one hook.
 
 Example::
 
@@ -180,7 +182,17 @@ class ManagedOptimizerState(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self.reports = [p.report() for p in self._placements.values()]
+        self._release()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Lightning skips the callbacks' teardown when a fit fails: the hooks go here instead.
+        self._release()
+
+    def _release(self) -> None:
+        """Remove every placement's hooks (no managed scope is open between hooks: each one is a `with` block inside
+        a single hook)."""
+        if self._placements:
+            self.reports = [p.report() for p in self._placements.values()]
         for placement in self._placements.values():
             placement.remove()
         self._placements.clear()

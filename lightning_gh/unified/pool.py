@@ -3,8 +3,9 @@
 
 One pool per (device, preferred location, accessed-by advice): the advice is given to whole segments when they are
 allocated, and PyTorch's caching allocator reuses a pool's freed blocks only inside that pool, so a block never
-moves between a host-preferred and a GPU-preferred scope. Pools live as long as the process (tensors from them
-may outlive any scope).
+moves between a host-preferred and a GPU-preferred scope. Pools live as long as the process, and their ``MemPool``
+is never destroyed, not even at interpreter exit (see Note [Managed pools are never destroyed] in
+:mod:`lightning_gh.unified.lifetime`); tensors from them may outlive any scope.
 
 Inside ``with managed_memory(...)``, the *current thread's* CUDA allocations on that device come from the pool
 (``torch.cuda.use_mem_pool``); allocations of other threads, of other devices, and of a CUDA graph capture do
@@ -40,12 +41,13 @@ import torch
 
 from lightning_gh import hardware
 from lightning_gh._util import fmt_bytes, warn_once
+from lightning_gh.unified import lifetime
 from lightning_gh.unified import shim as _shim
 from lightning_gh.unified.guard import ManagedMemoryError, ManagedMemoryUnavailable, refusal_reason
 from lightning_gh.unified.options import DEFAULT_HEADROOM_BYTES, ManagedMemoryOptions
 
-__all__ = ["ManagedPool", "PoolStats", "check_device_arg", "expandable_segments_enabled", "get_pool", "managed_memory",
-           "resolve_device", "routing_failure", "unavailable_reason"]
+__all__ = ["ManagedPool", "PoolStats", "check_device_arg", "create_pool", "expandable_segments_enabled", "get_pool",
+           "managed_memory", "pools", "resolve_device", "routing_failure", "unavailable_reason"]
 
 _pools: dict[tuple[int, str, bool], ManagedPool] = {}
 _pools_lock = threading.Lock()
@@ -184,7 +186,17 @@ class PoolStats:
 
 class ManagedPool:
     """A ``torch.cuda.MemPool`` over ``cudaMallocManaged`` for one device and one advice. Get one with
-    :func:`get_pool` or :func:`managed_memory`; do not construct it directly.
+    :func:`get_pool` or :func:`managed_memory` (:func:`create_pool` makes it); do not construct it directly.
+
+    Args:
+        device: the CUDA device.
+        preferred: ``"cpu"`` or ``"gpu"``.
+        accessed_by_gpu: the accessed-by advice of its pages.
+        lib: the loaded shim.
+        mempool: the ``torch.cuda.MemPool`` whose segments the shim allocates (kept alive by
+            :func:`lightning_gh.unified.lifetime.keep_alive`).
+        device_info: the device's managed-memory attributes
+            (:func:`lightning_gh.hardware.managed_memory_attributes`).
 
     Attributes:
         device: the CUDA device.
@@ -194,32 +206,22 @@ class ManagedPool:
         mempool: the ``torch.cuda.MemPool``.
     """
 
-    def __init__(self, device: torch.device, preferred: str, accessed_by_gpu: bool, lib: _shim.Shim) -> None:
+    def __init__(self, device: torch.device, preferred: str, accessed_by_gpu: bool, lib: _shim.Shim, *,
+                 mempool: Any, device_info: dict[str, bool]) -> None:
         self.device = device
         self.preferred = preferred
         self.accessed_by_gpu = accessed_by_gpu
         self.shim = lib
-        info = hardware.managed_memory_attributes(device.index)
-        if info is None:
-            raise ManagedMemoryUnavailable(f"{self.describe_device()}: the CUDA driver cannot be asked for the "
-                                           "device's managed-memory attributes (libcuda.so.1 missing or cuInit failed).")
-        self.device_info = info
-        self.coherent = info["pageable_uses_host_page_tables"]
-        if not info["managed_memory"]:
-            raise ManagedMemoryUnavailable(f"{self.describe_device()} cannot allocate managed memory "
-                                           "(cudaDevAttrManagedMemory is 0).")
-        if not info["concurrent_managed_access"]:
-            raise ManagedMemoryUnavailable(
-                f"{self.describe_device()} has no concurrent managed access (cudaDevAttrConcurrentManagedAccess is 0, "
-                "as on Windows, WSL and some virtual machines): the GPU cannot keep host-resident managed pages "
-                "mapped and read them in place, and advice and prefetch do not apply.")
-        # Keep the allocator object alive as long as the pool: the MemPool holds a raw pointer to it.
-        self._allocator = torch.cuda.memory.CUDAPluggableAllocator(lib.path, "lgh_managed_malloc", "lgh_managed_free")
-        self.mempool = torch.cuda.MemPool(self._allocator.allocator())
-        self._check_routing()
+        self.mempool = mempool
+        self.device_info = device_info
+        self.coherent = device_info["pageable_uses_host_page_tables"]
 
-    def _check_routing(self) -> None:
-        """One small allocation (a 2 MiB segment, kept in the pool's cache) that must land in managed memory."""
+    def check_routing(self) -> None:
+        """One small allocation (a 2 MiB segment, kept in the pool's cache) that must land in managed memory.
+
+        Raises:
+            ManagedMemoryUnavailable: it did not (:func:`routing_failure` says why).
+        """
         error: BaseException | None = None
         kind: str | None = None
         try:
@@ -234,7 +236,7 @@ class ManagedPool:
             raise ManagedMemoryUnavailable(f"managed memory is not available: {reason}.")
 
     def describe_device(self) -> str:
-        return f"{self.device} ({hardware.gpu_name(self.device) or 'GPU'})"
+        return _describe(self.device)
 
     def __repr__(self) -> str:
         return (f"ManagedPool(device={str(self.device)!r}, preferred={self.preferred!r}, "
@@ -267,7 +269,9 @@ class ManagedPool:
                        allow_oversubscription=options.allow_oversubscription, headroom_bytes=options.headroom_bytes)
         lib.clear_refusal()
         try:
-            with torch.cuda.use_mem_pool(self.mempool, device=self.device):
+            # Exited on every path out (exceptions and GeneratorExit too): see Note [Managed pools are never
+            # destroyed] for what an allocation-to-pool context left open does.
+            with lifetime.tracked(repr(self)), torch.cuda.use_mem_pool(self.mempool, device=self.device):
                 yield self
         except torch.cuda.OutOfMemoryError as e:
             refusal = lib.last_refusal()
@@ -346,7 +350,47 @@ def get_pool(options: ManagedMemoryOptions | None = None, device: int | str | to
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = _pools[key] = ManagedPool(dev, options.preferred, options.accessed_by_gpu, _shim.load())
+            pool = _pools[key] = create_pool(dev, options.preferred, options.accessed_by_gpu, _shim.load())
+    return pool
+
+
+def pools() -> list[ManagedPool]:
+    """Every pool this process has made (oldest first): they live as long as the process."""
+    with _pools_lock:
+        return list(_pools.values())
+
+
+def _describe(device: torch.device) -> str:
+    return f"{device} ({hardware.gpu_name(device) or 'GPU'})"
+
+
+def create_pool(device: torch.device, preferred: str, accessed_by_gpu: bool, lib: _shim.Shim) -> ManagedPool:
+    """A new :class:`ManagedPool` on ``device`` whose ``MemPool`` takes its segments from the shim, checked with
+    one small allocation. Its ``MemPool`` and allocator live until the process ends, also when the check fails
+    (see Note [Managed pools are never destroyed] in :mod:`lightning_gh.unified.lifetime`).
+
+    Raises:
+        ManagedMemoryUnavailable: the device cannot serve managed memory, or allocations do not reach the shim.
+    """
+    info = hardware.managed_memory_attributes(device.index)
+    if info is None:
+        raise ManagedMemoryUnavailable(f"{_describe(device)}: the CUDA driver cannot be asked for the device's "
+                                       "managed-memory attributes (libcuda.so.1 missing or cuInit failed).")
+    if not info["managed_memory"]:
+        raise ManagedMemoryUnavailable(f"{_describe(device)} cannot allocate managed memory "
+                                       "(cudaDevAttrManagedMemory is 0).")
+    if not info["concurrent_managed_access"]:
+        raise ManagedMemoryUnavailable(
+            f"{_describe(device)} has no concurrent managed access (cudaDevAttrConcurrentManagedAccess is 0, as on "
+            "Windows, WSL and some virtual machines): the GPU cannot keep host-resident managed pages mapped and "
+            "read them in place, and advice and prefetch do not apply.")
+    # The MemPool holds a raw pointer to the allocator object: both are kept, the allocator first.
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(lib.path, "lgh_managed_malloc", "lgh_managed_free")
+    lifetime.keep_alive(allocator)
+    mempool = torch.cuda.MemPool(allocator.allocator())
+    lifetime.keep_alive(mempool)
+    pool = ManagedPool(device, preferred, accessed_by_gpu, lib, mempool=mempool, device_info=info)
+    pool.check_routing()
     return pool
 
 

@@ -54,7 +54,7 @@ import torch
 
 from lightning_gh import hardware
 from lightning_gh._host import check_host_room
-from lightning_gh._util import fmt_bytes
+from lightning_gh._util import fmt_bytes, warn_once
 from lightning_gh.unified import shim as _shim
 from lightning_gh.unified.guard import ManagedMemoryUnavailable, pool_bytes_for
 from lightning_gh.unified.options import ManagedMemoryOptions
@@ -318,7 +318,7 @@ class OptimizerStatePlacement:
             for ptr, nbytes, dev in self._storages:
                 side = self._side.setdefault(dev, torch.cuda.Stream(device=dev))
                 side.wait_stream(torch.cuda.current_stream(dev))  # after the update's kernels
-                lib.prefetch(ptr, nbytes, -1, int(side.cuda_stream))
+                _check_prefetch(lib, lib.prefetch(ptr, nbytes, -1, int(side.cuda_stream)), nbytes, "the host")
 
     def _prefetch_to_gpu(self) -> None:
         lib = _shim.load()
@@ -345,7 +345,8 @@ class OptimizerStatePlacement:
                 current.wait_stream(self._side[dev])  # the previous step's move to the host is done
             for ptr, nbytes, d in self._storages:
                 if d == dev:
-                    lib.prefetch(ptr, nbytes, dev, int(current.cuda_stream))
+                    err = lib.prefetch(ptr, nbytes, dev, int(current.cuda_stream))
+                    _check_prefetch(lib, err, nbytes, f"cuda:{dev}")
             self.report_.prefetches += 1
 
     def synchronize(self) -> None:
@@ -356,6 +357,20 @@ class OptimizerStatePlacement:
     def report(self) -> PlacementReport:
         """The latest :class:`PlacementReport`."""
         return self.report_
+
+
+#: The warn-once key of a failed per-step prefetch (:func:`lightning_gh._util.reset_warnings` makes it warn again).
+PREFETCH_FAILED_WARNING = "unified:prefetch-failed"
+
+
+def _check_prefetch(lib: _shim.Shim, err: int, nbytes: int, where: str) -> None:
+    """A per-step prefetch is a hint (the step reads the state wherever it is), so a failure warns once instead of
+    stopping the run; it is never dropped silently."""
+    if err:
+        warn_once(PREFETCH_FAILED_WARNING,
+                  f"ManagedOptimizerState(prefetch='step'): cudaMemPrefetchAsync of {fmt_bytes(nbytes)} of optimizer "
+                  f"state to {where} failed: {lib.error_text(err)} (CUDA error {err}); the step reads the state where "
+                  "it is (this is the only warning).", RuntimeWarning, stacklevel=4)
 
 
 def _state_dict_sizes(state_dict: dict[str, Any]) -> dict[int, list[int]]:

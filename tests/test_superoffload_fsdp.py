@@ -642,7 +642,8 @@ def _errors(rank: int, world: int, tmp: str) -> None:
     opt2.load_state_dict(sd)
     loaded = {k: st["master"].to_local() for k, st in opt2.state_dict()["state"].items()}
     torch.save({"masters": masters, "loaded": loaded,
-                "weights": [p.to_local().clone() for p in model.parameters()]}, f"{tmp}/bf16.pt")
+                "weights": [p.to_local().clone() for g in groups(model) for p in g["params"]]},  # the state's order
+               f"{tmp}/bf16.pt")
     opt2.close()
     dist.destroy_process_group()
 
@@ -654,6 +655,8 @@ def test_unsharded_model_errors_and_bf16_masters(tmp_path):
     for k, master in out["masters"].items():
         assert master.dtype == torch.float32 and torch.equal(out["loaded"][k], master)
     assert any(not torch.equal(m.to(torch.bfloat16).float(), m) for m in out["masters"].values())  # finer than bf16
+    for k, master in out["masters"].items():  # the weights are the masters cast (on the host, before the copy)
+        assert torch.equal(out["weights"][k], master.to(torch.bfloat16).view(out["weights"][k].shape)), k
     msgs = (tmp_path / "errors.txt").read_text().splitlines()
     assert len(msgs) == 2
     assert "no module of Sequential is fully_shard-ed" in msgs[0] and "configure_model()" in msgs[0]

@@ -40,7 +40,9 @@ Note [ZeRO-3 step and the forward's wait]
        host behind an event on CUDA) and returns without waiting for the CPU.
     3. The CPU thread updates the units in forward order (the order their forward pre-hooks ran in the last
        forward; the root module first) once the decision is known, then copies each unit's new master rows back
-       into the parameters' local shards (cast), behind an event on CUDA, and marks the unit ready.
+       into the parameters' local shards, behind an event on CUDA, and marks the unit ready. Rows of bf16
+       parameters are cast on the host, into the unit's (pinned) gradient buffer, which the update has just read:
+       the next write into that buffer is the next backward's copy, which step 1 queues behind this copy's event.
     4. The next forward: a forward pre-hook on every FSDP module, registered with ``prepend=True`` after
        ``fully_shard`` registered FSDP2's own pre-forward hook (which all-gathers the module's parameters), so it
        runs first, waits for that unit to be ready (and makes the compute stream wait for its copy back). The CPU
@@ -545,21 +547,36 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             s.step.add_(1)
 
     def _push(self, u: HostUnit) -> None:
-        """Copy the unit's new master rows into the parameters' local shards (cast to their dtype)."""
-        master = u.region(0)
+        """Copy the unit's new master rows into the parameters' local shards, cast to their dtype on the host
+        (:meth:`_staged`), so that 2 bytes a bf16 parameter cross the link; the rounding is the same as a cast on
+        the device."""
+        rows = self._staged(u)
         if not self.cuda:
             for s in u.active:
                 loc = local_rows(s.param)
-                loc.copy_(master[s.offset:s.offset + s.numel].view(loc.shape))
+                loc.copy_(rows[s.offset:s.offset + s.numel].view(loc.shape))
             return
         with torch.cuda.stream(self._streams[1]):
-            stage = torch.empty(u.numel, dtype=torch.float32, device=self.device)
-            stage.copy_(master, non_blocking=True)
-            locs = [local_rows(s.param) for s in u.active]
-            torch._foreach_copy_(locs, [stage[s.offset:s.offset + s.numel].view(t.shape)
-                                        for s, t in zip(u.active, locs)])
+            for s in u.active:
+                loc = local_rows(s.param)
+                loc.copy_(rows[s.offset:s.offset + s.numel].view(loc.shape), non_blocking=True)
             u.h2d_event = torch.cuda.Event()
             u.h2d_event.record(self._streams[1])
+
+    @staticmethod
+    def _staged(u: HostUnit) -> torch.Tensor:
+        """The unit's rows to copy into its parameters: the fp32 master rows where the gradient buffer is fp32
+        (fp32 parameters, or mixed dtypes: those cast on the way), else the active shards' master rows cast into
+        the gradient buffer (the parameters' dtype, pinned), which the update has read and nothing reads again
+        before the next backward's copy, queued behind this copy's event (see Note [ZeRO-3 step and the forward's
+        wait])."""
+        master = u.region(0)
+        if u.grad_dtype == torch.float32:
+            return master
+        stage = u.grad.tensor
+        for s in u.active:
+            stage[s.offset:s.offset + s.numel].copy_(master[s.offset:s.offset + s.numel])
+        return stage
 
 
 def _worker_loop(wself: Any, q: queue.Queue) -> None:

@@ -134,7 +134,8 @@ class HostUnit:
         dtypes = {s.param.dtype for s in shards}
         self.grad_dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16} \
             else torch.float32
-        # [master | exp_avg | exp_avg_sq], fp32, and the gradient rows in the parameters' dtype
+        # [master | exp_avg | exp_avg_sq], fp32, and the gradient rows in the parameters' dtype (once the update has
+        # read them, the staging of the cast master rows copied back: see Note [ZeRO-3 step and the forward's wait])
         self.state = HostBuffer(3 * self.numel, pin=pin, zero=True)
         self.grad = HostBuffer(self.numel, pin=pin, zero=True, dtype=self.grad_dtype)
         self.ready = threading.Event()

@@ -12,10 +12,11 @@ Note [Managed pools are never destroyed]
     * ``torch.cuda.empty_cache()`` silently stops giving the default pool's cached blocks back to the driver.
 
     An entry can outlive its owner: a thread stopped inside a ``with`` block (a daemon thread at exit), a context
-    entered by hand and never exited, and, in the torch releases this package is tested with, every CUDA graph
-    capture that CUDA invalidated (``CUDAGraph::capture_end`` raises at ``cudaStreamEndCapture``, before it ends
-    the allocation to the graph's pool, so the entry stays for the rest of the process). A capture that fails on
-    an ``.item()`` and falls back to eager is enough.
+    entered by hand and never exited, and every CUDA graph capture that CUDA invalidated in torch releases without
+    pytorch/pytorch#180395 (torch 2.11 among them: ``CUDAGraph::capture_end`` raises at ``cudaStreamEndCapture``,
+    before it ends the allocation to the graph's pool, so the entry stays for the rest of the process); captures
+    that fail before their end are not unwound by that fix either. A capture that fails on an ``.item()`` and falls
+    back to eager is enough.
 
     So a managed pool is never destroyed: :func:`keep_alive` holds each ``MemPool`` (and the pluggable allocator it
     points to) from its creation, a pool that failed its routing check included, and at interpreter exit takes a

@@ -16,7 +16,12 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_gh.superoffload import HeterogeneousAdamW
-from lightning_gh.superoffload.layout import compiled_regions, forward_hook_sites, is_compiled_region
+from lightning_gh.superoffload.layout import (
+    WaitBeforeCompiledCall,
+    compiled_regions,
+    forward_hook_sites,
+    is_compiled_region,
+)
 
 STEPS = 6
 CLIP = 0.5
@@ -73,8 +78,11 @@ def train(net: Net, steps: int = STEPS) -> HeterogeneousAdamW:
     return opt
 
 
-def hook_counts(net: nn.Module) -> dict[str, int]:
-    return {name: len(m._forward_pre_hooks) for name, m in net.named_modules() if m._forward_pre_hooks}
+def hook_counts(net: nn.Module, opt: HeterogeneousAdamW) -> dict[str, int]:
+    """The optimizer's waits per module: forward pre-hooks, plus a wait in front of an in-place compiled call."""
+    wrapped = {id(h.module) for h in opt._module_hooks if isinstance(h, WaitBeforeCompiledCall) and h.installed}
+    counts = {name: len(m._forward_pre_hooks) + (id(m) in wrapped) for name, m in net.named_modules()}
+    return {name: n for name, n in counts.items() if n}
 
 
 def test_hook_sites_table():
@@ -96,12 +104,29 @@ def test_hook_sites_table():
 @pytest.mark.parametrize("how", ["in_place", "wrapper"])
 def test_a_compiled_block_gets_one_hook_and_its_submodules_none(how):
     net = make_net(how)
+    originals = [getattr(b, "_compiled_call_impl", None) for b in net.blocks]
     opt = HeterogeneousAdamW(net.parameters(), lr=1e-2, module=net, bucket_size=300)
-    counts = hook_counts(net)
+    counts = hook_counts(net, opt)
     blocks = [f"blocks.{i}" for i in range(len(net.blocks))]
     assert counts == {"embed": 1, "head": 1, **{b: 1 for b in blocks}}
+    if how == "in_place":  # nothing of ours inside the compiled call: the wait runs in front of it
+        assert all(not b._forward_pre_hooks for b in net.blocks)
     opt.close()
-    assert hook_counts(net) == {}
+    assert hook_counts(net, opt) == {}
+    if how == "in_place":  # close() gave the blocks their own compiled calls back
+        assert all(b._compiled_call_impl is before for b, before in zip(net.blocks, originals))
+
+
+def test_a_block_compiled_again_gets_its_wait_back_at_the_next_step():
+    net = make_net("in_place")
+    opt = HeterogeneousAdamW(net.parameters(), lr=1e-2, module=net, bucket_size=300)
+    net.blocks[1].compile(backend="eager")  # replaces the wrapped compiled call
+    assert "blocks.1" not in hook_counts(net, opt)
+    net(batch(0)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    assert hook_counts(net, opt)["blocks.1"] == 1
+    opt.close()
 
 
 @pytest.mark.parametrize(("how", "backend"), [("in_place", "eager"), ("in_place", "aot_eager"), ("wrapper", "eager")])
@@ -128,15 +153,15 @@ def test_hooks_follow_blocks_compiled_after_attach():
     """A block compiled (or uncompiled) after the optimizer attached gets its hooks re-placed at the next step()."""
     net = make_net(None)
     opt = HeterogeneousAdamW(net.parameters(), lr=1e-2, module=net, bucket_size=300)
-    assert hook_counts(net)["blocks.0.up"] == 1
+    assert hook_counts(net, opt)["blocks.0.up"] == 1
     net.blocks[0].compile(backend="eager")
     net(batch(0)).sum().backward()
     opt.step()
     opt.zero_grad()
-    counts = hook_counts(net)
+    counts = hook_counts(net, opt)
     assert counts["blocks.0"] == 1 and "blocks.0.up" not in counts and counts["blocks.1.up"] == 1
     net.blocks[0]._compiled_call_impl = None  # as lightning_gh.precision.block_trial.uncompile does
     net(batch(1)).sum().backward()
     opt.step()
-    assert hook_counts(net)["blocks.0.up"] == 1 and "blocks.0" not in hook_counts(net)
+    assert hook_counts(net, opt)["blocks.0.up"] == 1 and "blocks.0" not in hook_counts(net, opt)
     opt.close()

@@ -89,15 +89,18 @@ class HookPlaces(Callback):
         self.places: dict[str, tuple[int, bool]] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from lightning_gh.superoffload.layout import is_compiled_region
+        from lightning_gh.superoffload.layout import WaitBeforeCompiledCall, is_compiled_region
 
-        self.places = {name: (len(m._forward_pre_hooks), is_compiled_region(m))
+        opt = trainer.strategy._lightning_optimizers[0]._optimizer if trainer.strategy._lightning_optimizers else None
+        wrapped = {id(h.module) for h in getattr(opt, "_module_hooks", [])
+                   if isinstance(h, WaitBeforeCompiledCall) and h.installed}
+        self.places = {name: (len(m._forward_pre_hooks) + (id(m) in wrapped), is_compiled_region(m))
                        for name, m in pl_module.named_modules() if m._forward_pre_hooks or is_compiled_region(m)}
 
 
 def test_compiled_fp8_blocks_wait_outside_their_graphs():
     """The plugin compiles each fp8 block in place before the strategy builds the optimizer: each block gets one
-    forward pre-hook, outside its graph, and its submodules none, so no hook of ours breaks a block's graph (see
+    wait in front of its compiled call, outside its graph, and its submodules none, so nothing of ours breaks a block's graph (see
     Note [Forward hooks stay out of compiled regions] in lightning_gh.superoffload.layout)."""
     import torch._dynamo
     from torch._dynamo.utils import counters

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,7 +22,8 @@ import torch
 from lightning_gh.superoffload import memory
 from lightning_gh.superoffload.memory import HostBuffer
 
-__all__ = ["Bucket", "HostLayout", "RollbackCopy", "Slot", "chunk_by_size", "compiled_regions", "forward_hook_sites",
+__all__ = ["Bucket", "HostLayout", "RollbackCopy", "Slot", "WaitBeforeCompiledCall", "chunk_by_size",
+           "compiled_regions", "forward_hook_sites",
            "is_compiled_region"]
 
 
@@ -146,12 +147,13 @@ def forward_hook_sites(module: torch.nn.Module,
     """Where the optimizer's forward pre-hooks go, as ``(module, slots it waits for, compiled)``.
 
     Note [Forward hooks stay out of compiled regions]
-        A compiled region runs its own forward pre-hooks inside the compiled call (``module.compile()`` compiles
-        ``_call_impl``, hooks included) and traces those of its submodules into its graph, where a hook that waits
-        for a CPU thread breaks the graph. So a compiled region gets one hook for every parameter under it and
-        its submodules none; the optimizer wraps that hook in ``torch._dynamo.disable``, so Dynamo runs it before
-        the region's graph instead of tracing it. Elsewhere each module waits for the parameters it owns itself,
-        so a layer waits only for its own bucket.
+        A compiled region traces the forward pre-hooks of its submodules into its graph, where a hook that waits
+        for a CPU thread breaks the graph; a module compiled in place (``module.compile()`` compiles
+        ``_call_impl``) traces its own pre-hooks too. So a compiled region gets one wait for every parameter under
+        it and its submodules none. A ``torch.compile`` wrapper (``OptimizedModule``) runs its own hooks eagerly:
+        it gets a forward pre-hook. A module compiled in place gets no hook at all: the wait runs in front of its
+        compiled call (:class:`WaitBeforeCompiledCall`), so nothing of ours is inside the compiled function.
+        Elsewhere each module waits for the parameters it owns itself, so a layer waits only for its own bucket.
 
     Args:
         module: the model.
@@ -174,6 +176,36 @@ def forward_hook_sites(module: torch.nn.Module,
 
     visit(module)
     return sites
+
+
+class WaitBeforeCompiledCall:
+    """Runs ``wait()`` before each call of a module compiled in place, outside the compiled function.
+
+    ``module.compile()`` sets ``module._compiled_call_impl``, which ``nn.Module.__call__`` calls instead of
+    ``_call_impl``; this wraps that attribute. A handle like a hook's: :meth:`remove` puts the compiled call back
+    (unless the module was compiled again since), :attr:`installed` says whether the wrapper is still the one
+    called. See Note [Forward hooks stay out of compiled regions].
+    """
+
+    def __init__(self, module: torch.nn.Module, wait: Callable[[], None]) -> None:
+        self.module = module
+        self.inner = module._compiled_call_impl
+        inner = self.inner
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            wait()
+            return inner(*args, **kwargs)
+
+        self.call = call
+        module._compiled_call_impl = call
+
+    @property
+    def installed(self) -> bool:
+        return getattr(self.module, "_compiled_call_impl", None) is self.call
+
+    def remove(self) -> None:
+        if self.installed:
+            self.module._compiled_call_impl = self.inner
 
 
 class HostLayout:

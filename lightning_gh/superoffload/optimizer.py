@@ -73,6 +73,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import weakref
@@ -84,7 +85,14 @@ from torch import nn
 
 from lightning_gh import hardware
 from lightning_gh.superoffload import memory
-from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot, compiled_regions, forward_hook_sites
+from lightning_gh.superoffload.layout import (
+    Bucket,
+    HostLayout,
+    Slot,
+    WaitBeforeCompiledCall,
+    compiled_regions,
+    forward_hook_sites,
+)
 from lightning_gh.superoffload.memory import HostMemoryPlan
 from lightning_gh.superoffload.options import (
     SuperOffloadOptions,
@@ -368,8 +376,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
     def attach(self, module: nn.Module) -> None:
         """Install forward pre-hooks on ``module`` so each layer waits only for its own bucket.
 
-        A compiled block (``torch.compile``-d, or compiled in place with ``block.compile()``) gets one hook, run
-        outside its graph, that waits for every bucket under it. See Note [Forward hooks stay out of compiled
+        A compiled block (``torch.compile``-d, or compiled in place with ``block.compile()``) gets one wait, run
+        outside its graph, for every bucket under it. See Note [Forward hooks stay out of compiled
         regions] in :mod:`.layout`; blocks compiled or uncompiled later get their hooks re-placed at the next
         ``step()``."""
         for h in self._module_hooks:
@@ -385,8 +393,10 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
                 if opt is not None:
                     opt._before_forward(_slots)
 
-            self._module_hooks.append(m.register_forward_pre_hook(torch._dynamo.disable(pre_hook) if compiled
-                                                                  else pre_hook))
+            if compiled and getattr(m, "_compiled_call_impl", None) is not None:  # compiled in place
+                self._module_hooks.append(WaitBeforeCompiledCall(m, functools.partial(pre_hook, m, ())))
+            else:
+                self._module_hooks.append(m.register_forward_pre_hook(pre_hook))
 
     def synchronize(self) -> None:
         """Block until every queued CPU update has finished and make the current stream wait for the copies
@@ -642,7 +652,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         times.end_step(time.perf_counter())
         self.stats["cpu_ms_per_step"] = sum(b.cpu_ms for b in self._layout.buckets)
         self._updater.count_decisions(block=False)
-        if self._module is not None and compiled_regions(self._watch[0]) != self._watch[1]:
+        if self._module is not None and (compiled_regions(self._watch[0]) != self._watch[1] or any(
+                not h.installed for h in self._module_hooks if isinstance(h, WaitBeforeCompiledCall))):
             self.attach(self._module)  # a block was compiled (or uncompiled) since: see Note [Forward hooks ...]
         if self._tail is not None and (self._layout.cuda or self._shard is not None):  # off CUDA: no GPU tail
             self._tail.step(times, self._step_id - self._layout.built_at, self.synchronize)

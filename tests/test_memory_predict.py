@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from lightning_gh.memory import MemoryReport
-from lightning_gh.memory.forecast import trace_training_step, why_not
+from lightning_gh.memory import forecast as forecast_mod
+from lightning_gh.memory.forecast import compiled_part, trace_training_step, why_not
 from lightning_gh.memory.optim import forecast, implementation, state_buffers, step_temporaries
 from lightning_gh.memory.predict import Peak, block_bytes, peak_from_parts, trace_step
+from lightning_gh.memory.tail import TailForecast, read_tail, settle_tail, tail_target
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,11 +140,112 @@ def test_the_forecast_matches_the_state_adamw_creates():
 @pytest.mark.parametrize(
     ("kw", "reason"),
     [({}, None), ({"automatic_optimization": False}, "manual optimization"), ({"compiled": True}, "torch.compile"),
+     ({"compiled": "submodule 'model.layers.0' (LlamaDecoderLayer, compiled in place)"},
+      "submodule 'model.layers.0' (LlamaDecoderLayer, compiled in place): the compiler decides"),
      ({"sharded": True}, "DTensor"), ({"activation_offload": True}, "ActivationOffload")],
 )
 def test_why_not(kw, reason):
     got = why_not(**kw)
-    assert got is None if reason is None else reason in got
+    assert got is None if reason is None else reason in got and len(got.splitlines()) == 1
+
+
+def _in_place(m):
+    m[1].compile(backend="eager")
+    return m
+
+
+def _wrapped(m):
+    m[1] = torch.compile(m[1], backend="eager")
+    return m
+
+
+@pytest.mark.parametrize(("make", "part"),
+                         [(lambda m: m, None), (_in_place, "submodule '1' (Linear, compiled in place)"),
+                          (_wrapped, "submodule '1' (Linear, torch.compile)"),
+                          (lambda m: torch.compile(m, backend="eager"), "the model (torch.compile)")])
+def test_compiled_part_sees_any_submodule_compiled(make, part):
+    model = make(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    assert compiled_part(model) == part
+
+
+# ------------------------------------------------------------------------------------------- SuperOffload's GPU tail
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("args", "kw", "want", "case"),
+    [
+        # auto: the tail grows until the step's peak reaches the target
+        ((30, 0, 100, 60), {}, TailForecast(60, 30, ""), "grows until the step's peak reaches its target"),
+        # auto: the whole state fits below the target: weights, gradients in flight, the whole state, activations
+        ((30, 0, 20, 60), {}, TailForecast(50, 20, ""), "the whole state (20 B) fits below"),
+        # auto: max_gpu_fraction caps the tail below the target
+        ((30, 0, 100, 60), {"max_gpu_fraction": 0.1}, TailForecast(40, 10, ""), "max_gpu_fraction=0.1 (10 B) fits"),
+        ((30, 20, 100, 60), {"max_gpu_fraction": 0.1}, TailForecast(30, 0, ""), "stays as it is: max_gpu_fraction"),
+        # auto: the host plan's minimum tail already puts the step above the target: it stays, nothing grows
+        ((70, 25, 100, 60), {}, TailForecast(70, 0, ""), "the host plan's minimum tail (25 B) stays as it is"),
+        ((65, 0, 100, 60), {}, TailForecast(65, 0, ""), "no tail stays as it is: the step already reaches"),
+        # auto: a minimum tail below the target grows from there
+        ((40, 25, 100, 60), {}, TailForecast(60, 20, ""), "45 B of the state's 100 B on the GPU"),
+        ((30, 100, 100, 60), {}, TailForecast(30, 0, ""), "is on the GPU from the start"),
+        # no GPU memory reading (off CUDA): the auto tail does not grow
+        ((30, 0, 100, None), {}, TailForecast(30, 0, ""), "without a GPU memory reading: no tail"),
+        # several ranks: all or nothing
+        ((30, 0, 100, 60), {"whole_only": True}, TailForecast(30, 0, ""), "each rank keeps its share on the host"),
+        ((30, 0, 20, 60), {"whole_only": True}, TailForecast(50, 20, ""), "the whole state (20 B) fits below"),
+    ],
+)
+def test_settle_tail_auto(args, kw, want, case):
+    peak, on_gpu, state, target = args
+    got = settle_tail("auto", peak=peak, on_gpu=on_gpu, state=state, target=target, **kw)
+    assert (got.peak, got.added) == (want.peak, want.added) and case in got.case
+    assert got.peak == peak + got.added
+
+
+@pytest.mark.parametrize(("fraction", "on_gpu", "peak", "added"),
+                         [(0.25, 0, 55, 25), (0.25, 25, 30, 0), (0.0, 0, 30, 0), (1.0, 0, 130, 100)])
+def test_settle_tail_fixed_fraction_puts_that_share_of_the_state_on_the_gpu(fraction, on_gpu, peak, added):
+    got = settle_tail(fraction, peak=30, on_gpu=on_gpu, state=100, target=60)  # a fixed tail ignores the target
+    assert (got.peak, got.added) == (peak, added) and got.case.startswith(f"gpu_fraction={fraction}: ")
+
+
+@pytest.mark.parametrize(("free", "reserved", "limit"),
+                         [(60 * GIB, 20 * GIB, 80 * GIB), (3 * GIB, 0, 4 * GIB), (GIB, 5 * GIB, 80 * GIB)])
+def test_tail_target_is_where_the_movers_budget_runs_out(monkeypatch, free, reserved, limit):
+    """The target is the peak at which the mover's own budget (free memory less its margin) reaches zero."""
+    from lightning_gh.superoffload import HeterogeneousAdamW
+    from lightning_gh.superoffload import memory as superoffload_memory
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    opt = HeterogeneousAdamW(model.parameters(), module=model, bucket_size=64)
+    try:
+        monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (free, limit))
+        budget, _ = opt.tail.budget()  # on the CPU: nothing reserved, no step's peak beyond it
+        assert tail_target(free, 0, limit) == budget + opt.tail.cast_chunk_bytes()
+        assert tail_target(free, reserved, limit) == reserved + budget + opt.tail.cast_chunk_bytes()
+    finally:
+        opt.close()
+
+
+def test_read_tail_reads_the_layout():
+    from lightning_gh.superoffload import HeterogeneousAdamW
+    from lightning_gh.superoffload.tail_mover import tail_bytes
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4))).to(torch.bfloat16)
+    opt = HeterogeneousAdamW(model.parameters(), module=model, bucket_size=32 * 32 + 32, gpu_fraction=0.5)
+    try:
+        r = read_tail(opt)
+        tail = [s for s in opt.layout.slots if s.residency == "device"]
+        per_layer = 32 * 32 + 32
+        assert sum(s.numel for s in tail) == 2 * per_layer  # the last-arriving half: the first two layers
+        assert r.state == tail_bytes(opt.layout.slots) == 4 * per_layer * (8 + 4 + 2)  # moments, master, grad
+        assert r.on_gpu == tail_bytes(tail) == r.state // 2
+        assert r.tail_grads == r.host_grads == block_bytes(32 * 32 * 2) * 2 + block_bytes(32 * 2) * 2
+        host = max(opt.layout.buckets, key=lambda b: b.numel)
+        assert r.in_flight >= sum(block_bytes(s.numel * 2) for s in host.slots) > 0
+        assert r.step_temp == 4 * 2 * per_layer  # one chunk of fp32 gradient copies: the whole (small) tail
+    finally:
+        opt.close()
 
 
 # ---------------------------------------------------------------------------------------------------------- Lightning
@@ -210,6 +313,37 @@ def test_the_plan_says_why_there_is_no_prediction(tmp_path, kw, opts, reason):
     assert cb.plan.predicted_peak is None and cb.plan.prediction_note.startswith(reason)
     assert f"- predicted peak: {reason}" in cb.plan.table()
     assert len(cb.plan.prediction_note.splitlines()) == 1
+
+
+class CompiledBlock(L.LightningModule):
+    """A tiny model with one block compiled in place, as the fp8 plugins compile the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        self.blocks[1].compile(backend="eager")
+
+    def training_step(self, batch, batch_idx):
+        return self.blocks(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 8)), batch_size=2)
+
+
+def test_a_block_compiled_in_place_is_not_traced(tmp_path, monkeypatch):
+    traced = []
+    monkeypatch.setattr(forecast_mod, "trace_training_step", lambda *a, **k: traced.append(a))
+    cb = MemoryReport(folder=str(tmp_path), measure_steps=1)
+    trainer = L.Trainer(max_steps=1, callbacks=[cb], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(CompiledBlock())
+    assert traced == [] and cb.plan.predicted_peak is None
+    assert cb.plan.prediction_note == (
+        "no prediction: submodule 'blocks.1' (Linear, compiled in place): the compiler decides what the step saves "
+        "for backward, and a trace on fake tensors would compile it again")
 
 
 def test_the_trace_changes_nothing_real(tmp_path):

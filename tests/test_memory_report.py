@@ -158,3 +158,28 @@ def test_it_sits_beside_every_part_of_the_table(tmp_path):
         trainer.fit(model)
     data = json.loads((tmp_path / "memory_plan.json").read_text())
     assert data["decisions"]["SuperOffload"].startswith("SuperOffload host plan:")
+    # no GPU memory reading: the auto tail stays empty, and the plan says so
+    assert "SuperOffload: gpu_fraction='auto' without a GPU memory reading: no tail" in data["prediction_note"]
+    assert data["predicted"]["GPU tail grown after the first steps"] == 0
+
+
+def test_the_predicted_peak_holds_the_gpu_tail_superoffload_settles_on(tmp_path, monkeypatch):
+    """A GPU with room for the whole state beyond the tail's margin (the memory query replaced): the predicted peak
+    holds the whole state, which the first step's plan does not have yet."""
+    from lightning_gh.superoffload import memory as superoffload_memory
+    from lightning_gh.superoffload.tail_mover import tail_bytes
+
+    monkeypatch.setattr(superoffload_memory, "device_memory_room", lambda dev: (8 * GIB, 2 * GIB))
+    model = Tiny()
+    trainer = L.Trainer(max_steps=1, callbacks=[MemoryReport(folder=str(tmp_path))], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", strategy="superoffload")
+    with pytest.warns(UserWarning, match="SuperOffloadStrategy on cpu"):
+        trainer.fit(model)
+    data = json.loads((tmp_path / "memory_plan.json").read_text())
+    state = tail_bytes(trainer.optimizers[0].layout.slots)
+    assert state == 32 * 8 * (8 + 4)  # fp32 embedding: moments and its gradient, no separate master
+    assert data["predicted"]["GPU tail grown after the first steps"] == state
+    assert "SuperOffload: the whole state (3.0 KiB) fits below the auto tail's target" in data["prediction_note"]
+    assert "HeterogeneousAdamW: its state is counted as allocated now" not in data["prediction_note"]
+    assert data["predicted_peak"] >= sum(data["predicted"][k] for k in ("before the step", "activations")) + state

@@ -2,8 +2,10 @@
 (:func:`~lightning_gh.memory.predict.trace_step`), what the optimizers will hold
 (:func:`~lightning_gh.memory.optim.forecast`), and :func:`~lightning_gh.memory.predict.peak_from_parts`.
 
-:func:`why_not` (pure, tested as a table) says when no prediction is made; :func:`predict` makes one from the first
-batch, or says in one line why it could not.
+:func:`why_not` (pure, tested as a table) says when no prediction is made (a model with any part compiled is never
+traced: :func:`compiled_part`); :func:`predict` makes one from the first batch, or says in one line why it could
+not. Under SuperOffload the gradients of host-resident parameters leave the GPU as they arrive, and the peak holds
+the GPU tail its policy will settle on, not the one it has at the first batch (:mod:`.tail`).
 
 Example::
 
@@ -14,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,22 +26,55 @@ from torch.utils import _pytree as pytree
 
 from lightning_gh.memory.optim import forecast
 from lightning_gh.memory.predict import Peak, StepTrace, block_bytes, peak_from_parts, trace_step
+from lightning_gh.memory.tail import TailForecast, TailReading, read_tail, settle_tail, tail_target
 
-__all__ = ["Prediction", "predict", "why_not"]
+__all__ = ["Prediction", "compiled_part", "predict", "why_not"]
 
 
-def why_not(*, automatic_optimization: bool = True, compiled: bool = False, sharded: bool = False,
+def why_not(*, automatic_optimization: bool = True, compiled: bool | str = False, sharded: bool = False,
             activation_offload: bool = False) -> str | None:
-    """Why the step's memory is not predicted from a trace, or ``None`` when it is."""
+    """Why the step's memory is not predicted from a trace, or ``None`` when it is.
+
+    Args:
+        compiled: the model runs compiled: ``True``, or what runs compiled in words (:func:`compiled_part`).
+    """
     if not automatic_optimization:
         return "manual optimization: training_step steps the optimizer itself, so it is not traced"
     if compiled:
-        return "a torch.compile'd model: the compiler decides what the step saves for backward"
+        what = "a torch.compile'd model" if compiled is True else str(compiled)
+        return (f"{what}: the compiler decides what the step saves for backward, and a trace on fake tensors "
+                "would compile it again")
     if sharded:
         return "sharded parameters (DTensor): the trace runs on whole ones"
     if activation_offload:
         return "ActivationOffload decides at run time which activations leave the GPU (a budget= gives the peak)"
     return None
+
+
+def compiled_part(pl_module: torch.nn.Module) -> str | None:
+    """What of ``pl_module`` runs compiled, in words, or ``None``: the module itself (``torch.compile`` before
+    ``fit``), or its first submodule wrapped by ``torch.compile`` or compiled in place (``module.compile()``, as
+    the fp8 plugins compile the blocks), by :func:`~lightning_gh.superoffload.layout.is_compiled_region`.
+
+    Example::
+
+        >>> block = torch.nn.Linear(2, 2)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), block)
+        >>> compiled_part(model) is None
+        True
+        >>> block.compile()
+        >>> compiled_part(model)
+        "submodule '1' (Linear, compiled in place)"
+    """
+    from lightning_gh._lightning import is_compiled
+    from lightning_gh.superoffload.layout import is_compiled_region
+
+    for name, m in pl_module.named_modules():
+        if is_compiled_region(m):
+            how = "compiled in place" if getattr(m, "_compiled_call_impl", None) is not None else "torch.compile"
+            kind = type(getattr(m, "_orig_mod", m)).__name__
+            return f"the model ({how})" if not name else f"submodule {name!r} ({kind}, {how})"
+    return "a torch.compile'd model" if is_compiled(pl_module) else None
 
 
 @dataclass(frozen=True)
@@ -100,12 +136,10 @@ def predict(trainer: Any, pl_module: Any, batch: Any, owners: dict[str, int], al
         owners: GPU bytes per owner now (:func:`~lightning_gh.memory.plan.attribute`).
         allocated: bytes allocated on the device now (weights, buffers, the batch, the parts' buffers).
     """
-    from lightning_gh._lightning import is_compiled
-
     params = list(pl_module.parameters())
     sharded = any(type(p.data).__name__ == "DTensor" or type(p).__name__ == "DTensor" for p in params)
     offload = any(getattr(cb, "lgh_part", None) == "ActivationOffload" for cb in trainer.callbacks)
-    reason = why_not(automatic_optimization=pl_module.automatic_optimization, compiled=is_compiled(pl_module),
+    reason = why_not(automatic_optimization=pl_module.automatic_optimization, compiled=compiled_part(pl_module) or False,
                      sharded=sharded, activation_offload=offload)
     if reason is not None:
         return reason
@@ -116,23 +150,59 @@ def predict(trainer: Any, pl_module: Any, batch: Any, owners: dict[str, int], al
         return f"the step does not run on fake tensors: {type(e).__name__}: {first}"
     device = pl_module.device
     fc = forecast(trainer.optimizers, device.type)
-    notes = [f"{name}: its state is counted as allocated now" for name in fc.unknown]
-    superoffload = getattr(trainer.strategy, "lgh_part", None) == "SuperOffload"
-    grads = max(0, fc.grads - owners.get("gradients", 0))
-    if superoffload:
-        notes.append("SuperOffload: gradients leave the GPU as they arrive; its GPU tail as allocated now")
-        grads = 0
-    state = max(0, fc.state - owners.get("optimizer state", 0))
+    offloading = _superoffload_optimizers(trainer.optimizers)
+    handled = {type(o).__name__ for o in offloading}
+    notes = [f"{name}: its state is counted as allocated now" for name in fc.unknown if name not in handled]
     kept = getattr(trainer, "accumulate_grad_batches", 1) > 1
-    backward_peak = trace.backward_peak - (trace.grads if superoffload else 0)
-    peak = peak_from_parts(base=allocated, grads=grads, state=state, step_temp=fc.step_temp,
+    grads = max(0, fc.grads - owners.get("gradients", 0))
+    state = max(0, fc.state - owners.get("optimizer state", 0))
+    step_temp, backward_peak = fc.step_temp, trace.backward_peak
+    tails = [read_tail(o) for o in offloading]
+    if tails and not kept:  # gradients of micro-batches that do not end in step() stay on the GPU
+        leave = sum(t.host_grads for t in tails)
+        grads = max(0, grads - leave)
+        backward_peak = max(trace.retained, backward_peak - leave + max(t.in_flight for t in tails))
+    if tails:
+        step_temp = max(step_temp, *(t.step_temp for t in tails))
+    peak = peak_from_parts(base=allocated, grads=grads, state=state, step_temp=step_temp,
                            forward_peak=trace.forward_peak, backward_peak=backward_peak, grads_made=trace.grads,
                            grads_kept=kept)
     parts = {"before the step": allocated, "gradients": grads, "optimizer state": state,
-             "optimizer step temporaries": fc.step_temp, "activations": trace.retained,
+             "optimizer step temporaries": step_temp, "activations": trace.retained,
              "forward transient": trace.forward_peak - trace.retained,
              "backward above activations": max(0, backward_peak - trace.retained)}
+    if tails:
+        settled = _settle(offloading[0], tails, peak.allocated, device)
+        parts["GPU tail grown after the first steps"] = settled.added
+        peak = Peak(settled.peak, peak.phase, {k: v + settled.added for k, v in peak.phases.items()})
+        notes.append(f"SuperOffload: {settled.case}; gradients leave the GPU as they arrive"
+                     + (" (not between accumulated micro-batches)" if kept else ""))
     return Prediction(peak, parts, trace, tuple(notes))
+
+
+def _superoffload_optimizers(optimizers: Any) -> list[Any]:
+    """The :class:`~lightning_gh.superoffload.HeterogeneousAdamW` among ``optimizers`` (none unless that module
+    was imported)."""
+    mod = sys.modules.get("lightning_gh.superoffload.optimizer")
+    return [] if mod is None else [o for o in optimizers if isinstance(o, mod.HeterogeneousAdamW)]
+
+
+def _settle(opt: Any, tails: list[TailReading], peak: int, device: torch.device) -> TailForecast:
+    """The peak with the GPU tail ``opt``'s options settle on (see :func:`~lightning_gh.memory.tail.settle_tail`)."""
+    from lightning_gh.superoffload import memory as so_memory
+
+    target = None
+    room = so_memory.device_memory_room(device) if opt.options.gpu_fraction == "auto" else None
+    if room is not None:  # the limit as the mover's budget reads it
+        free, total = room
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        fraction = torch.cuda.get_per_process_memory_fraction(device) \
+            if cuda and hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+        target = tail_target(free, torch.cuda.memory_reserved(device) if cuda else 0, min(total, int(fraction * total)))
+    return settle_tail(opt.options.gpu_fraction, peak=peak, on_gpu=sum(t.on_gpu for t in tails),
+                       state=sum(t.state for t in tails), target=target,
+                       max_gpu_fraction=opt.options.max_gpu_fraction,
+                       whole_only=getattr(opt.tail, "shard", None) is not None)
 
 
 def allocated_now(pl_module: Any, owners: dict[str, int], batch: Any) -> int:

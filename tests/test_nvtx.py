@@ -79,6 +79,11 @@ CHILD = textwrap.dedent(
                 raise RuntimeError("boom at step 2")
             return super().training_step(batch, batch_idx)
 
+    class RankPid(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            with open(os.path.join(os.path.dirname(out), f"rank{trainer.global_rank}.pid"), "w") as f:
+                f.write(str(os.getpid()))
+
     class Collects(LlamaLM):
         def training_step(self, batch, batch_idx):
             gc.collect()
@@ -127,6 +132,16 @@ CHILD = textwrap.dedent(
         elif s == "cost":
             b = select_backend("lgh_cost")
             results[s] = {"backend": b.name, "tool_attached": b.tool_attached, "push_pop_us": push_pop_cost_us(b)}
+        elif s == "ddp":  # two forked ranks; only rank 0 selected (test_ddp_ranks_select_processes)
+            torch.manual_seed(0)
+            model = LlamaLM.from_preset("tiny", overrides=TINY)
+            dm = MarkovDataModule.for_model(model, num_train_samples=256)
+            trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=3, logger=False,
+                                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                                limit_val_batches=0, default_root_dir=os.path.dirname(out),
+                                callbacks=[NVTXRangeCallback(ranks="0", domain="lgh_ddp"), RankPid()])
+            trainer.fit(model, dm)
+            results[s] = {"pids": {r: open(os.path.join(os.path.dirname(out), f"rank{r}.pid")).read() for r in (0, 1)}}
     with open(out, "w") as f:
         json.dump(results, f)
     '''
@@ -220,7 +235,8 @@ def train_step(n: int, accumulate: int = 1, tokens: int = TOKENS, inside_forward
 @pytest.fixture(scope="module")
 def injected(inject_lib, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nvtx_run")
-    results, tmp = run_child(tmp, ["basic", "accum", "window", "modules", "raises", "cost"], inject_lib)
+    # one interpreter for every scenario, the two-rank DDP run (forked) last
+    results, tmp = run_child(tmp, ["basic", "accum", "window", "modules", "raises", "cost", "ddp"], inject_lib)
     return results, read_events(tmp)
 
 
@@ -335,48 +351,15 @@ def test_torch_backend_ranges(inject_lib, tmp_path):
     assert sum(x[0] == "pop" for x in got) == sum(x[0] == "pop" for x in strip)
 
 
-DDP_CHILD = textwrap.dedent(
-    r'''
-    import json, os, sys
-    import lightning as L, torch
-    from lightning_gh.demo import LlamaLM, MarkovDataModule
-    from lightning_gh.profiling.nvtx import NVTXRangeCallback
-
-    class RankPid(L.Callback):
-        def setup(self, trainer, pl_module, stage):
-            with open(os.path.join(sys.argv[2], f"rank{trainer.global_rank}.pid"), "w") as f:
-                f.write(str(os.getpid()))
-
-    if __name__ == "__main__":
-        torch.manual_seed(0)
-        model = LlamaLM.from_preset("tiny", overrides=json.loads(sys.argv[1]))
-        dm = MarkovDataModule.for_model(model, num_train_samples=256)
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=3, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                            limit_val_batches=0, default_root_dir=sys.argv[2],
-                            callbacks=[NVTXRangeCallback(ranks="0", domain="lgh_ddp"), RankPid()])
-        trainer.fit(model, dm)
-    '''
-)
-
-
-def test_ddp_ranks_select_processes(inject_lib, tmp_path):
-    script = tmp_path / "ddp_child.py"
-    script.write_text(DDP_CHILD)
-    env = {k: v for k, v in os.environ.items() if k not in ("LGH_NVTX_BACKEND", "LGH_NVTX_STEPS")}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), PYTHONWARNINGS="ignore",
-               NVTX_INJECTION64_PATH=str(inject_lib), LGH_NVTX_LOG=str(tmp_path / "nvtx.%p.log"))
-    r = subprocess.run([sys.executable, str(script), json.dumps(TINY), str(tmp_path)], capture_output=True, text=True,
-                       timeout=300, env=env, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-6000:]
-    pids = {rank: (tmp_path / f"rank{rank}.pid").read_text() for rank in (0, 1)}
-    assert pids[0] != pids[1]
-    events = read_events(tmp_path)
+def test_ddp_ranks_select_processes(injected):
+    results, events = injected
+    pids = results["ddp"]["pids"]
+    assert pids["0"] != pids["1"]
     by_rank = {rank: [e for e in events if e["file"] == f"nvtx.{pid}.log" and e["domain"] == "lgh_ddp"]
                for rank, pid in pids.items()}
-    steps = [e["payload"] for e in by_rank[0] if e["kind"] == "push" and e["msg"] == "train_step"]
+    steps = [e["payload"] for e in by_rank["0"] if e["kind"] == "push" and e["msg"] == "train_step"]
     assert steps == ["i64:0", "i64:1", "i64:2"]
-    assert by_rank[1] == []  # rank 1 did not even create the domain
+    assert by_rank["1"] == []  # rank 1 did not even create the domain
 
 
 # ---------------------------------------------------------------------------- no tool attached / no backend

@@ -577,7 +577,7 @@ def test_callback_under_ddp_generates_on_rank_zero_only(tmp_path):
 
 
 _SHARDED_WORKER = """
-import json, os, sys
+import json, os, socket, sys, traceback
 import lightning as L
 import torch
 import transformers
@@ -588,6 +588,16 @@ from lightning_gh.kv import GenerationCallback, KVOffloadOptions
 
 out = sys.argv[1]
 transformers.logging.set_verbosity_error()
+
+# The two ranks are this interpreter and a fork of it, made here after the imports (Lightning's own launcher would
+# start a second interpreter); LOCAL_RANK in the environment tells Lightning the processes exist already.
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
+child = os.fork()
+rank = 1 if child == 0 else 0
+os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
 
 
 class LM(L.LightningModule):
@@ -629,9 +639,18 @@ trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy
                     tensor_parallel_size=1), max_steps=2, val_check_interval=1, limit_val_batches=1,
                     check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, callbacks=[cb])
-trainer.fit(LM(), data, data)
-with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-    json.dump({"history": [h["ids"] for h in cb.history], "generated": cb.generated}, f)
+try:
+    trainer.fit(LM(), data, data)
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"history": [h["ids"] for h in cb.history], "generated": cb.generated}, f)
+except BaseException:
+    traceback.print_exc()
+    sys.stdout.flush()
+    os._exit(1)
+if child == 0:
+    sys.stdout.flush()
+    os._exit(0)
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
 """
 
 

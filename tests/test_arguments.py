@@ -154,24 +154,12 @@ def _generic() -> list[tuple[str, str, Any]]:
             and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
 
 
-# (constructor, parameter) whose wrong-typed values still raise ValueError (or nothing) in a module outside the options
-# modules, with that module: their TypeError cases are strict expected failures, so each entry must go as soon as its
-# module follows the rule.
-PENDING: dict[tuple[str, str], str] = {
-    ("Float8Precision", "recipe"): "precision.names.canonical raises ValueError for a name that is not a string",
-    ("SuperOffloadFSDPStrategy", "data_parallel_size"): "superoffload.fsdp: ValueError for a float",
-    ("SuperOffloadFSDPStrategy", "save_distributed_checkpoint"): "superoffload.fsdp: not checked",
-}
-
-
 def _case(name: str, param: str, value: Any, expected: type[Exception]) -> Any:
     if isinstance(value, st.SearchStrategy):
         case_id = f"{name}-{param}"
     else:
         case_id = f"{name}-{param}-{value if isinstance(value, (str, int, float, tuple, type(None))) else 'object'!r}"
-    pending = PENDING.get((name, param)) if expected is TypeError else None
-    marks = [pytest.mark.xfail(reason=pending, strict=True)] if pending else []
-    return pytest.param(name, param, value, expected, id=case_id, marks=marks)
+    return pytest.param(name, param, value, expected, id=case_id)
 
 
 def _typed_cases() -> list[Any]:

@@ -53,10 +53,12 @@ def canonical(name: Any) -> str:
     """``name`` lower-cased with aliases resolved.
 
     Raises:
-        ValueError: ``name`` is not a string or not a known name (the message lists the valid ones).
+        TypeError: ``name`` is not a string.
+        ValueError: ``name`` is not a known name (the message lists the valid ones).
     """
     if not isinstance(name, str):
-        raise ValueError(f"precision name={name!r} must be a string; valid names: {', '.join(precision_names())}.")
+        raise TypeError(f"precision name={name!r} must be a string, got {type(name).__name__}; valid names: "
+                        f"{', '.join(precision_names())}.")
     key = name.strip().lower()
     key = LIGHTNING_ALIASES.get(key, key)
     if key not in FP8_NAMES and key not in LIGHTNING_NAMES and key != "fp8-auto":

@@ -44,6 +44,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 
 from lightning_gh import _lightning, compat
+from lightning_gh._options import check_type
 from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options
 from lightning_gh.superoffload.strategy import SuperOffloadStrategy
@@ -108,9 +109,9 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
                  options: SuperOffloadOptions | None = None, process_group_backend: str | None = None,
                  timeout: Any = default_pg_timeout, **option_kwargs: Any) -> None:
         self.options = resolve_options(options, "SuperOffloadFSDPStrategy", **option_kwargs)
-        if not (data_parallel_size == "auto" or (isinstance(data_parallel_size, int)
-                                                 and not isinstance(data_parallel_size, bool)
-                                                 and data_parallel_size >= 1)):
+        check_type("SuperOffloadFSDPStrategy", "data_parallel_size", data_parallel_size, int | str)
+        check_type("SuperOffloadFSDPStrategy", "save_distributed_checkpoint", save_distributed_checkpoint, bool)
+        if not (data_parallel_size == "auto" or (isinstance(data_parallel_size, int) and data_parallel_size >= 1)):
             raise ValueError(f"data_parallel_size={data_parallel_size!r} must be 'auto' or an int >= 1.")
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,

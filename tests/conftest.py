@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,61 @@ def _fresh_host_plan():
     for share in _host.PLAN.shares():
         _host.PLAN.release(share.part)
     yield
+
+
+#: Import orders of the precision modules that a cycle among them would fail (tests/test_precision.py).
+PRECISION_IMPORT_ORDERS = [
+    [first] + [f"lightning_gh.precision.{m}" for m in ("export", "plugin", "registry", "auto", "ao", "te", "trial",
+                                                         "regional", "master", "fused_master", "base", "options",
+                                                         "checks", "names")]
+    for first in ("lightning_gh.precision.te", "lightning_gh.precision.auto", "lightning_gh.precision.registry")
+]
+
+
+@pytest.fixture(scope="session")
+def fresh_import_report():
+    """What a fresh interpreter sees when it imports the package, for the tests that need a process where no
+    lightning_gh module is loaded yet, from one interpreter instead of one each.
+
+    It imports torch and Lightning (never this package) and then
+
+    * forks one child per order in :data:`PRECISION_IMPORT_ORDERS`: each child starts with no lightning_gh module
+      loaded, as a fresh interpreter would, and imports the precision modules in that order (``codes``: the
+      children's exit codes, their tracebacks on stderr);
+    * imports ``lightning_gh`` itself and records the matplotlib modules that this added (``matplotlib_added``,
+      with ``lightning_gh.profiling.plot`` if it was loaded) and whether ``"superoffload"`` is in Lightning's
+      ``StrategyRegistry`` (``superoffload_registered``);
+    * imports ``lightning_gh.precision`` and lists the optional backends loaded by then (``optional_backends``).
+    """
+    code = textwrap.dedent(f"""
+        import importlib, json, os, sys, traceback
+        import torch, lightning
+        assert not [m for m in sys.modules if m.split(".")[0] == "lightning_gh"]
+        pids = []
+        for order in {PRECISION_IMPORT_ORDERS!r}:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    for name in order:
+                        importlib.import_module(name)
+                except BaseException:
+                    traceback.print_exc()
+                    os._exit(1)
+                os._exit(0)
+            pids.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        before = {{m for m in sys.modules if m.split(".")[0] == "matplotlib"}}
+        import lightning_gh
+        added = {{m for m in sys.modules if m.split(".")[0] == "matplotlib"}} - before
+        plot = [m for m in sys.modules if m == "lightning_gh.profiling.plot"]
+        from lightning.pytorch.strategies import StrategyRegistry
+        registered = "superoffload" in StrategyRegistry
+        import lightning_gh.precision
+        optional = [m for m in sys.modules if m.split(".")[0] in ("torchao", "transformer_engine", "nvtx")]
+        print("REPORT " + json.dumps({{"codes": codes, "matplotlib_added": sorted(added) + plot,
+                                       "superoffload_registered": registered, "optional_backends": optional}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))
+    return {**json.loads(line[len("REPORT "):]), "stderr": proc.stderr}

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import lightning as L
 import pytest
 import torch
@@ -76,7 +71,7 @@ def test_unknown_name_lists_the_valid_ones():
     assert "'fp8-te-delayd'" in msg
     for name in ("fp8-te-delayed", "fp8-ao-tensorwise", "fp8-auto", "bf16-mixed", "32-true"):
         assert name in msg
-    with pytest.raises(ValueError, match="must be a string"):
+    with pytest.raises(TypeError, match="must be a string"):
         precision(16)
 
 
@@ -135,45 +130,9 @@ def test_fp8_auto_falls_back_to_bf16_with_the_reason():
     assert plugin.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.fixture(scope="module")
-def fresh_imports():
-    """One interpreter that imports torch and Lightning (not this package), then (a) forks one child per import
-    order of the precision modules: each child starts with no lightning_gh module loaded, as a fresh interpreter
-    would, without importing torch again; (b) imports ``lightning_gh`` and ``lightning_gh.precision`` itself and
-    lists the optional backends that came with them. Returns the children's exit codes, that list and stderr."""
-    mods = ["names", "checks", "options", "base", "fused_master", "master", "regional", "trial", "te", "ao", "auto",
-            "registry",
-            "plugin", "export"]
-    firsts = ("lightning_gh.precision.te", "lightning_gh.precision.auto", "lightning_gh.precision.registry")
-    orders = [[first] + [f"lightning_gh.precision.{m}" for m in reversed(mods)] for first in firsts]
-    code = textwrap.dedent(f"""
-        import importlib, json, os, sys, traceback
-        import torch, lightning
-        assert not [m for m in sys.modules if m.split(".")[0] == "lightning_gh"]
-        pids = []
-        for order in {orders!r}:
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    for name in order:
-                        importlib.import_module(name)
-                except BaseException:
-                    traceback.print_exc()
-                    os._exit(1)
-                os._exit(0)
-            pids.append(pid)
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        import lightning_gh, lightning_gh.precision
-        bad = [m for m in sys.modules if m.split('.')[0] in ('torchao', 'transformer_engine', 'nvtx')]
-        print(json.dumps({{"codes": codes, "optional": bad}}))
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {**json.loads(proc.stdout.splitlines()[-1]), "stderr": proc.stderr}
-
-
-def test_importing_the_package_imports_no_optional_backend(fresh_imports):
-    assert fresh_imports["optional"] == [], fresh_imports["optional"]
+def test_importing_the_package_imports_no_optional_backend(fresh_import_report):
+    # import lightning_gh, lightning_gh.precision in a fresh interpreter (tests/conftest.py)
+    assert fresh_import_report["optional_backends"] == []
 
 
 # ---------------------------------------------------------------- layer filter
@@ -395,10 +354,10 @@ def test_fp8_with_cuda_graph_capture_is_refused_by_the_parts_table():
         TorchAOFloat8Precision(emulate=True, min_dim=0).convert_module(model)
 
 
-def test_precision_modules_import_without_a_cycle(fresh_imports):
-    # Each module imports on its own in a fresh interpreter (a forked child, see fresh_imports), in an order where a
-    # cycle would fail.
-    assert fresh_imports["codes"] == [0, 0, 0], fresh_imports["stderr"][-3000:]
+def test_precision_modules_import_without_a_cycle(fresh_import_report):
+    # Each module imports on its own in a fresh interpreter (a forked child, see fresh_import_report in
+    # tests/conftest.py), in the orders of PRECISION_IMPORT_ORDERS, where a cycle would fail.
+    assert fresh_import_report["codes"] == [0, 0, 0], fresh_import_report["stderr"][-3000:]
 
 
 def test_lgh_precision_stays_callable_once_the_package_is_imported():

@@ -142,11 +142,24 @@ def test_the_forecast_matches_the_state_adamw_creates():
     [({}, None), ({"automatic_optimization": False}, "manual optimization"), ({"compiled": True}, "torch.compile"),
      ({"compiled": "submodule 'model.layers.0' (LlamaDecoderLayer, compiled in place)"},
       "submodule 'model.layers.0' (LlamaDecoderLayer, compiled in place): the compiler decides"),
-     ({"sharded": True}, "DTensor"), ({"activation_offload": True}, "ActivationOffload")],
+     ({"sharded": True}, "DTensor"), ({"activation_offload": True}, "ActivationOffload"),
+     ({"stateful": "submodule 'acc' (MeanMetric, a torchmetrics Metric)"}, "submodule 'acc' (MeanMetric")],
 )
 def test_why_not(kw, reason):
     got = why_not(**kw)
     assert got is None if reason is None else reason in got and len(got.splitlines()) == 1
+
+
+def test_a_module_with_a_torchmetrics_metric_is_not_traced():
+    """A traced step would feed fake tensors to the metric's update: the plan says why, and the metric's state is
+    left alone."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    from lightning_gh.memory.forecast import stateful_part
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert stateful_part(net) is None
+    net.acc = torchmetrics.MeanMetric()
+    assert stateful_part(net) == "submodule 'acc' (MeanMetric, a torchmetrics Metric)"
 
 
 def _in_place(m):

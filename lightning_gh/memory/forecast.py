@@ -28,15 +28,16 @@ from lightning_gh.memory.optim import forecast
 from lightning_gh.memory.predict import Peak, StepTrace, block_bytes, peak_from_parts, trace_step
 from lightning_gh.memory.tail import TailForecast, TailReading, read_tail, settle_tail, tail_target
 
-__all__ = ["Prediction", "compiled_part", "predict", "why_not"]
+__all__ = ["Prediction", "compiled_part", "predict", "stateful_part", "why_not"]
 
 
 def why_not(*, automatic_optimization: bool = True, compiled: bool | str = False, sharded: bool = False,
-            activation_offload: bool = False) -> str | None:
+            activation_offload: bool = False, stateful: str | None = None) -> str | None:
     """Why the step's memory is not predicted from a trace, or ``None`` when it is.
 
     Args:
         compiled: the model runs compiled: ``True``, or what runs compiled in words (:func:`compiled_part`).
+        stateful: a submodule whose state a traced step would change (:func:`stateful_part`), in words.
     """
     if not automatic_optimization:
         return "manual optimization: training_step steps the optimizer itself, so it is not traced"
@@ -48,6 +49,18 @@ def why_not(*, automatic_optimization: bool = True, compiled: bool | str = False
         return "sharded parameters (DTensor): the trace runs on whole ones"
     if activation_offload:
         return "ActivationOffload decides at run time which activations leave the GPU (a budget= gives the peak)"
+    if stateful:
+        return (f"{stateful} keeps state across steps that a traced step would update with fake tensors, so the "
+                "step is not traced")
+    return None
+
+
+def stateful_part(pl_module: torch.nn.Module) -> str | None:
+    """The first submodule of ``pl_module`` that accumulates state when the step runs (a torchmetrics ``Metric``:
+    its ``update`` adds to tensors that are not parameters or buffers), in words, or ``None``."""
+    for name, m in pl_module.named_modules():
+        if any(c.__module__.startswith("torchmetrics") and c.__name__ == "Metric" for c in type(m).__mro__):
+            return f"submodule {name!r} ({type(m).__name__}, a torchmetrics Metric)"
     return None
 
 
@@ -140,7 +153,7 @@ def predict(trainer: Any, pl_module: Any, batch: Any, owners: dict[str, int], al
     sharded = any(type(p.data).__name__ == "DTensor" or type(p).__name__ == "DTensor" for p in params)
     offload = any(getattr(cb, "lgh_part", None) == "ActivationOffload" for cb in trainer.callbacks)
     reason = why_not(automatic_optimization=pl_module.automatic_optimization, compiled=compiled_part(pl_module) or False,
-                     sharded=sharded, activation_offload=offload)
+                     sharded=sharded, activation_offload=offload, stateful=stateful_part(pl_module))
     if reason is not None:
         return reason
     try:

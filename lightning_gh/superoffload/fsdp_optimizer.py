@@ -45,9 +45,11 @@ Note [ZeRO-3 step and the forward's wait]
        the next write into that buffer is the next backward's copy, which step 1 queues behind this copy's event.
     4. The next forward: a forward pre-hook on every FSDP module, registered with ``prepend=True`` after
        ``fully_shard`` registered FSDP2's own pre-forward hook (which all-gathers the module's parameters), so it
-       runs first, waits for that unit to be ready (and makes the compute stream wait for its copy back). The CPU
-       update of later units therefore overlaps the forward of earlier ones, and no all-gather can read a shard
-       before its update is in place. FSDP2's explicit forward prefetching
+       runs first, waits for that unit to be ready and then, on the host, for its copy back to finish (the
+       copy's event). The host wait, not only a stream wait, is what orders the copy before the all-gather:
+       FSDP2 all-gathers a non-root unit on its own streams, which wait for the compute stream only at the root's
+       pre-forward. The CPU update of later units therefore overlaps the forward of earlier ones, and no
+       all-gather can read a shard before its update is in place. FSDP2's explicit forward prefetching
        (``FSDPModule.set_modules_to_forward_prefetch``) all-gathers a later module from an earlier module's
        pre-forward, before the later module's own hook runs; it is refused (see
        :func:`~.fsdp_units.check_no_forward_prefetch`).
@@ -442,6 +444,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             self.stats["wait_ms"] += (time.perf_counter() - t0) * 1e3
         self._raise()
         if self.cuda and u.h2d_event is not None:
+            # On the host: FSDP2's all-gather streams do not wait for the compute stream here (see the Note).
+            u.h2d_event.synchronize()
             torch.cuda.current_stream(self.device).wait_event(u.h2d_event)
 
     def synchronize(self) -> None:
@@ -465,11 +469,16 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             if self._thread is not None:
                 self._queue.put(None)
                 self._thread.join(timeout=30)
-                self._thread = None
             self._grads.remove_hooks()
             for u in self._units:
                 u.hook.remove()
-                u.release()
+            alive = self._thread is not None and self._thread.is_alive()
+            if self.cuda:  # copies to and from the pinned buffers may still be in flight
+                torch.cuda.synchronize(self.device)
+            if not alive:  # a worker still running (its join timed out) may still touch the buffers: keep them
+                for u in self._units:
+                    u.release()
+            self._thread = None
 
     # ------------------------------------------------------------------ the CPU thread
     def _start(self) -> None:

@@ -235,14 +235,14 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         """Every rank checks its host room before any rank pins its buffers, and the ranks fail together: a rank
         that checked after another had pinned would see that memory as gone, and a rank that raised alone would
         leave the others waiting in their next collective."""
-        err: HostMemoryError | None = None
+        err: Exception | None = None  # any failure of the check, so that no rank skips the flag's all_reduce
         if self.options.host_memory_check:
             try:
                 check_host_room(host_bytes, what="ShardedHostAdamW (fp32 master, moments and gradient rows of "
                                 "this rank's shards)", headroom=0.9 / max(1, min(local_world_size(), self.world)),
                                 tips=["run more ranks (each holds 1/N of the state)", "fewer ranks per host"],
                                 opt_out="host_memory_check=False", part=PLAN_PART, owner=self)
-            except HostMemoryError as e:
+            except Exception as e:
                 err = e
         if self.world > 1:
             failed = torch.tensor([0.0 if err is None else 1.0], device=self.device)
@@ -252,7 +252,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                     PLAN.release(PLAN_PART)  # this rank's claim: nothing gets pinned
                 raise HostMemoryError(
                     f"ShardedHostAdamW: {int(failed.item())} other rank(s) of this job lack host memory for their "
-                    "shards (see their HostMemoryError); no rank pinned its buffers. Run more ranks (each holds 1/N "
+                    "shards or could not check it (see their error); no rank pinned its buffers. Run more ranks (each holds 1/N "
                     "of the state), fewer ranks per host, or pass host_memory_check=False.")
         if err is not None:
             raise err

@@ -610,6 +610,10 @@ def table(rows: list[Row], anchor: str | None) -> str:
                      f"{f(r.tokens_per_s, ',.0f')} | {f(r.mfu, '.1%')} | {speed} | "
                      f"{f(r.peak_gpu_gib, '.1f')} | {mem} | {f(r.host_used_gib, '.0f')} | {rss} | {f(gap, '.1e')} | "
                      f"{cpu_ms} | {wait_ms} | {cs} | {r.error or 'ok'} |")
+    lines.append("")
+    lines.append("loss gap: the largest relative difference of a row's first 4 losses from the anchor's; it also holds "
+                 "any difference of clipping and precision between the two rows (a sanity check; exactness is what "
+                 "the CPU tests check bitwise).")
     return "\n".join(lines)
 
 

@@ -61,8 +61,11 @@ class MemoryReportOptions:
     """Allocations the history keeps (the newest)."""
     predict: bool = True
     """Predict the step's peak before the first step: its training_step and backward traced once on fake tensors
-    (no GPU memory is used; host time grows with the number of ops of the step). Without it, only an
-    ActivationOffload budget gives a prediction."""
+    (no GPU memory is used; host time grows with the number of ops of the step). The module's ``training_step``
+    runs once more for it, with fake tensors, its parameters and buffers swapped and ``self.log`` silenced: a step
+    with other side effects (counters, files, state outside parameters and buffers) should turn it off; modules
+    holding torchmetrics metrics and compiled models are not traced. Without it, only an ActivationOffload budget
+    gives a prediction."""
     measure_steps: int = 3
     """Optimizer steps after which the measured peak is compared with the plan."""
     folder: str | None = None

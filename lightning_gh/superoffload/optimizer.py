@@ -394,9 +394,11 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
                     opt._before_forward(_slots)
 
             if compiled and getattr(m, "_compiled_call_impl", None) is not None:  # compiled in place
-                self._module_hooks.append(WaitBeforeCompiledCall(m, functools.partial(pre_hook, m, ())))
+                wait = torch._dynamo.disable(functools.partial(pre_hook, m, ()))  # also under an outer compile
+                self._module_hooks.append(WaitBeforeCompiledCall(m, wait))
             else:
-                self._module_hooks.append(m.register_forward_pre_hook(pre_hook))
+                self._module_hooks.append(m.register_forward_pre_hook(torch._dynamo.disable(pre_hook) if compiled
+                                                                      else pre_hook))
 
     def synchronize(self) -> None:
         """Block until every queued CPU update has finished and make the current stream wait for the copies

@@ -29,6 +29,7 @@ from lightning_gh.superoffload.fsdp import SuperOffloadFSDPStrategy, check_optim
 from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
 from lightning_gh.superoffload.fsdp_units import (
     LocalShard,
+    device_share,
     fsdp_units,
     positioned_update,
     tail_range,
@@ -215,8 +216,9 @@ class SpyAdamW(ShardedHostAdamW):
         super().wait_for(unit_index)
 
 
-def _opt(model: nn.Module, cls=ShardedHostAdamW) -> ShardedHostAdamW:
-    return cls(groups(model), lr=1e-2, betas=(0.9, 0.95), module=model, max_grad_norm=MAX_NORM, cpu_threads=1)
+def _opt(model: nn.Module, cls=ShardedHostAdamW, gpu_fraction: float | str = "auto") -> ShardedHostAdamW:
+    return cls(groups(model), lr=1e-2, betas=(0.9, 0.95), module=model, max_grad_norm=MAX_NORM, cpu_threads=1,
+               gpu_fraction=gpu_fraction)
 
 
 def _full(model: nn.Module) -> list[torch.Tensor]:
@@ -257,16 +259,17 @@ def _load(model, opt, sched, path: str) -> None:
     sched.load_state_dict(torch.load(f"{path}-sched.pt"))
 
 
-def _module_run(rank: int, world: int, tmp: str) -> None:
+def _module_run(rank: int, world: int, tmp: str, fraction: float | str = "auto") -> None:
     from torch.distributed.tensor import DTensor
 
     _init(rank, world)
+    tag = "" if fraction == "auto" else f"-share{fraction}"
     model = shard(make_model())
     control: list[bool] = []  # a plain pre-hook runs after FSDP2's: the parameters are unsharded there
     model[1].register_forward_pre_hook(lambda m, a: control.append(isinstance(m[0].weight, DTensor)))
     SpyAdamW.test_units = [params for _, params in fsdp_units(model)]
     SpyAdamW.test_sharded_at_wait = []
-    opt = _opt(model, SpyAdamW)
+    opt = _opt(model, SpyAdamW, fraction)
     sched = schedule(opt)
     losses = []
     released = []  # after backward, before step(): no parameter holds a gradient (all moved to the host)
@@ -279,18 +282,19 @@ def _module_run(rank: int, world: int, tmp: str) -> None:
         opt.zero_grad()
         sched.step()
         if step + 1 == MID:
-            _save(model, opt, sched, f"{tmp}/dcp")
+            _save(model, opt, sched, f"{tmp}/dcp{tag}")
     opt.synchronize()  # the last step's update is in the weights (the next forward would wait for it)
     out = {"params": _full(model), "state": _full_state(opt), "stats": dict(opt.stats), "losses": losses,
            "sharded_at_wait": list(SpyAdamW.test_sharded_at_wait), "control": control,
-           "host_numel": sum(u.numel for u in opt._units), "released": released}
+           "host_numel": sum(u.state.tensor.numel() // 3 for u in opt._units if not u.on_device),
+           "device_units": opt.device_units, "released": released}
     opt.close()
 
     # resume on the same 2 ranks from the step-MID checkpoint
     model = shard(make_model())
-    opt = _opt(model)
+    opt = _opt(model, gpu_fraction=fraction)
     sched = schedule(opt)
-    _load(model, opt, sched, f"{tmp}/dcp")
+    _load(model, opt, sched, f"{tmp}/dcp{tag}")
     resumed = []
     for step in range(MID, STEPS):
         loss = local_loss(model, step, rank)
@@ -303,7 +307,8 @@ def _module_run(rank: int, world: int, tmp: str) -> None:
     out["resumed_params"] = _full(model)
     out["resumed_losses"] = resumed
     opt.close()
-    torch.save(out, f"{tmp}/module-rank{rank}.pt")
+    out["resumed_device_units"] = opt.device_units
+    torch.save(out, f"{tmp}/module{tag}-rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -355,6 +360,47 @@ def test_two_ranks_equal_one_process_adamw_bitwise(module_runs):
         assert st["steps"] == STEPS and st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
     total = sum(p.numel() for p in ref["params"])
     assert sum(out["host_numel"] for out in module_runs["ranks"]) == total  # each rank holds its rows only
+
+
+@pytest.fixture(scope="module")
+def share_runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("zero3-share"))
+    run_ranks(_module_run, WORLD, tmp, 0.5)
+    return [torch.load(f"{tmp}/module-share0.5-rank{r}.pt") for r in range(WORLD)]
+
+
+def test_gpu_share_equals_one_process_adamw_bitwise_and_resumes(share_runs, module_runs):
+    """gpu_fraction=0.5: the first units in forward order (the root, then model[0]: 384 of 959 elements) keep their
+    state on the parameters' device (here the CPU) and are updated there by torch's fused AdamW in step(); results
+    bitwise equal to the reference, the host buffers hold only model[1]'s rows, and a checkpoint resumes."""
+    ref = module_runs["ref"]
+    for rank, out in enumerate(share_runs):
+        assert out["device_units"] == [0, 1] and out["resumed_device_units"] == [0, 1]
+        for p, q in zip(out["params"], ref["params"]):
+            assert torch.equal(p, q), f"rank {rank}: parameters differ"
+        _assert_state(out["state"], ref["state"])
+        assert out["losses"] == [ref["losses"][s][rank] for s in range(STEPS)]
+        st = out["stats"]
+        assert st["steps"] == STEPS and st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
+        assert out["released"] == [False] * STEPS  # the device units' gradients stay in param.grad for step()
+        assert out["resumed_losses"] == out["losses"][MID:]
+        assert all(torch.equal(p, q) for p, q in zip(out["resumed_params"], out["params"]))
+    assert sum(out["host_numel"] for out in share_runs) == 24 * 23 + 23  # model[1] only, split over the ranks
+
+
+@pytest.mark.parametrize(("order", "numels", "fraction", "expected"), [
+    ([0, 1, 2], [72, 312, 575], 0.5, [0, 1]),  # the test model: the root and model[0]
+    ([0, 1, 2], [72, 312, 575], 1.0, [0, 1, 2]),
+    ([0, 1, 2], [72, 312, 575], 0.0, []),
+    ([0, 1, 2], [72, 312, 575], 0.04, [0]),  # half of the root's elements fit
+    ([0, 1, 2], [72, 312, 575], 0.03, []),
+    ([2, 0, 1], [72, 312, 575], 0.5, [2]),  # forward order, not module order: a prefix, never a later unit
+    ([1, 0], [10, 10], 0.74, [1]),
+    ([1, 0], [10, 10], 0.75, [1, 0]),
+    ([], [], 0.5, []),
+])
+def test_device_share_table(order, numels, fraction, expected):
+    assert device_share(order, numels, fraction) == expected
 
 
 def test_gradients_leave_the_device_during_backward(module_runs):
@@ -598,7 +644,7 @@ def test_optimizer_checks():
 @pytest.mark.parametrize(("kwargs", "bad"), [
     ({}, []),
     ({"gpu_fraction": 0.0, "speculative": False}, []),
-    ({"gpu_fraction": 0.3}, ["gpu_fraction=0.3"]),
+    ({"gpu_fraction": 0.3}, []),
     ({"speculative": True}, ["speculative=True"]),
 ])
 def test_unsupported_options_table(kwargs, bad):

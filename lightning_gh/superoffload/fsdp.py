@@ -90,7 +90,9 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: as for ``ModelParallelStrategy``: a folder of shards (the default; use it on
             GPUs) or one full file assembled on rank 0.
         options: :class:`~lightning_gh.superoffload.SuperOffloadOptions` (``skip_nonfinite``, ``cpu_threads``,
-            ``host_memory_check`` apply; see :func:`~.fsdp_units.unsupported_options`).
+            ``host_memory_check`` and ``gpu_fraction`` apply: a float keeps the state of the first FSDP units in
+            forward order on the GPU, ``"auto"`` keeps it all in host memory (no sizing from measured GPU memory
+            on this path yet); see :func:`~.fsdp_units.unsupported_options`).
         **option_kwargs: the same options as keywords instead.
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
 

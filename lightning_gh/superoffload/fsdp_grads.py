@@ -1,6 +1,7 @@
 """The gradients of one ZeRO-3 step (:class:`~.fsdp_optimizer.ShardedHostAdamW`): per FSDP unit, the local gradient
 rows go to the unit's host buffer and the norms the exact clip needs are taken, as soon as FSDP2 has
-reduce-scattered the unit's gradients (during backward; the GPU gradients are then released), or in ``step()`` for
+reduce-scattered the unit's gradients (during backward; the GPU gradients are then released, except those of the
+units whose state lives on the device, which ``step()`` updates there), or in ``step()`` for
 the units whose gradients did not arrive that way (:class:`UnitGradients`). See Note [ZeRO-3 step and the forward's
 wait] in :mod:`.fsdp_optimizer`.
 """
@@ -35,6 +36,8 @@ class UnitGradients:
         device: the parameters' device (the norms live there).
         stream: the side stream of the device-to-host copies on CUDA, else ``None`` (plain copies).
         wait: ``wait(unit)`` returns once the unit's last update has read its host gradient rows.
+        prepare: ``prepare()`` runs before the first unit of a step is taken (the optimizer places the units'
+            state there, once).
         validating: ``validating()`` says whether the step being formed needs the norms (clipping or the
             non-finite check).
         stats: the optimizer's stats (``streamed_units`` is counted here).
@@ -42,12 +45,14 @@ class UnitGradients:
 
     def __init__(self, units: list[HostUnit], params: list[torch.Tensor], *, pg: Any, world: int, rank: int,
                  device: torch.device, stream: Any, wait: Callable[[HostUnit], None],
-                 validating: Callable[[], bool], stats: dict[str, Any]) -> None:
+                 validating: Callable[[], bool], stats: dict[str, Any],
+                 prepare: Callable[[], None] = lambda: None) -> None:
         self.units = units
         self.params = params
         self.pg, self.world, self.rank, self.device = pg, world, rank, device
         self.stream = stream
         self.wait = wait
+        self.prepare = prepare
         self.validating = validating
         self.stats = stats
         self.norms = GradNorms(device)
@@ -123,15 +128,18 @@ class UnitGradients:
     # ------------------------------------------------------------------ one unit
     def take(self, u: HostUnit, validate: bool, release: bool) -> None:
         """Copy ``u``'s gradient rows to its host buffer, take their norms (``validate``), and drop the GPU
-        gradients (``release``)."""
+        gradients (``release``). A device-resident unit's gradients stay in ``param.grad`` for ``step()``; its
+        norms are taken all the same."""
+        self.prepare()
         self.wait(u)  # its last update has read the host rows about to be overwritten
         u.active = [s for s in u.shards if s.param.grad is not None]
         grads = {s.index: local_rows(s.param.grad) for s in u.active}
-        self._to_host(u, grads)
+        if not u.on_device:
+            self._to_host(u, grads)
         if validate:
             self._norms_of(u, grads)
         self.taken[u.index] = validate
-        if release:
+        if release and not u.on_device:
             for s in u.active:
                 s.param.grad = None  # the copy holds the rows until it has read them (record_stream)
 
@@ -153,7 +161,13 @@ class UnitGradients:
 
     def _norms_from_host(self, u: HostUnit) -> None:
         """The norms of a unit whose gradients left the device before the step needed them (validation turned
-        on between its backward and ``step()``): its host rows, back on the device in their own dtype (exact)."""
+        on between its backward and ``step()``): its host rows, back on the device in their own dtype (exact); a
+        device-resident unit's ``param.grad``."""
+        if u.on_device:
+            grads = {s.index: local_rows(s.param.grad) for s in u.active}
+            self._norms_of(u, grads)
+            self.taken[u.index] = True
+            return
         if self.stream is not None and u.d2h_event is not None:
             u.d2h_event.synchronize()
         grads = {s.index: u.grad.tensor[s.offset:s.offset + s.numel].to(self.device, s.param.dtype)

@@ -54,11 +54,25 @@ Note [ZeRO-3 step and the forward's wait]
        pre-forward, before the later module's own hook runs; it is refused (see
        :func:`~.fsdp_units.check_no_forward_prefetch`).
 
+    GPU share (``gpu_fraction=f``, a float): the fp32 master and moments of the first units in forward order,
+    about ``f`` of the elements (:func:`~.fsdp_units.device_share`, over every rank's elements, so every rank
+    chooses the same units), live on the parameters' device. The choice is made once, just before the first unit of
+    the first step is taken (by the first forward's order; module order for the units it did not run), and kept;
+    the optimizer is built with the choice module order gives, and a unit that the forward order places otherwise
+    moves then, before any update. In step 1 such a unit's norms are taken as above, but its gradients stay in
+    ``param.grad`` (no host copy); ``step()`` updates it on the device right after step 2 (``torch._fused_adamw_``
+    with the same clip coefficient, the skip decision as its ``found_inf``: no host synchronization) and writes its
+    weights, cast, into the local shards on the compute stream, ahead of the next forward's all-gathers. Its
+    forward pre-hook does not wait for the CPU; the CPU thread only advances its step counts once the decision is
+    known. ``gpu_fraction="auto"`` keeps everything in host memory on this path (no sizing from measured device
+    memory yet).
+
     Whatever reads the parameters or the state outside a forward (``state_dict()``, a checkpoint, the next
     ``step()``) waits for every unit first (:meth:`ShardedHostAdamW.synchronize`).
 
 The state dict is ``torch.optim.AdamW``'s (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter, the moments as
-``DTensor`` s sharded like their parameter, backed by the host buffers themselves), plus ``master`` (the fp32 master
+``DTensor`` s sharded like their parameter, backed by the host buffers themselves, or by the device tensors of the
+GPU share), plus ``master`` (the fp32 master
 rows, sharded the same way) for the parameters that are not fp32: for fp32 parameters the master copy equals the
 parameter bit for bit and is re-derived from it. That is the format ``torch.distributed.checkpoint``'s
 ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and Lightning's ``ModelParallelStrategy`` save and load,
@@ -85,11 +99,13 @@ from lightning_gh.superoffload.fsdp_units import (
     HostUnit,
     LocalShard,
     check_no_forward_prefetch,
+    device_share,
     fsdp_units,
     host_dtensor,
     local_rows,
     positioned_update,
     unsupported_options,
+    update_on_device,
 )
 from lightning_gh.superoffload.memory import PLAN_PART, local_world_size
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options, validate_knobs
@@ -114,8 +130,9 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: AdamW's hyper-parameters (defaults as ``torch.optim.AdamW``'s).
         module: the model the parameters belong to (its ``fully_shard``-ed modules get the forward pre-hooks).
         max_grad_norm: clip the global gradient L2 norm to this value (as ``clip_grad_norm_``), or ``None``.
-        options: :class:`SuperOffloadOptions`; ``skip_nonfinite``, ``cpu_threads`` and ``host_memory_check``
-            apply (see :func:`~.fsdp_units.unsupported_options` for the rest).
+        options: :class:`SuperOffloadOptions`; ``skip_nonfinite``, ``cpu_threads``, ``host_memory_check`` and
+            ``gpu_fraction`` (a float: the GPU share of the Note; ``"auto"``: none) apply (see
+            :func:`~.fsdp_units.unsupported_options` for the rest).
         **option_kwargs: the same options as keywords instead (see :class:`SuperOffloadOptions`).
 
     Example::
@@ -133,9 +150,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self.options = resolve_options(options, "ShardedHostAdamW", **option_kwargs)
         bad = unsupported_options(self.options)
         if bad:
-            raise ValueError(f"ShardedHostAdamW (ZeRO-3) cannot take {', '.join(bad)}: the whole state stays in "
-                             "host memory and each unit is updated once its step's decision is known. Leave them "
-                             "at their defaults.")
+            raise ValueError(f"ShardedHostAdamW (ZeRO-3) cannot take {', '.join(bad)}: each unit is updated once "
+                             "its step's decision is known. Leave them at their defaults.")
         validate_knobs(max_grad_norm=max_grad_norm)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": False,
                     "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
@@ -192,7 +208,6 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         numels = torch.stack(gathered).cpu().tolist()
         pending: list[tuple[nn.Module, list[LocalShard]]] = []
         seen: set[int] = set()
-        host_bytes = 0
         for unit_module, unit_params in units:
             check_no_forward_prefetch(unit_module)
             owned = sorted(index_of[id(p)] for p in unit_params if id(p) in index_of)
@@ -204,22 +219,27 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                 off += s.numel
                 seen.add(i)
             if shards:
-                host_bytes += off * (12 + (2 if {s.param.dtype for s in shards} == {torch.bfloat16} else 4))
                 pending.append((unit_module, shards))
         missing = [i for i in range(len(params)) if i not in seen]
         if missing:
             raise ValueError(f"ShardedHostAdamW: parameters {missing} of the optimizer are not in the module passed as "
                              "module= (pass the model whose configure_model() sharded them).")
-        self._check_host(host_bytes)
+        gf = self.options.gpu_fraction
+        self._share = 0.0 if gf == "auto" else float(gf)  # None once the units are placed (at the first take)
+        sizes = [sum(sum(s.numels) for s in shards) for _, shards in pending]
+        provisional = set(device_share(list(range(len(pending))), sizes, self._share))
+        self._check_host(sum(sum(s.numel for s in shards) * (12 + (2 if {s.param.dtype for s in shards} ==
+                                                                       {torch.bfloat16} else 4))
+                             for ui, (_, shards) in enumerate(pending) if ui not in provisional))
         self._units: list[HostUnit] = []
         for ui, (unit_module, shards) in enumerate(pending):
-            unit = HostUnit(ui, unit_module, shards, pin=torch.cuda.is_available())
+            unit = HostUnit(ui, unit_module, shards, pin=torch.cuda.is_available(),
+                            device=self.device if ui in provisional else None)
             for s in shards:
                 unit.view(s, 0).copy_(local_rows(s.param).reshape(-1))
             self._hook(unit)
             self._units.append(unit)
         self._shards = sorted((s for u in self._units for s in u.shards), key=lambda s: s.index)
-        self._params = params
         self._kernel = cpu_adamw.load()
         threads = self.options.cpu_threads
         self.cpu_threads = threads if threads is not None else rank_cpu_threads(
@@ -227,7 +247,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self._grads = UnitGradients(self._units, params, pg=self._pg, world=self.world, rank=self.rank,
                                     device=self.device, stream=self._streams[0] if self.cuda else None,
-                                    wait=self._wait, validating=self._validating, stats=self.stats)
+                                    wait=self._wait, validating=self._validating, stats=self.stats,
+                                    prepare=self._place)
         self._grads.register()
         self._masters_stale = True  # re-derived from the weights at the first step (a model loaded since)
 
@@ -256,6 +277,31 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                     "of the state), fewer ranks per host, or pass host_memory_check=False.")
         if err is not None:
             raise err
+
+    def _place(self) -> None:
+        """Choose the GPU share once, by the forward order recorded so far (module order for the units it did not
+        run), and move the units it places otherwise. See Note [ZeRO-3 step and the forward's wait]."""
+        if self._share is None:
+            return
+        share, self._share = self._share, None
+        if not share:
+            return
+        seen = [i for i in self._recording]
+        order = seen + [u.index for u in self._units if u.index not in seen]
+        chosen = set(device_share(order, [sum(sum(s.numels) for s in u.shards) for u in self._units], share))
+        moved = False
+        for u in self._units:
+            if u.on_device != (u.index in chosen):
+                self._wait(u)
+                u.place(self.device if u.index in chosen else None, pin=torch.cuda.is_available())
+                moved = True
+        if moved and self.state:
+            self.publish_state()
+
+    @property
+    def device_units(self) -> list[int]:
+        """The units (indices in :func:`~.fsdp_units.fsdp_units` order) whose state lives on the device."""
+        return [u.index for u in self._units if u.on_device]
 
     def _hook(self, unit: HostUnit) -> None:
         ref = weakref.ref(self)
@@ -378,6 +424,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.synchronize()
+        self._place()
         if self._masters_stale:
             self._rederive_masters()
         hp = [{"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
@@ -389,8 +436,12 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         present = self._grads.finish(order, validate)  # the units backward did not take
         for u in order:
             u.ready.clear()
+        coef = found_inf = None
         if validate:
-            self._post(ctx, present, hp)
+            coef, found_inf = self._post(ctx, present, hp)
+        for u in order:
+            if u.on_device:
+                update_on_device(u, hp, coef, found_inf)
         self._forward_order = [u.index for u in order]
         self._start()
         self._queue.put((ctx, [u.index for u in order]))
@@ -413,26 +464,33 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                     u.view(s, 0).copy_(local_rows(s.param).reshape(-1))
         self._masters_stale = False
 
-    def _post(self, ctx: StepCtx, present: list[int], hp: list[dict[str, float]]) -> None:
-        """Sum the owners' norms over the ranks, combine them as ``clip_grad_norm_`` does and post the outcome."""
+    def _post(self, ctx: StepCtx, present: list[int], hp: list[dict[str, float]]) -> tuple[Any, Any]:
+        """Sum the owners' norms over the ranks, combine them as ``clip_grad_norm_`` does and post the outcome;
+        returns the clip coefficient (``None`` without clipping) and the skip flag (``None`` without
+        ``skip_nonfinite``), on the device, for the GPU share's update."""
         vec = self._grads.norms.vector
         if self.world > 1:
             dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self._pg)
         total = self._grads.norms.total(present) if present else torch.zeros((), device=self.device)
+        clip = None
         if self.max_grad_norm is not None:
             # the same expression as torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise equal
-            coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            coef = clip = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         else:
             coef = torch.ones((), device=self.device)
+        found_inf = (~torch.isfinite(total)).to(torch.float32) if self.options.skip_nonfinite else None
         ctx.post(hp, self.max_grad_norm, self.options.skip_nonfinite, torch.stack([total, coef]).float(),
                  self.cuda, self.device)
+        return clip, found_inf
 
     # ------------------------------------------------------------------ waiting
     def wait_for(self, unit_index: int) -> None:
         """The forward pre-hook of unit ``unit_index``: note the forward order, and block until the unit's update of
         the last step is in its parameters."""
         self._recording.setdefault(unit_index)
-        self._wait(self._units[unit_index])
+        u = self._units[unit_index]
+        if not u.on_device:  # the GPU share's update was queued on the device in step()
+            self._wait(u)
 
     def _wait(self, u: HostUnit) -> None:
         if not u.ready.is_set():
@@ -499,6 +557,11 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                     elif dec.coef is not None:
                         self.stats["clipped_steps"] += 1
                 t0 = time.perf_counter()
+                if u.on_device:  # updated in step(), on the device: only its step counts are the host's
+                    if not dec.skip:
+                        for s in u.active:
+                            s.step.add_(1)
+                    continue
                 if self.cuda and u.d2h_event is not None:
                     u.d2h_event.synchronize()
                 if not dec.skip and u.active:

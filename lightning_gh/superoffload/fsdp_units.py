@@ -1,8 +1,9 @@
 """The pieces of SuperOffload's ZeRO-3 path (:class:`~.fsdp_optimizer.ShardedHostAdamW`) that describe FSDP2's sharding:
 which parameters each ``fully_shard``-ed module manages (:func:`fsdp_units`), one parameter's local rows on this
-rank (:class:`LocalShard`), one module's rows in host memory (:class:`HostUnit`), the row-exact torch AdamW of a shard's rows
-(:func:`positioned_update`, see Note [A shard's rows, updated as the full tensor's]), the host-backed DTensors of
-the state dict (:func:`host_dtensor`), and the checks made before the first step.
+rank (:class:`LocalShard`), one module's rows in host memory or on the device (:class:`HostUnit`), which units keep
+their state on the device (:func:`device_share`) and their update there (:func:`update_on_device`), the row-exact
+torch AdamW of a shard's rows (:func:`positioned_update`, see Note [A shard's rows, updated as the full tensor's]),
+the host-backed DTensors of the state dict (:func:`host_dtensor`), and the checks made before the first step.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from lightning_gh._host import HostBuffer
 from lightning_gh.superoffload.cpu_adamw import _TAIL as _UNIT  # torch's fused CPU AdamW's unit of work
 from lightning_gh.superoffload.options import SuperOffloadOptions
 
-__all__ = ["HostUnit", "LocalShard", "check_no_forward_prefetch", "fsdp_units", "host_dtensor", "local_rows", "norm_owner",
-           "positioned_update", "tail_range", "unsupported_options"]
+__all__ = ["HostUnit", "LocalShard", "check_no_forward_prefetch", "device_share", "fsdp_units", "host_dtensor",
+           "local_rows", "norm_owner", "positioned_update", "tail_range", "unsupported_options", "update_on_device"]
 
 
 def norm_owner(index: int, ranks: int) -> int:
@@ -34,21 +35,44 @@ def norm_owner(index: int, ranks: int) -> int:
 def unsupported_options(options: SuperOffloadOptions) -> list[str]:
     """The :class:`SuperOffloadOptions` fields set to something the ZeRO-3 path cannot honour, as ``name=value``.
 
-    The ZeRO-3 path keeps the whole state in host memory (no GPU tail: ``gpu_fraction`` must be ``"auto"`` or
-    ``0.0``) and updates each unit once its step's decision is known (no speculation: ``speculative`` must be
+    The ZeRO-3 path updates each unit once its step's decision is known (no speculation: ``speculative`` must be
     ``"auto"`` or ``False``); ``bucket_size`` and ``rollback`` do not apply (the unit of work is the FSDP module).
+    Every ``gpu_fraction`` is accepted: a float keeps the state of the first units in forward order on the device
+    (:func:`device_share`); ``"auto"`` means ``0.0`` here (no sizing from measured memory on this path yet).
 
     >>> unsupported_options(SuperOffloadOptions())
     []
     >>> unsupported_options(SuperOffloadOptions(gpu_fraction=0.5, speculative=True))
-    ['gpu_fraction=0.5', 'speculative=True']
+    ['speculative=True']
     """
     bad = []
-    if options.gpu_fraction not in ("auto", 0.0):
-        bad.append(f"gpu_fraction={options.gpu_fraction!r}")
     if options.speculative is True:
         bad.append("speculative=True")
     return bad
+
+
+def device_share(order: list[int], numels: list[int], fraction: float) -> list[int]:
+    """The units whose fp32 master and moments stay on the device with ``gpu_fraction=fraction``: the longest prefix
+    of ``order`` (unit indices, forward order: the next forward needs them first) in which every unit has at least
+    half of its elements within ``fraction`` of all of them. ``numels[i]``: unit ``i``'s elements over all ranks,
+    so every rank, given the same order, chooses the same units.
+
+    >>> device_share([0, 1, 2], [72, 312, 575], 0.5), device_share([2, 0, 1], [72, 312, 575], 0.5)
+    ([0, 1], [2])
+    >>> device_share([0, 1], [10, 10], 0.0), device_share([0, 1], [10, 10], 0.74), device_share([0, 1], [10, 10], 0.75)
+    ([], [0], [0, 1])
+    """
+    if fraction <= 0.0:
+        return []
+    target = fraction * sum(numels)
+    out: list[int] = []
+    done = 0
+    for i in order:
+        if done + numels[i] / 2 > target:
+            break
+        out.append(i)
+        done += numels[i]
+    return out
 
 
 def fsdp_units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -123,10 +147,25 @@ class LocalShard:
         return tail_range(self.numels, self.rank)
 
 
-class HostUnit:
-    """One ``fully_shard``-ed module's parameters: the unit of gradient copy, norm exchange, CPU work and wait."""
+class _DeviceBuffer:
+    """A flat fp32 tensor on the device, shaped like a :class:`~lightning_gh._host.HostBuffer` (``tensor``,
+    ``release``)."""
 
-    def __init__(self, index: int, module: nn.Module, shards: list[LocalShard], pin: bool) -> None:
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.tensor = torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def release(self) -> None:
+        self.tensor = self.tensor.new_empty(0)
+
+
+class HostUnit:
+    """One ``fully_shard``-ed module's parameters: the unit of gradient copy, norm exchange, CPU work and wait.
+
+    Its fp32 state lives in host memory, or, with ``device`` (see :func:`device_share`), on the parameters' device:
+    then it has no host gradient buffer (its gradients stay in ``param.grad`` until ``step()`` updates it there)."""
+
+    def __init__(self, index: int, module: nn.Module, shards: list[LocalShard], pin: bool,
+                 device: torch.device | None = None) -> None:
         self.index = index
         self.module = module
         self.shards = shards
@@ -136,8 +175,10 @@ class HostUnit:
             else torch.float32
         # [master | exp_avg | exp_avg_sq], fp32, and the gradient rows in the parameters' dtype (once the update has
         # read them, the staging of the cast master rows copied back: see Note [ZeRO-3 step and the forward's wait])
-        self.state = HostBuffer(3 * self.numel, pin=pin, zero=True)
-        self.grad = HostBuffer(self.numel, pin=pin, zero=True, dtype=self.grad_dtype)
+        self.on_device = device is not None
+        self.state: Any = None
+        self.grad: Any = None
+        self.place(device, pin)
         self.ready = threading.Event()
         self.ready.set()
         self.active: list[LocalShard] = []  # shards with a gradient this step
@@ -153,9 +194,25 @@ class HostUnit:
     def view(self, s: LocalShard, k: int) -> torch.Tensor:
         return self.region(k)[s.offset:s.offset + s.numel]
 
+    def place(self, device: torch.device | None, pin: bool) -> None:
+        """Keep the state on ``device`` (``None``: in host memory, with a host gradient buffer), moving what it
+        holds."""
+        old = self.state
+        if device is not None:
+            self.state = _DeviceBuffer(3 * self.numel, device)
+            self.grad = None
+        else:
+            self.state = HostBuffer(3 * self.numel, pin=pin, zero=True)
+            self.grad = HostBuffer(self.numel, pin=pin, zero=True, dtype=self.grad_dtype)
+        self.on_device = device is not None
+        if old is not None:
+            self.state.tensor.copy_(old.tensor)
+            old.release()
+
     def release(self) -> None:
         self.state.release()
-        self.grad.release()
+        if self.grad is not None:
+            self.grad.release()
 
 
 def local_rows(p: torch.Tensor) -> torch.Tensor:
@@ -191,10 +248,12 @@ def host_dtensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def positioned_update(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor, s: LocalShard, lo: int,
-                hi: int, hp: dict[str, float], coef: torch.Tensor | None, body: bool = False) -> tuple[torch.Tensor, ...]:
+                hi: int, hp: dict[str, float], coef: torch.Tensor | None, body: bool = False,
+                found_inf: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """torch's fused AdamW on local rows ``[lo, hi)`` of shard ``s`` (``rows``, ``grad``: those rows only), placed in
     a zero-padded span as the full tensor's tail (or, ``body``, a span of whole units); returns the new
-    (master, exp_avg, exp_avg_sq) rows. See Note [A shard's rows, updated as the full tensor's]."""
+    (master, exp_avg, exp_avg_sq) rows (the old ones where ``found_inf`` is 1). See Note [A shard's rows, updated
+    as the full tensor's]."""
     n = hi - lo
     if body:
         lead, length = 0, -(-n // _UNIT) * _UNIT
@@ -209,5 +268,50 @@ def positioned_update(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], gra
         torch._foreach_mul_([span[3]], coef)
     torch._fused_adamw_([span[0]], [span[3]], [span[1]], [span[2]], [], [s.step + 1], lr=hp["lr"],
                         beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
-                        amsgrad=False, maximize=False)
+                        amsgrad=False, maximize=False, found_inf=found_inf)
     return tuple(t[lead:lead + n] for t in span[:3])
+
+
+@torch.no_grad()
+def update_on_device(u: HostUnit, hp: list[dict[str, float]], coef: torch.Tensor | None,
+                     found_inf: torch.Tensor | None) -> None:
+    """Update a device-resident unit's active shards with ``torch._fused_adamw_`` on the device, from their
+    ``param.grad`` times ``coef`` (the step's clip coefficient, a device tensor, or ``None``), skipped where
+    ``found_inf`` (the step's skip decision, on the device) is 1, and write the new master rows into the parameters'
+    local shards, cast to their dtype. No host synchronization: the decision stays on the device. The shards' step
+    counts are not advanced here (the caller does once the decision is known on the host).
+
+    On CUDA the kernel is elementwise, so each shard's rows are updated as one tensor; on the CPU its result depends
+    on where a row sits in its tensor, so the rows are positioned as the full tensor's (see Note [A shard's rows,
+    updated as the full tensor's])."""
+    shards = [s for s in u.active if s.numel]
+    if not shards:
+        return
+    if u.state.tensor.device.type != "cpu":
+        runs: dict[tuple[int, float], list[LocalShard]] = {}
+        for s in shards:
+            runs.setdefault((s.group, float(s.step)), []).append(s)
+        for (group, step), run in runs.items():
+            h = hp[group]
+            grads = [local_rows(s.param.grad).reshape(-1).float() for s in run]
+            if coef is not None:
+                grads = torch._foreach_mul(grads, coef)
+            steps = [torch.full((), step + 1.0, dtype=torch.float32, device=grads[0].device)] * len(run)
+            torch._fused_adamw_([u.view(s, 0) for s in run], grads, [u.view(s, 1) for s in run],
+                                [u.view(s, 2) for s in run], [], steps, lr=h["lr"], beta1=h["beta1"],
+                                beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False,
+                                maximize=False, found_inf=found_inf)
+    else:
+        for s in shards:
+            grad = local_rows(s.param.grad).reshape(-1)
+            tail_lo, tail_hi = s.tail_rows()
+            for lo, hi, body in ((0, tail_lo, True), (tail_lo, tail_hi, False)):
+                if hi > lo:
+                    rows = tuple(u.view(s, k)[lo:hi] for k in range(3))
+                    out = positioned_update(rows, grad[lo:hi], s, lo, hi, hp[s.group], coef, body=body,
+                                            found_inf=found_inf)
+                    for d, o in zip(rows, out):
+                        d.copy_(o)
+    for s in shards:
+        loc = local_rows(s.param)
+        loc.copy_(u.view(s, 0).view(loc.shape))

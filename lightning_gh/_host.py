@@ -30,12 +30,14 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +66,9 @@ class HostMemoryError(MemoryError, RuntimeError):
 # holdings and their announced (declared, not yet claimed) needs. A part that allocates lazily (the activation
 # pool grows during the first steps) declares its need at setup, before SuperOffload sizes its host state in
 # ``setup_optimizers``. ``claim`` replaces the part's previous claim (it is the part's total); the share goes back
-# with ``release`` or when the object that holds the memory (the claim's ``owner``) is collected.
+# with ``release`` or when the object that holds the memory (the claim's ``owner``) is collected. The collector
+# may run that release anywhere, also inside the plan's own locked section on the same thread: so it only queues
+# the release, and the plan applies queued releases the next time it takes its lock.
 
 
 @dataclass(frozen=True)
@@ -98,16 +102,29 @@ class HostPlan:
         self._available = available or (lambda: hardware.available_host_bytes())
         self._shares: dict[str, HostShare] = {}
         self._lock = threading.Lock()
+        self._released: collections.deque[tuple[str, int]] = collections.deque()  # by the collector, not applied
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The plan's lock, with the releases the collector queued applied first (see Note [One host-memory
+        plan])."""
+        with self._lock:
+            while self._released:
+                part, nbytes = self._released.popleft()
+                share = self._shares.get(part)
+                if share is not None and share.held_bytes == nbytes:
+                    self._shares.pop(part)
+            yield
 
     def shares(self) -> list[HostShare]:
         """Every part's share, in the order the parts first appeared."""
-        with self._lock:
+        with self._locked():
             return list(self._shares.values())
 
     def declare(self, part: str, nbytes: int, what: str = "") -> None:
         """Announce that ``part`` will claim about ``nbytes`` later; the other parts' room leaves it free."""
         _check_bytes("nbytes", nbytes)
-        with self._lock:
+        with self._locked():
             old = self._shares.get(part, HostShare(part))
             self._shares[part] = HostShare(part, old.held_bytes, max(0, nbytes - old.held_bytes), what or old.what)
 
@@ -156,7 +173,7 @@ class HostPlan:
                 f"{table}.{advice}{skip}")
         if not record:
             return room
-        with self._lock:
+        with self._locked():
             old = self._shares.get(part, HostShare(part))
             self._shares[part] = HostShare(part, nbytes, max(0, old.declared_bytes - (nbytes - old.held_bytes)),
                                            what)
@@ -165,14 +182,12 @@ class HostPlan:
         return room
 
     def _release_if_held(self, part: str, nbytes: int) -> None:
-        with self._lock:
-            share = self._shares.get(part)
-            if share is not None and share.held_bytes == nbytes:
-                self._shares.pop(part)
+        # Run by the collector, possibly inside one of this plan's locked sections: queue, never lock here.
+        self._released.append((part, nbytes))
 
     def release(self, part: str) -> None:
         """Forget ``part``'s holding and declaration (it freed its host memory)."""
-        with self._lock:
+        with self._locked():
             self._shares.pop(part, None)
 
     def describe(self) -> str:

@@ -120,6 +120,35 @@ def test_a_share_is_released_when_its_owner_is_collected():
     assert plan.shares() == []
 
 
+def test_an_owner_collected_while_the_plan_holds_its_lock_does_not_deadlock():
+    """The collector can run an owner's release inside the plan's own locked section (on the same thread): the
+    release is queued and applied at the plan's next call, instead of waiting for the lock the thread holds."""
+    import gc
+    import threading
+
+    plan = HostPlan(available=lambda: 100 * 2**30)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    plan.claim("SuperOffload", 2**30, what="state", owner=owner)
+    done = threading.Event()
+
+    def collect_inside_the_lock() -> None:
+        nonlocal owner
+        with plan._locked():
+            owner = None
+            gc.collect()  # runs the finalizer here, with the plan's lock held by this thread
+        done.set()
+
+    worker = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert done.is_set(), "the owner's release waited for the lock its own thread held"
+    assert plan.shares() == []
+
+
 def test_superoffload_plans_around_what_another_part_announced(monkeypatch):
     """SuperOffload sizes its speculation copies from its room in the plan, not from all of MemAvailable."""
     from lightning_gh.superoffload import memory

@@ -32,15 +32,17 @@ import ctypes
 import logging
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lightning_gh import _native, hardware
 from lightning_gh._util import env
 
-__all__ = ["AdamWKernel", "isa_flags", "load", "step_constants", "update_spans"]
+__all__ = ["AdamWKernel", "isa_flags", "kernel_runs", "load", "step_constants", "update_spans"]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,30 @@ def _torch_tail(src: tuple[torch.Tensor, ...], grad: torch.Tensor, step: float, 
                         beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
                         amsgrad=False, maximize=False)
     return out
+
+
+def kernel_runs(slots: Iterable[Any]) -> list[list[Any]]:
+    """``slots`` (in offset order) cut into the runs one kernel call updates: each slot right after the previous one
+    in the flat buffers (``offset + numel``), of the same param group (``group``) and step count (``step``).
+
+    Example::
+
+        >>> from types import SimpleNamespace as S
+        >>> a = S(offset=0, numel=4, group=0, step=1)
+        >>> b = S(offset=4, numel=2, group=0, step=1)
+        >>> c = S(offset=6, numel=2, group=1, step=1)
+        >>> [[s.offset for s in run] for run in kernel_runs([a, b, c])]
+        [[0, 4], [6]]
+    """
+    runs: list[list[Any]] = []
+    for s in slots:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.offset + last.numel == s.offset and last.group == s.group
+                and float(last.step) == float(s.step)):
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
 
 
 def update_spans(kernel: AdamWKernel, src: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor,

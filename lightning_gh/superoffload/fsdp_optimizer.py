@@ -587,15 +587,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                                          grad[s.offset + lo:s.offset + hi], s, lo, hi, hp[s.group], coef))
                  for s in u.active for lo, hi in [s.tail_rows()] if hi > lo]
         if self._kernel is not None:
-            runs: list[list[LocalShard]] = []  # consecutive shards of one group and one step count: one call each
-            for s in u.active:
-                last = runs[-1][-1] if runs else None
-                if (last is not None and last.offset + last.numel == s.offset and last.group == s.group
-                        and float(last.step) == float(s.step)):
-                    runs[-1].append(s)
-                else:
-                    runs.append([s])
-            for run in runs:
+            for run in cpu_adamw.kernel_runs(u.active):  # consecutive shards of one group and step count
                 lo, hi = run[0].offset, run[-1].offset + run[-1].numel
                 if hi > lo:
                     h = hp[run[0].group]

@@ -384,29 +384,21 @@ class CpuUpdater:
                        in_place: bool) -> None:
         """Our kernel's step over the bucket's slots with a gradient, from its current copy of the state into the
         same copy (``in_place``) or into the other one (slots without a gradient are then copied over unchanged)."""
-        from lightning_gh.superoffload.cpu_adamw import update_spans
+        from lightning_gh.superoffload.cpu_adamw import kernel_runs, update_spans
 
         n = b.numel
         cur = (b.master_buf.tensor, b.moments[:n], b.moments[n:])
         out = cur if in_place else (b.alt_master.tensor, b.alt_moments[:n], b.alt_moments[n:])
         grad = b.grad_buf.tensor
         active = {s.index for s in b.active}
-        # runs of consecutive slots with a gradient, one param group and one step count: one kernel call each
-        runs: list[list[Slot]] = []
-        for s in b.slots:  # in offset order
-            if s.index not in active:
-                if not in_place:  # no gradient this step: its state carries over
+        if not in_place:  # slots without a gradient this step: their state carries over
+            for s in b.slots:
+                if s.index not in active:
                     lo, hi = s.offset, s.offset + s.numel
                     for o, c in zip(out, cur):
                         o[lo:hi].copy_(c[lo:hi])
-                continue
-            last = runs[-1][-1] if runs else None
-            if (last is not None and last.offset + last.numel == s.offset and last.group == s.group
-                    and float(last.step) == float(s.step)):
-                runs[-1].append(s)
-            else:
-                runs.append([s])
-        for run in runs:
+        # runs of consecutive slots with a gradient (in offset order): one kernel call each
+        for run in kernel_runs(s for s in b.slots if s.index in active):
             lo, hi = run[0].offset, run[-1].offset + run[-1].numel
             update_spans(self.layout.kernel, tuple(c[lo:hi] for c in cur), grad[lo:hi],
                          tuple(o[lo:hi] for o in out), [s.numel for s in run], float(run[0].step) + 1.0,

@@ -17,7 +17,7 @@ Modules, one idea each:
 * :mod:`.state`: what the optimizer accepts, and its state dict in ``torch.optim.AdamW``'s format;
 * :mod:`.optimizer`: :class:`HeterogeneousAdamW`, the ``torch.optim.Optimizer`` facade (param groups, hooks,
   ``step()``, state dict) over the parts above;
-* :mod:`.strategy`: :class:`SuperOffloadStrategy`, registered as ``"superoffload"`` on import;
+* :mod:`.strategy`: :class:`SuperOffloadStrategy` (``"superoffload"``, registered by ``import lightning_gh``);
 * ZeRO-3 through FSDP2: :mod:`.fsdp_units` (FSDP2's shards as host rows), :mod:`.fsdp_optimizer`
   (:class:`ShardedHostAdamW`) and :mod:`.fsdp` (:class:`SuperOffloadFSDPStrategy`, ``"superoffload_fsdp"``).
 

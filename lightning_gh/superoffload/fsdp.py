@@ -41,7 +41,7 @@ from typing import Any, Generator
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_gh import _lightning, compat
 from lightning_gh._options import check_type
@@ -174,14 +174,6 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
             opt.close()
         super().teardown()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls,
-                description="ZeRO-3 through FSDP2 (lightning_gh): AdamW state of each rank's shards in host memory, "
-                            "CPU update overlapped with the next forward, exact clipping")
-
 
 def _clip_gradients(original: Any, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
     """The precision plugin's ``clip_gradients`` under this strategy: the clip value becomes the optimizer's
@@ -199,5 +191,3 @@ def _clip_gradients(original: Any, optimizer: Any, clip_val: float = 0.0, gradie
     opt.set_max_grad_norm(float(clip_val))  # decided in step(), after this call: a per-step value is honoured
     return None
 
-
-SuperOffloadFSDPStrategy.register_strategies(StrategyRegistry)

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
@@ -288,15 +288,6 @@ class SuperOffloadStrategy(DDPStrategy):
             opt.close()
         super().teardown()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls,
-                description="Heterogeneous CPU/GPU AdamW (lightning_gh): optimizer state in host memory, "
-                            "CPU update overlapped with backward",
-            )
-
 
 def _stats_metrics(opt: HeterogeneousAdamW) -> dict[str, float]:
     """What the user's logger gets from the offloaded optimizer at each logging step (``lgh/superoffload/*``)."""
@@ -393,5 +384,3 @@ def _mark_step_for_schedulers(opt: HeterogeneousAdamW) -> None:
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     opt.step = wrapper  # type: ignore[method-assign]
 
-
-SuperOffloadStrategy.register_strategies(StrategyRegistry)

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_superoffload_zero import groups, schedule  # the ZeRO-1/2 tests' param groups and LR schedule
 from torch import nn
 
 from lightning_gh.superoffload.fsdp import SuperOffloadFSDPStrategy, check_optimizers
@@ -61,16 +62,6 @@ def shard(model: nn.Module, mesh=None) -> nn.Module:
     fully_shard(model[1], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def groups(model: nn.Module) -> list[dict]:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5) * (0.9 ** max(0, s - 5)))
 
 
 def local_loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:

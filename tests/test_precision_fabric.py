@@ -152,3 +152,29 @@ def test_transformer_engine_plugin_is_refused_under_fabric_at_setup(monkeypatch)
     with pytest.raises(RuntimeError, match=r"'fp8-te-current' needs Lightning's Trainer .*cannot run under "
                                            r"Lightning Fabric.*fp8-ao-tensorwise"):
         fabric.setup(Llama(CFG))
+
+
+# ---- the same on a GPU: real fp8 matmuls, the plugin's default options (blocks compiled in place)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with fp8 matmuls (compute capability 8.9 or newer)")
+def test_validate_test_and_predict_with_default_fp8_on_the_gpu(tmp_path):
+    torch.manual_seed(0)
+    model = EvalLM.from_preset("small", {"dim": 1024, "ffn_dim": 2816, "n_heads": 16, "n_kv_heads": 8})
+    dm = MarkovDataModule.for_model(model)
+    trainer = L.Trainer(accelerator="gpu", devices=1, plugins=[precision("fp8-ao-tensorwise")], max_steps=3,
+                        limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    assert trainer.predict_loop.inference_mode
+    trainer.fit(model, dm)
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) > 0
+    val = trainer.validate(model, dm, verbose=False)
+    test = trainer.test(model, dataloaders=dm.val_dataloader(), verbose=False)
+    assert torch.isfinite(torch.tensor(val[0]["val/loss"]))
+    assert test[0]["test/loss"] == pytest.approx(val[0]["val/loss"], rel=1e-3)  # the same batches
+    logits = trainer.predict(model, dataloaders=dm.val_dataloader())
+    assert len(logits) == 2 and all(torch.isfinite(x.float()).all() for x in logits)
+    assert not any(x.requires_grad for x in logits)

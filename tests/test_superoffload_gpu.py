@@ -63,7 +63,7 @@ def run_ours(steps=12, dtype=torch.float32, inf_step=5, **kw) -> tuple[nn.Module
 
 
 def test_offloaded_update_matches_cpu_fused_adamw_bitwise():
-    model, opt = run_ours(gpu_fraction=0.0)
+    model, opt = run_ours(gpu_fraction=0.0, device_assist=False)  # every host update on the CPU
     assert opt.stats["skipped_steps"] == 1 and opt.stats["clipped_steps"] > 0
     ref = make_model()
     master = [p.detach().cpu().clone().requires_grad_(True) for p in ref.parameters()]
@@ -93,8 +93,9 @@ def test_offloaded_update_matches_cpu_fused_adamw_bitwise():
 
 
 def test_speculative_equals_non_speculative_bf16_with_gpu_tail():
-    a_model, a_opt = run_ours(dtype=torch.bfloat16, gpu_fraction=0.3, speculative=True)
-    b_model, b_opt = run_ours(dtype=torch.bfloat16, gpu_fraction=0.3, speculative=False)
+    # device_assist=False: with it, which device updates a bucket depends on timing (Note [Device-assisted update])
+    a_model, a_opt = run_ours(dtype=torch.bfloat16, gpu_fraction=0.3, speculative=True, device_assist=False)
+    b_model, b_opt = run_ours(dtype=torch.bfloat16, gpu_fraction=0.3, speculative=False, device_assist=False)
     assert a_opt.device_numel > 0 and a_opt.host_numel > 0
     print("speculative run:", a_opt.stats)
     for a, b in zip(a_model.parameters(), b_model.parameters()):
@@ -105,6 +106,24 @@ def test_speculative_equals_non_speculative_bf16_with_gpu_tail():
         for key in ("exp_avg", "exp_avg_sq", "master"):
             assert torch.equal(sa[k][key].cpu(), sb[k][key].cpu()), (k, key)
         assert torch.equal(sa[k]["master"].to(DEV, torch.bfloat16), in_group_order[k])
+    a_opt.close()
+    b_opt.close()
+
+
+@pytest.mark.parametrize("dtype,speculative,gpu_fraction", [(torch.float32, False, 0.0),
+                                                            (torch.bfloat16, True, 0.3)])
+def test_device_assist_shares_the_update_and_agrees_with_the_cpu_path(dtype, speculative, gpu_fraction):
+    a_model, a_opt = run_ours(dtype=dtype, gpu_fraction=gpu_fraction, speculative=speculative, device_assist="auto")
+    b_model, b_opt = run_ours(dtype=dtype, gpu_fraction=gpu_fraction, speculative=speculative, device_assist=False)
+    assert a_opt.stats["assisted_buckets"] > 0 and b_opt.stats["assisted_buckets"] == 0
+    assert all(buf.pinned for b in a_opt.layout.buckets for buf in b.pinned_moments)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    for a, b in zip(a_model.parameters(), b_model.parameters()):
+        torch.testing.assert_close(a, b, **tol)  # the GPU's and the CPU's fused AdamW, same clip coefficients
+    # after synchronize() the host state is final: its master weights are the module's weights
+    in_group_order = [p for g in a_opt.param_groups for p in g["params"]]
+    for k, st in a_opt.state_dict()["state"].items():
+        assert torch.equal(st["master"].to(DEV, dtype), in_group_order[k])
     a_opt.close()
     b_opt.close()
 

@@ -98,6 +98,7 @@ class Bucket:
     owner: int = 0
     staging: Any = None
     bcast_step: int = -1
+    pinned_moments: tuple[HostBuffer, ...] = ()  # the page-locked buffers behind `moments` and `alt_moments`
 
     def __post_init__(self) -> None:
         self.ready.set()
@@ -108,7 +109,10 @@ class Bucket:
             if buf is not None:
                 buf.release()
         self.master_buf = self.grad_buf = self.alt_master = None
+        for buf in self.pinned_moments:
+            buf.release()
         self.moments = self.alt_moments = self.staging = None
+        self.pinned_moments = ()
         self.backup = RollbackCopy()
 
 
@@ -235,6 +239,7 @@ class HostLayout:
         self.lock = threading.Lock()
         self.kernel: Any = None  # .cpu_adamw.AdamWKernel, when every CPU update runs our kernel
         self.two_copies = False  # host buckets keep two copies of their state (see Note [Speculative update ...])
+        self.pin_moments = False  # page-lock the host buckets' moments (the GPU copies them; see .assist)
         self.plan: memory.HostMemoryPlan | None = None
         self.bucket_size = 1
         self.spec_budget: float = math.inf  # parameters whose buckets may be updated speculatively
@@ -374,10 +379,12 @@ class HostLayout:
         elif owned:
             b.master_buf = HostBuffer(numel, pin=self.cuda, zero=False)
             b.grad_buf = HostBuffer(numel, pin=self.cuda, zero=False, dtype=self._grad_dtype(slots, shard))
-            b.moments = torch.zeros(2 * numel, dtype=torch.float32)
+            pin = self.cuda and self.pin_moments
+            b.pinned_moments = tuple(HostBuffer(2 * numel, pin=pin) for _ in range(2 if alt else 1))
+            b.moments = b.pinned_moments[0].tensor
             if alt:  # page-locked too: a speculative update's weights are copied from it
                 b.alt_master = HostBuffer(numel, pin=self.cuda, zero=False)
-                b.alt_moments = torch.zeros(2 * numel, dtype=torch.float32)
+                b.alt_moments = b.pinned_moments[1].tensor
         if self.cuda and owned:
             b.d2h_event = torch.cuda.Event()
             b.h2d_event = torch.cuda.Event()

@@ -85,6 +85,7 @@ from torch import nn
 
 from lightning_gh import hardware
 from lightning_gh.superoffload import memory
+from lightning_gh.superoffload.assist import DeviceAssist, assist_enabled
 from lightning_gh.superoffload.layout import (
     Bucket,
     HostLayout,
@@ -218,7 +219,12 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
                                       "tail_decision": None, "cpu_phases_ms": {},
                                       "loop_phases_ms": {"grad_hooks": 0.0, "forward_hooks": 0.0}}
         threads = opts.cpu_threads or _default_cpu_threads(cuda, None if group is None else group.local_size)
-        self._updater = CpuUpdater(layout, self._streams[1], threads, opts.speculative is not False, self.stats)
+        self.stats.update(assisted_buckets=0, assisted_numel=0)
+        on = assist_enabled(opts.device_assist, cuda, group is not None, torch.are_deterministic_algorithms_enabled())
+        assist = DeviceAssist(layout, self.stats) if on else None
+        layout.pin_moments = assist is not None  # the GPU's copies of the moments are then async
+        self._updater = CpuUpdater(layout, self._streams[1], threads, opts.speculative is not False, self.stats,
+                                   assist)
         auto = opts.gpu_fraction == "auto"
         self._tail = TailMover(layout, opts.max_gpu_fraction, self.stats, self._shard) if auto else None
         self._times = StepTimes()

@@ -75,6 +75,13 @@ class SuperOffloadOptions:
             bf16 (one rank); where it cannot be built or differs, as ``"copy"``. ``"copy"``: torch's fused CPU
             AdamW in place, fp32 gradients on the host, the state copied aside before each speculative update
             and back on a rollback. Both need 12 B/parameter more host RAM for each bucket updated speculatively.
+        device_assist: once a step's clip/skip decision is known, let the GPU update some of the host buckets still
+            waiting for the CPU, streaming their state over the host link, while the CPU updates the others (see
+            Note [Device-assisted update] in :mod:`.assist`); the moments of host buckets are then page-locked.
+            ``"auto"``: with CUDA on one rank, unless ``torch.use_deterministic_algorithms(True)`` is in effect
+            (which device updates a bucket depends on timing, and the GPU's fused AdamW may differ from the CPU's
+            in the last bit); ``True``: also off CUDA, where the same split runs on the CPU (for tests);
+            ``False``: the CPU updates every host bucket.
     """
 
     gpu_fraction: float | str = "auto"
@@ -85,6 +92,7 @@ class SuperOffloadOptions:
     bucket_size: int = 1 << 24
     host_memory_check: bool = True
     rollback: str = "auto"
+    device_assist: bool | str = "auto"
 
     def __post_init__(self) -> None:
         check_types(self)  # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
@@ -102,6 +110,8 @@ class SuperOffloadOptions:
                 raise ValueError(f"{name}={value!r} must be True or False.")
         if self.cpu_threads is not None and not (_is_count(self.cpu_threads) and self.cpu_threads >= 1):
             raise ValueError(f"cpu_threads={self.cpu_threads!r} must be an int >= 1 or None.")
+        if not (isinstance(self.device_assist, bool) or self.device_assist == "auto"):
+            raise ValueError(f"device_assist={self.device_assist!r} must be True, False or 'auto'.")
         if self.rollback not in ("auto", "copy"):
             raise ValueError(f"rollback={self.rollback!r} must be 'auto' or 'copy'.")
         if not (_is_count(self.bucket_size) and self.bucket_size >= 1):

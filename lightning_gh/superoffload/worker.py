@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from lightning_gh.superoffload.assist import DeviceAssist, SharedBuckets
 from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot
 from lightning_gh.superoffload.step import SPECULATION_WINDOW, Decision, StepCtx, should_speculate
 
@@ -57,11 +58,14 @@ class CpuUpdater:
         cpu_threads: threads of the CPU update.
         speculative: whether buckets may be updated before the step's decision is known.
         stats: the optimizer's ``stats`` dict, where the worker counts what it did.
+        assist: the GPU's worker that shares the updates made once a step's decision is known, or ``None`` (see
+            Note [Device-assisted update] in :mod:`.assist`).
     """
 
     def __init__(self, layout: HostLayout, h2d_stream: Any, cpu_threads: int, speculative: bool,
-                 stats: dict[str, Any]) -> None:
+                 stats: dict[str, Any], assist: DeviceAssist | None = None) -> None:
         self.layout = layout
+        self.assist = assist
         self.h2d_stream = h2d_stream
         self.cpu_threads = cpu_threads
         self.speculative = speculative
@@ -150,6 +154,8 @@ class CpuUpdater:
 
     def close(self) -> None:
         """Stop the thread (after the tasks already queued)."""
+        if self.assist is not None:
+            self.assist.close()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)
@@ -202,6 +208,26 @@ class CpuUpdater:
                         self._redo(b, ctx.poll(block=True))
                     else:
                         self._work_finish(ctx)
+        except BaseException as e:  # surfaced on the main thread at the next step/forward
+            self.fail(e)
+
+    def run_shared(self, tasks: list[Task]) -> None:
+        """Run one step's bucket updates, its decision known, together with the GPU: the GPU takes buckets from
+        the front of the next forward's order, this thread from the back (see Note [Device-assisted update] in
+        :mod:`.assist`); returns once both are done and the buckets' host state is final."""
+        ctx = tasks[0][2]
+        try:
+            if self._error is not None:
+                return
+            dec = ctx.poll(block=True)
+            self._resolve_speculation(ctx, dec)
+            shared = SharedBuckets([b for _, b, _ in tasks])
+            self.assist.start(shared, dec, ctx.result_event)
+            while (b := shared.take_back()) is not None:
+                self.run(("bucket", b, ctx))
+            t0 = time.perf_counter()
+            self.assist.wait()
+            self._phase("wait_assist", t0)
         except BaseException as e:  # surfaced on the main thread at the next step/forward
             self.fail(e)
 
@@ -415,6 +441,8 @@ class CpuUpdater:
 
     def _backup(self, b: Bucket, phase: str) -> None:
         t0 = time.perf_counter()
+        if self.layout.cuda:
+            b.h2d_event.synchronize()  # a GPU-side update may still be copying the state back (see .assist)
         n = b.numel
         copy = b.backup
         if copy.tensor is None:
@@ -490,6 +518,26 @@ def next_task(pending: list[Task | None]) -> int:
     return max(range(run), key=lambda j: pending[j][1].index)
 
 
+def take_shared(updater: CpuUpdater, pending: list[Task | None]) -> list[Task]:
+    """The bucket updates at the front of ``pending`` that the CPU and the GPU share (removed from ``pending``):
+    a run of two or more of one step whose decision is known and does not skip it, with no redo pending, when the
+    updater has a GPU worker (see Note [Device-assisted update] in :mod:`.assist`); else none."""
+    head = pending[0] if pending else None
+    if updater.assist is None or head is None or head[0] != "bucket":
+        return []
+    ctx = head[2]
+    dec = ctx.poll(block=False)
+    if dec is None or dec.skip:
+        return []
+    run = 0
+    while run < len(pending) and pending[run] is not None and pending[run][0] == "bucket" and pending[run][2] is ctx:
+        run += 1
+    if run < 2:
+        return []
+    shared, pending[:run] = pending[:run], []
+    return shared
+
+
 def _prepare(updater: CpuUpdater, q: queue.Queue, pending: list[Any]) -> None:
     """Before choosing the next task: when it needs its step's decision, wait for it and take in what was queued
     meanwhile (the rest of the step); once the decision is known, commit the step's speculative updates or queue
@@ -533,6 +581,15 @@ def worker_loop(wself: Callable[[], CpuUpdater | None], q: queue.Queue) -> None:
             if updater is None:
                 return
             _prepare(updater, q, pending)
+            shared = take_shared(updater, pending)
+            if shared:
+                try:
+                    updater.run_shared(shared)
+                finally:
+                    del updater
+                    for _ in shared:
+                        q.task_done()
+                continue
             task = pending.pop(next_task(pending))
             try:
                 if task is None:

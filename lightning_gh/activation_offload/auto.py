@@ -6,10 +6,12 @@ left out) plans with :func:`~lightning_gh.activation_offload.policy.plan_auto`, 
 one is set. The first forward that recomputes tells what the recomputing blocks really keep; the forecast is
 redone once from that.
 
-The plan promises to cost nothing (the copies hide under compute). The first ``profile_steps`` steps with it are
-timed and held against the forecast (the measured steps' own time plus the stall the timeline model predicts); a step
-slower by more than :data:`TOLERANCE` shrinks the plan by its last offloaded block, or undoes it
-(:func:`check_verdict`), and says so in one log line. This needs the backward's end marked
+The plan promises to cost nothing (the copies hide under compute). The first :data:`WARM_STEPS` + ``profile_steps``
+steps with it are timed and held against the forecast (the measured steps' own time plus the stall the timeline model
+predicts); the steady steps (the warm ones left out: they pay once for what the plan sets up) slower by more than
+:data:`TOLERANCE` shrink the plan by its last offloaded block, or undo it (:func:`judge_trial`, :func:`check_verdict`),
+and say so in one log line. A plan that offloads nothing leaves the step as it is without the engine (See Note
+[A plan that moves nothing installs nothing] in :mod:`.engine`). This needs the backward's end marked
 (:meth:`~lightning_gh.activation_offload.engine.ActivationOffloader.end_backward`; the Lightning callback does) and
 the link measured (``bandwidth_gbps=None``: a given bandwidth is a forecast for that link, not a promise about this
 one).
@@ -29,7 +31,7 @@ import enum
 import logging
 import statistics
 from dataclasses import replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import (
@@ -41,12 +43,16 @@ from lightning_gh.activation_offload.policy import (
     plan_with_recompute,
 )
 
-__all__ = ["TOLERANCE", "AutoPlanner", "Verdict", "check_verdict"]
+__all__ = ["TOLERANCE", "WARM_STEPS", "AutoPlanner", "Judgement", "Verdict", "check_verdict", "judge_trial"]
 
 log = logging.getLogger(__name__)
 
 #: A step with the ``"auto"`` plan may take this much longer than its forecast before the plan shrinks.
 TOLERANCE = 0.03
+
+#: The first steps with a new plan that its check leaves out: they pay once for what the plan sets up (the pinned host
+#: buffers the pool allocates on first use, the device allocator's first blocks for the reloads), later steps do not.
+WARM_STEPS = 1
 
 
 class Verdict(enum.Enum):
@@ -73,6 +79,43 @@ def check_verdict(forecast_ms: float, measured_ms: float, offloaded_blocks: int,
     if offloaded_blocks > 1 and measured_ms <= forecast_ms * (1.0 + 2.0 * tolerance):
         return Verdict.SHRINK
     return Verdict.UNDO
+
+
+class Judgement(NamedTuple):
+    """A plan's check: the verdict and the figures it came from (what the one log line states)."""
+
+    verdict: Verdict
+    plain_ms: float  # the reference: the lower median of the steps without offload
+    forecast_ms: float  # plain_ms plus the stall the plan predicts
+    measured_ms: float  # the lower median of the steady steps with the plan
+
+
+def judge_trial(plain_ms: Sequence[float], trial_ms: Sequence[float], stall_ms: float, offloaded_blocks: int,
+                warm_steps: int = WARM_STEPS, tolerance: float = TOLERANCE) -> Judgement:
+    """The verdict on a plan from the timed steps with it (pure, so its table is tested as written).
+
+    The first ``warm_steps`` of ``trial_ms`` are left out: the first use of the plan's pinned buffers and reload
+    memory is paid once, and would otherwise be held against the plan for good. The rest are the steady steps; their
+    lower median is what the plan costs (one step slowed by something else, a collection or another process, does not
+    decide), held against the lower median of ``plain_ms`` plus ``stall_ms`` by :func:`check_verdict`.
+
+    Example::
+
+        >>> judge_trial([100.0, 101.0], [400.0, 101.0, 102.0], 0.0, 3).verdict  # a costly first step: kept
+        <Verdict.KEEP: 'keep'>
+        >>> judge_trial([100.0, 101.0], [400.0, 110.0, 111.0], 0.0, 3).verdict  # over in every steady step
+        <Verdict.UNDO: 'undo'>
+    """
+    if warm_steps < 0:
+        raise ValueError(f"warm_steps={warm_steps!r} must be >= 0.")
+    steady = list(trial_ms[warm_steps:])
+    if not plain_ms or not steady:
+        raise ValueError(f"judge_trial needs steps without offload and steady steps with the plan; got plain_ms="
+                         f"{list(plain_ms)!r}, trial_ms={list(trial_ms)!r} with warm_steps={warm_steps}.")
+    plain = statistics.median_low(plain_ms)
+    measured = statistics.median_low(steady)
+    forecast = plain + stall_ms
+    return Judgement(check_verdict(forecast, measured, offloaded_blocks, tolerance), plain, forecast, measured)
 
 
 class AutoPlanner:
@@ -117,6 +160,11 @@ class AutoPlanner:
         measured_link = self.options.bandwidth_gbps is None
         self._checked = (plan, []) if measured_link and self._plain_ms and plan.offloaded_blocks else None
 
+    @property
+    def checking(self) -> bool:
+        """Whether a plan is being timed against its forecast (its verdict may still change it)."""
+        return self._checked is not None
+
     def timing(self, plan: OffloadPlan | None) -> bool:
         """Whether a step with ``plan`` is to be timed (the plan is being checked)."""
         return self._checked is not None and plan is self._checked[0]
@@ -127,13 +175,11 @@ class AutoPlanner:
             return None
         times = self._checked[1]
         times.append(step_ms)
-        if len(times) < self.options.profile_steps:
+        if len(times) < WARM_STEPS + self.options.profile_steps:
             return None
         self._checked = None
-        plain = statistics.median(self._plain_ms)
-        forecast = plain + (plan.prediction.stall_ms if plan.prediction is not None else 0.0)
-        measured = statistics.median(times)
-        verdict = check_verdict(forecast, measured, len(plan.offloaded_blocks))
+        stall = plan.prediction.stall_ms if plan.prediction is not None else 0.0
+        verdict, plain, forecast, measured = judge_trial(self._plain_ms, times, stall, len(plan.offloaded_blocks))
         if verdict is Verdict.KEEP:
             return None
         n, o = plan.n_blocks, self.options
@@ -146,8 +192,8 @@ class AutoPlanner:
             new = replace(plan_none(n, "auto"), notes=plan.notes)
             what = "undone (nothing offloaded)"
         line = (f"ActivationOffload auto: the step took {measured:.1f} ms with the plan against {forecast:.1f} ms "
-                f"forecast (the measured steps without offload: {plain:.1f} ms), more than {TOLERANCE:.0%} over; the "
-                f"plan is {what}")
+                f"forecast (the measured steps without offload: {plain:.1f} ms; the first {WARM_STEPS} step(s) with "
+                f"the plan left out), more than {TOLERANCE:.0%} over; the plan is {what}")
         log.info(line)
         new = plan_with_recompute(replace(new, notes=new.notes + (line,)), o.recompute)
         self._start_check(new)

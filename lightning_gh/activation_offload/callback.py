@@ -177,7 +177,8 @@ class ActivationOffload(L.Callback):
                            batch_idx: int) -> None:
         if self.engine is not None:
             self.engine.end_forward()
-            if trainer.loggers and should_update_logs(trainer) and self.engine.stats.forwards:
+            if trainer.loggers and should_update_logs(trainer) and \
+                    (self.engine.stats.forwards or self.engine.stats.plain_forwards):
                 st = self.engine.stats
                 # what this step moved off the device and what it kept there (the memory the plan saved)
                 log_to_loggers(trainer, {

@@ -246,6 +246,9 @@ class ActivationOffloader(SavedTensorHooks):
         else:
             profiling = self.auto is not None and self.plan is None
             plan = plan_none(len(self.blocks), "profiling") if profiling else self.plan
+            if not profiling and self._idle(plan):
+                self._plain_forward()  # See Note [A plan that moves nothing installs nothing]
+                return
         assert plan is not None
         fwd = Forward(self._forwards, plan, profiling, measure)
         if measure is not None:
@@ -260,6 +263,26 @@ class ActivationOffloader(SavedTensorHooks):
             self.timeline = []
             self._t0 = time.perf_counter()
         self._install(fwd)
+
+    # Note [A plan that moves nothing installs nothing]
+    # ``policy="auto"`` promises a step no slower than without the engine. An ``"auto"`` plan that offloads no block,
+    # recomputes none and swaps no loss (the plan undone by its check, or one that found nothing to hide) would still
+    # cost something through the engine: a Python pack and unpack call for every saved tensor, autocast's weight casts
+    # made again in the backward (``recompute_param_casts``, which also changes what the step keeps), block hooks.
+    # Such a forward runs with nothing installed: no saved-tensor hooks, no block hooks, no recompute wrappers, no
+    # loss swap; the step is the step without the engine, to the bit and in memory (``stats.plain_forwards`` counts
+    # these forwards). Adopting such a plan also gives the pool's free pinned buffers back (``HostBufferPool.clear``).
+    # An explicit ``policy=0`` keeps the hooks (the cast dedupe and the weight re-cast alone, which save memory at a
+    # cost), and budget mode keeps its own rules (its measuring steps need the hooks).
+    def _idle(self, plan: OffloadPlan) -> bool:
+        return self.auto is not None and not plan.offloaded_blocks and not plan.recompute and not plan.lean_loss \
+            and self.options.lean_loss is not True
+
+    def _plain_forward(self) -> None:
+        st = self.stats
+        st.plain_forwards += 1
+        st.last_offloaded_bytes = st.last_resident_bytes = 0
+        st.last_offloaded_by_block = [0] * len(self.blocks)
 
     def _install(self, fwd: Forward) -> None:
         self._fwd = fwd
@@ -310,6 +333,10 @@ class ActivationOffloader(SavedTensorHooks):
             for point in sorted(fwd.pending):
                 self._release_point(fwd, point)  # See Note [Release point of an offloaded storage]
             fwd.current = None
+            # Only the forward looks entries up by storage or cast; the cast keys hold autograd nodes, which hold
+            # this forward's handles: dropped here, nothing keeps the forward once its graph is gone.
+            fwd.by_key.clear()
+            fwd.casts.clear()
             if fwd.profiling or "t0" in fwd.marks:
                 fwd.marks["fwd_end"] = self._clock.mark()
                 self._measured.append(fwd)
@@ -346,6 +373,8 @@ class ActivationOffloader(SavedTensorHooks):
 
     def _adopt(self, plan: OffloadPlan) -> None:
         self.plan = plan
+        if self.budget is None and self._pool is not None and self._idle(plan):
+            self._pool.clear()  # See Note [A plan that moves nothing installs nothing]
         self.on_plan(plan)
 
     # ---------------------------------------------------------------------------------- set-up
@@ -386,6 +415,10 @@ class ActivationOffloader(SavedTensorHooks):
             self._setup_budget()
         elif opts.policy == "auto":
             self.auto = AutoPlanner(opts, self._link_gbps)
+            if opts.bandwidth_gbps is None:
+                # Measured now (once per process): the measurement gives the allocators' cached memory back, which the
+                # step after it pays to grow again; here that is the warm-up step, not a step the plan is judged on.
+                self._link_gbps()
         elif self.plan is None:
             if opts.policy == "all":
                 plan = plan_all(n, opts.skip_last_blocks, opts.max_inflight_blocks, opts.prefetch_blocks)

@@ -57,13 +57,14 @@ _KEPT, _COPYING, _OFFLOADED, _RELOADED, _DEAD = range(5)
 class _Entry:
     """One storage saved in one block of one forward: resident, or on its way to and from the host."""
 
-    __slots__ = ("engine", "fwd", "block", "nbytes", "moved", "state", "sref", "version", "tref", "src",
+    # No reference to its Forward (which holds it): no cycle, so a forward is freed with its graph, not by the
+    # garbage collector some steps later.
+    __slots__ = ("engine", "block", "nbytes", "moved", "state", "sref", "version", "tref", "src",
                  "host", "d2h", "dev", "h2d", "refs", "dirty")
 
-    def __init__(self, engine: SavedTensorHooks, fwd: Forward, block: int, nbytes: int, moved: bool,
+    def __init__(self, engine: SavedTensorHooks, block: int, nbytes: int, moved: bool,
                  sref: StorageWeakRef, t: torch.Tensor) -> None:
         self.engine = engine
-        self.fwd = fwd
         self.block = block
         self.nbytes = nbytes
         self.moved = moved
@@ -282,7 +283,7 @@ class SavedTensorHooks:
             reason = self._skip_reason(t, ptr, nbytes)
             budget = fwd.plan.budgets[block]
             moved = reason is None and (budget is None or fwd.used[block] + nbytes <= budget)
-            e = _Entry(self, fwd, block, nbytes, moved, StorageWeakRef(st), t)
+            e = _Entry(self, block, nbytes, moved, StorageWeakRef(st), t)
             fwd.by_key[(block, ptr)] = e
             if reason is None:
                 fwd.offloadable[block] += nbytes

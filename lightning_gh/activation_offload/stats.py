@@ -16,9 +16,11 @@ __all__ = ["OffloadStats", "TimelinePoint"]
 
 @dataclass
 class OffloadStats:
-    """Counters over the engine's life (``last_*``: the most recent forward)."""
+    """Counters over the engine's life (``last_*``: the most recent forward; one left untouched moved and kept
+    nothing through the engine, so they read 0)."""
 
-    forwards: int = 0
+    forwards: int = 0  # forwards the engine ran its hooks in
+    plain_forwards: int = 0  # forwards it left untouched: See Note [A plan that moves nothing installs nothing]
     saved_tensors: int = 0
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0

@@ -1,7 +1,8 @@
 """``policy="auto"`` keeps its promise: the check of a plan leaves out the first step with it (what the plan sets up is
 paid once), judges the steady steps, and a plan undone (or one that offloads nothing) leaves the step exactly as it is
 without the engine: nothing installed, the same losses and gradients to the bit, the pool's pinned buffers given back.
-The verdict is a table; the loop runs with a fake clock (each mark one millisecond, plus penalties in chosen steps)."""
+The verdict is a table; the loop runs with a clock that stands still but for the engine's measuring marks and the
+penalties a test puts in chosen steps (the engine's hooks, an offloading step)."""
 
 from __future__ import annotations
 
@@ -46,14 +47,16 @@ def test_judge_trial_states_its_figures_and_refuses_too_few_steps():
         judge_trial(P, [1.0, 2.0], 0.0, 3, warm_steps=-1)
 
 
-class FakeClock:
-    """Every mark is one millisecond after the previous one; ``now`` can be pushed ahead."""
+class StillClock:
+    """A clock that stands still but for the penalties a test puts in a step, and one millisecond per mark while the
+    engine measures, before its plan (so that its blocks take time and the plan has compute to hide copies under)."""
 
-    def __init__(self):
-        self.now = 0.0
+    def __init__(self, off):
+        self.off, self.now = off, 0.0
 
     def mark(self):
-        self.now += 1.0
+        if self.off.plan is None:
+            self.now += 1.0
         return self.now
 
     def ms(self, a, b):
@@ -74,17 +77,20 @@ class _Probe:
         self.rows.append((off._fwd, saved_hooks is not None, block_hooks))
 
 
-def _run(penalty, steps, autocast=None, seed_plain=True):
-    """``steps`` steps of the tiny Llama under ``"auto"`` with a fake clock; ``penalty(k, plan)`` ms are added to the
-    k-th forward that offloads. Returns the engine, its plans, the probe and the per-step (loss, grads)."""
+def _run(penalty, steps, autocast=None, hook_ms=0.0):
+    """``steps`` steps of the tiny Llama under ``"auto"`` with a still clock: ``hook_ms`` is added to each forward the
+    engine's hooks are installed in, ``penalty(k, plan)`` ms to the k-th forward that offloads. Returns the engine, its
+    plans, the probe, the per-step (loss, grads), the model and its config."""
     model, cfg = _llama(n_layers=4)
     off = offload_activations(model, "auto", profile_steps=2, **CPU)
     assert off.enabled
-    clock = off._clock = FakeClock()
+    clock = off._clock = StillClock(off)
     offloading = []
 
     def slow(module, args):
         fwd = off._fwd
+        if fwd is not None:
+            clock.now += hook_ms
         if fwd is not None and fwd.plan.offloaded_blocks:
             offloading.append(fwd.plan)
             clock.now += penalty(len(offloading) - 1, fwd.plan)
@@ -103,10 +109,25 @@ def _run(penalty, steps, autocast=None, seed_plain=True):
 def test_a_costly_first_step_with_the_plan_is_left_out_and_the_plan_kept(caplog):
     # The first step with the plan pays 5 s (say, pinning the pool); the steady steps pay nothing.
     with caplog.at_level(logging.INFO, logger="lightning_gh.activation_offload.auto"):
-        off, plans, *_ = _run(lambda k, plan: 5000.0 if k == 0 else 0.0, steps=8)
+        off, plans, probe, *_ = _run(lambda k, plan: 5000.0 if k == 0 else 0.0, steps=9)
     assert len(plans) == 1 and off.plan is plans[0] and off.plan.offloaded_blocks
-    assert not off.auto.checking  # judged, and kept
+    assert not off.auto.checking  # judged against the measured steps, then against the steps without the engine: kept
     assert "ActivationOffload auto: the step took" not in caplog.text
+    # steps: 0 warm-up, 1-2 measured, 3-5 with the plan (3 left out), 6-7 without the engine (the reference), 8 plan
+    assert [fwd is None for fwd, _, _ in probe.rows] == [False] * 6 + [True] * 2 + [False]
+    assert probe.rows[6][1:] == probe.rows[7][1:] == (False, 0)
+
+
+def test_a_plan_within_the_measured_steps_but_over_the_step_without_the_engine_is_undone(caplog):
+    # The engine's hooks cost 10 ms a step, offloading nothing more: against the measured steps (hooks on) the plan
+    # holds; against the steps without the engine it is 10 ms over, and undone.
+    with caplog.at_level(logging.INFO, logger="lightning_gh.activation_offload.auto"):
+        off, plans, probe, *_ = _run(lambda k, plan: 0.0, steps=10, hook_ms=10.0)
+    assert len(plans) == 2 and plans[0].offloaded_blocks and not off.plan.offloaded_blocks
+    lines = [r.getMessage() for r in caplog.records if "ActivationOffload auto: the step took" in r.getMessage()]
+    assert len(lines) == 1 and "took 10.0 ms with the plan against" in lines[0]
+    assert "(the steps without the engine: 0.0 ms;" in lines[0] and "undone (nothing offloaded)" in lines[0]
+    assert all(row == (None, False, 0) for row in probe.rows[6:]) and not off.auto.checking
 
 
 def test_a_steady_excess_is_still_undone_in_one_line(caplog):

@@ -246,6 +246,9 @@ class ActivationOffloader(SavedTensorHooks):
         else:
             profiling = self.auto is not None and self.plan is None
             plan = plan_none(len(self.blocks), "profiling") if profiling else self.plan
+            if not profiling and self.auto is not None and self.auto.reference_step():
+                self._reference_forward()  # See Note [The reference of the check is the step without the engine]
+                return
             if not profiling and self._idle(plan):
                 self._plain_forward()  # See Note [A plan that moves nothing installs nothing]
                 return
@@ -283,6 +286,15 @@ class ActivationOffloader(SavedTensorHooks):
         st.plain_forwards += 1
         st.last_offloaded_bytes = st.last_resident_bytes = 0
         st.last_offloaded_by_block = [0] * len(self.blocks)
+
+    def _reference_forward(self) -> None:
+        """A forward with nothing installed, timed from here to the backward's end (``"auto"``'s reference)."""
+        fwd = Forward(self._forwards, plan_none(len(self.blocks), "reference"), False)
+        fwd.reference = True
+        fwd.bwd_point = fwd.n  # no hook moves it: the next end_backward() marks this forward's end
+        fwd.marks["t0"] = self._clock.mark()
+        self._measured.append(fwd)
+        self._plain_forward()
 
     def _install(self, fwd: Forward) -> None:
         self._fwd = fwd
@@ -547,6 +559,9 @@ class ActivationOffloader(SavedTensorHooks):
         for fwd in [f for f in self._measured if f.bwd_point <= 0 or "bwd_end" in f.marks]:
             self._measured.remove(fwd)
             ms = self._clock.ms(fwd.marks["t0"], fwd.marks["bwd_end"]) if "bwd_end" in fwd.marks else None
+            if fwd.reference:
+                plan = (self.auto.reference_timed(ms) if ms is not None else None) or plan
+                continue
             if not fwd.profiling:
                 if ms is not None:
                     plan = self.auto.timed(fwd.plan, ms) or plan

@@ -136,6 +136,7 @@ class Forward:
         self.plan = plan
         self.n = n
         self.profiling = profiling
+        self.reference = False  # run with nothing installed, only timed (``"auto"``'s reference step)
         self.current: int | None = None
         self.started = False
         self.by_key: dict[tuple[int, int], _Entry] = {}

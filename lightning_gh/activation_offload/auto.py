@@ -11,11 +11,11 @@ steps with it are timed and held against the forecast (the measured steps' own t
 predicts); the steady steps (the warm ones left out: they pay once for what the plan sets up) slower by more than
 :data:`TOLERANCE` shrink the plan by its last offloaded block, or undo it (:func:`judge_trial`, :func:`check_verdict`),
 and say so in one log line. A plan kept is held once more against steps run without the engine (See Note [The
-reference of the check is the step without the engine]). A plan that offloads nothing leaves the step as it is without the engine (See Note
-[A plan that moves nothing installs nothing] in :mod:`.engine`). This needs the backward's end marked
-(:meth:`~lightning_gh.activation_offload.engine.ActivationOffloader.end_backward`; the Lightning callback does) and
-the link measured (``bandwidth_gbps=None``: a given bandwidth is a forecast for that link, not a promise about this
-one).
+reference of the check is the step without the engine]). A plan that offloads nothing leaves the step as it is
+without the engine (See Note [A plan that moves nothing installs nothing] in :mod:`.engine`). This needs the
+backward's end marked (:meth:`~lightning_gh.activation_offload.engine.ActivationOffloader.end_backward`; the Lightning
+callback does) and the link measured (``bandwidth_gbps=None``: a given bandwidth is a forecast for that link, not a
+promise about this one).
 
 Example::
 

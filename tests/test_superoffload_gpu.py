@@ -120,10 +120,10 @@ def test_device_assist_shares_the_update_and_agrees_with_the_cpu_path(dtype, spe
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
     for a, b in zip(a_model.parameters(), b_model.parameters()):
         torch.testing.assert_close(a, b, **tol)  # the GPU's and the CPU's fused AdamW, same clip coefficients
-    # after synchronize() the host state is final: its master weights are the module's weights
-    in_group_order = [p for g in a_opt.param_groups for p in g["params"]]
-    for k, st in a_opt.state_dict()["state"].items():
-        assert torch.equal(st["master"].to(DEV, dtype), in_group_order[k])
+    # after synchronize() the host state is final: the fp32 master weights of the host buckets are the weights
+    for b in a_opt.layout.buckets:
+        for s in b.slots:
+            assert torch.equal(s.master.view(s.param.shape).to(DEV, dtype), s.param.detach()), s.index
     a_opt.close()
     b_opt.close()
 

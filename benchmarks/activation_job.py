@@ -172,16 +172,20 @@ def apply_sac(layers: Sequence[torch.nn.Module], policy: Any = sac_policy) -> in
 # -------------------------------------------------------------------------------------------- one variant
 
 
-def settled(enabled: bool, budget_state: str | None, plan_age: int | None, profile_steps: int) -> bool:
+def settled(enabled: bool, budget_state: str | None, plan_age: int | None, profile_steps: int,
+            checking: bool = False) -> bool:
     """Whether an ActivationOffload engine's plan stays from here on, so the steps after this one can be timed.
 
     ``enabled``: the engine moves anything (``False`` off CUDA: nothing to wait for). ``budget_state``: the budget
     controller's state value, ``None`` without a budget. ``plan_age``: steps ended since the plan last changed
     (``None``: no plan yet). A budget plan stays once the controller is done and a step ran with it; an ``"auto"``
-    plan once it outlived its check (``profile_steps`` timed steps with it).
+    plan once it outlived its check (``profile_steps`` timed steps with it) and no verdict is still to come
+    (``checking``: :attr:`~lightning_gh.activation_offload.auto.AutoPlanner.checking`).
     """
     if not enabled:
         return True
+    if checking:
+        return False
     if plan_age is None:
         return False
     if budget_state is not None:
@@ -234,7 +238,9 @@ class StepProbe(_ModelStatePeak):
         engine = cb.engine
         budget = engine.budget if engine is not None else None
         state = getattr(getattr(budget, "state", None), "value", None) if budget is not None else None
-        return settled(engine is not None and engine.enabled, state, self._plan_age, cb.options.profile_steps)
+        checking = bool(getattr(getattr(engine, "auto", None), "checking", False))
+        return settled(engine is not None and engine.enabled, state, self._plan_age, cb.options.profile_steps,
+                       checking)
 
     def timed(self) -> list[float]:
         return self.step_ms[self.timed_from:] if self.timed_from is not None else []

@@ -13,9 +13,9 @@ gpu_bf16_ckpt       GPU-only ``precision="bf16-true"`` (bf16 weights and bf16 Ad
 superoffload        ``strategy="superoffload"``, ``precision="bf16-true"`` (fp32 master and moments in host
                     memory), default options, HF gradient checkpointing
 superoffload_fp8    the same with ``plugins=[lgh.precision("fp8-ao-tensorwise")]`` instead of ``bf16-true``
-superoffload_cpu    as superoffload with ``device_assist=False`` (the CPU updates every host bucket): the A/B of
-                    the GPU's share of the update
-superoffload_fp8_cpu  as superoffload_fp8 with ``device_assist=False``
+superoffload_assist as superoffload with ``device_assist=True`` (the GPU shares the host buckets' update once the
+                    step's decision is known): the A/B of that option
+superoffload_fp8_assist  as superoffload_fp8 with ``device_assist=True``
 deepspeed_offload   Lightning ``strategy="deepspeed_stage_2_offload"`` + ``DeepSpeedCPUAdam``, ``bf16-mixed``,
                     HF gradient checkpointing (DeepSpeed ZeRO-Offload, the anchor users know)
 torchao_offload     torchao's ``CPUOffloadOptimizer`` (fused AdamW on the CPU), ``bf16-mixed``, HF checkpointing
@@ -57,7 +57,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = ("gpu_bf16_ckpt", "superoffload", "superoffload_fp8", "deepspeed_offload", "torchao_offload",
-            "gpu_fp32master", "gpu_bf16_budget", "superoffload_budget", "superoffload_cpu", "superoffload_fp8_cpu")
+            "gpu_fp32master", "gpu_bf16_budget", "superoffload_budget", "superoffload_assist",
+            "superoffload_fp8_assist")
 #: Variants that replace HF gradient checkpointing by ``ActivationOffload(budget=...)``.
 BUDGET_VARIANTS = ("gpu_bf16_budget", "superoffload_budget")
 
@@ -205,11 +206,11 @@ def _child(job: Job, out_file: Path) -> None:
         kw = {"precision": "bf16-true", "strategy": "superoffload"}
     elif job.variant == "superoffload_fp8":
         kw = {"plugins": [lgh.precision("fp8-ao-tensorwise")], "strategy": "superoffload"}
-    elif job.variant == "superoffload_cpu":
-        kw = {"precision": "bf16-true", "strategy": lgh.SuperOffloadStrategy(device_assist=False)}
-    elif job.variant == "superoffload_fp8_cpu":
+    elif job.variant == "superoffload_assist":
+        kw = {"precision": "bf16-true", "strategy": lgh.SuperOffloadStrategy(device_assist=True)}
+    elif job.variant == "superoffload_fp8_assist":
         kw = {"plugins": [lgh.precision("fp8-ao-tensorwise")],
-              "strategy": lgh.SuperOffloadStrategy(device_assist=False)}
+              "strategy": lgh.SuperOffloadStrategy(device_assist=True)}
     elif job.variant == "deepspeed_offload":
         kw = {"precision": "bf16-mixed", "strategy": "deepspeed_stage_2_offload"}
     elif job.variant == "torchao_offload":

@@ -121,6 +121,11 @@ def test_settled_table(enabled, budget_state, plan_age, profile_steps, expected)
     assert job.settled(enabled, budget_state, plan_age, profile_steps) is expected
 
 
+def test_an_auto_plan_whose_verdict_is_still_to_come_is_not_settled():
+    assert job.settled(True, None, 9, 2, checking=True) is False
+    assert job.settled(True, None, 9, 2, checking=False) is True
+
+
 def _rows(**act_and_ms):
     """Rows of one family: variant -> (activation GiB, step ms); plain first."""
     rows = [{"variant": v, "act_bytes": int(a * GIB), "step_ms": ms, "losses": [1.0]} for v, (a, ms) in

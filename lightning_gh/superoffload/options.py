@@ -78,10 +78,11 @@ class SuperOffloadOptions:
         device_assist: once a step's clip/skip decision is known, let the GPU update some of the host buckets still
             waiting for the CPU, streaming their state over the host link, while the CPU updates the others (see
             Note [Device-assisted update] in :mod:`.assist`); the moments of host buckets are then page-locked.
-            ``"auto"``: with CUDA on one rank, unless ``torch.use_deterministic_algorithms(True)`` is in effect
-            (which device updates a bucket depends on timing, and the GPU's fused AdamW may differ from the CPU's
-            in the last bit); ``True``: also off CUDA, where the same split runs on the CPU (for tests);
-            ``False``: the CPU updates every host bucket.
+            Off by default: where the CPU update is bound by the host's memory bandwidth, the link's copies take
+            that bandwidth from it (docs/benchmarks.md). ``"auto"``: with CUDA on one rank, unless
+            ``torch.use_deterministic_algorithms(True)`` is in effect (which device updates a bucket depends on
+            timing, and the GPU's fused AdamW may differ from the CPU's in the last bit); ``True``: also off CUDA,
+            where the same split runs on the CPU (for tests); ``False``: the CPU updates every host bucket.
     """
 
     gpu_fraction: float | str = "auto"
@@ -92,7 +93,7 @@ class SuperOffloadOptions:
     bucket_size: int = 1 << 24
     host_memory_check: bool = True
     rollback: str = "auto"
-    device_assist: bool | str = "auto"
+    device_assist: bool | str = False
 
     def __post_init__(self) -> None:
         check_types(self)  # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options

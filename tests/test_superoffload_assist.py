@@ -10,12 +10,11 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-import torch
+from test_superoffload import STEPS, assert_same, groups, make_model, train_ours, train_reference
 
 from lightning_gh.superoffload import HeterogeneousAdamW
 from lightning_gh.superoffload.assist import SharedBuckets, assist_enabled, chunk_spans
 from lightning_gh.superoffload.worker import take_shared
-from test_superoffload import CLIP, STEPS, assert_same, groups, make_model, train_ours, train_reference
 
 
 @pytest.mark.parametrize("speculative,rollback", [(False, "auto"), (True, "auto"), (True, "copy")])

@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             r.notes["layers"] = layers
             rows.append(r)
             print(f"{v} ({layers} layers): {r.step_ms and round(r.step_ms)} ms, error={r.error}", flush=True)
+            # each row as it finishes: a run stopped at its time limit keeps the variants it completed
+            (out / "one_gpu_job.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     anchor = "gpu_fp32master" if args.check_loss else "gpu_bf16_ckpt"
     report = table(rows, anchor)
     if args.check_loss:

@@ -10,7 +10,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from test_superoffload import STEPS, assert_same, groups, make_model, train_ours, train_reference
+from test_superoffload import CLIP, STEPS, assert_same, groups, make_model, train_ours, train_reference
 
 from lightning_gh.superoffload import HeterogeneousAdamW
 from lightning_gh.superoffload.assist import SharedBuckets, assist_enabled, chunk_spans
@@ -127,3 +127,21 @@ def test_assisted_run_with_no_clipping_matches_bitwise():
     assert opt.stats["assisted_buckets"] > 0
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
+
+
+def test_the_gpu_workers_thread_stops_when_the_optimizer_is_closed_or_collected():
+    import gc
+
+    model, opt = train_ours(steps=4, clip=CLIP, speculative=False, device_assist=True, gpu_fraction=0.0)
+    assist = opt.updater.assist
+    assert assist._thread is not None and assist._thread.is_alive()
+    opt.close()
+    assist._thread.join(timeout=10)
+    assert not assist._thread.is_alive()
+
+    model, opt = train_ours(steps=4, clip=CLIP, speculative=False, device_assist=True, gpu_fraction=0.0)
+    thread = opt.updater.assist._thread
+    del opt
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()

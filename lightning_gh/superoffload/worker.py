@@ -164,6 +164,8 @@ class CpuUpdater:
     def __del__(self) -> None:
         if getattr(self, "_thread", None) is not None:
             self._queue.put(None)
+        if getattr(self, "assist", None) is not None:
+            self.assist.close()  # its thread holds the layout (and its page-locked buffers) until closed
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():

@@ -31,8 +31,9 @@ import torch
 
 __all__ = [
     "HardwareInfo", "LinkBandwidth", "ManagedBandwidth", "available_host_bytes", "coherent_host_memory",
-    "managed_bandwidth", "managed_memory_attributes", "classify", "cpu_flags", "cpu_view", "cpus_available", "detect",
-    "gpu_memory_room", "gpu_name", "host_arch", "link_bandwidth", "median_cuda_ms",
+    "managed_bandwidth", "managed_memory_attributes", "classify", "cpu_affinity", "cpu_flags", "cpu_siblings",
+    "cpu_view", "cpus_available", "detect", "gpu_memory_room", "gpu_name", "gpu_numa_node", "host_arch",
+    "link_bandwidth", "median_cuda_ms", "numa_nodes", "parse_cpulist",
 ]
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores.
@@ -130,6 +131,131 @@ def cpus_available() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def cpu_affinity() -> frozenset[int] | None:
+    """The CPUs this process may run on (its affinity mask), or ``None`` where the OS has no such mask."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def parse_cpulist(text: str) -> frozenset[int]:
+    """The CPUs of a Linux cpulist (``/sys``'s ``"0-3,8,10-11"`` form; blank means none).
+
+    >>> sorted(parse_cpulist("0-3,8,10-11"))
+    [0, 1, 2, 3, 8, 10, 11]
+    >>> parse_cpulist("\\n")
+    frozenset()
+    """
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        if not (lo.isdigit() and (not hi or hi.isdigit())) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"cpulist={text!r}: {part!r} is not a CPU number or a range 'a-b' with a <= b.")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(cpus)
+
+
+def _read_cpulist(path: str) -> frozenset[int] | None:
+    try:
+        with open(path) as f:
+            return parse_cpulist(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def numa_nodes(root: str = "/sys/devices/system/node") -> dict[int, frozenset[int]]:
+    """Each NUMA node's CPUs (``node<N>/cpulist``), nodes without CPUs included; ``{}`` where the OS does not say.
+
+    Args:
+        root: where the nodes are listed (a fake tree in tests).
+    """
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return {}
+    nodes = {}
+    for name in names:
+        if name.startswith("node") and name[4:].isdigit():
+            cpus = _read_cpulist(os.path.join(root, name, "cpulist"))
+            if cpus is not None:
+                nodes[int(name[4:])] = cpus
+    return dict(sorted(nodes.items()))
+
+
+def cpu_siblings(root: str = "/sys/devices/system/cpu") -> dict[int, frozenset[int]]:
+    """Each CPU's hardware threads on the same core (``cpu<N>/topology/thread_siblings_list``, the CPU itself
+    included); ``{}`` where the OS does not say.
+
+    Args:
+        root: where the CPUs are listed (a fake tree in tests).
+    """
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return {}
+    out = {}
+    for name in names:
+        if name.startswith("cpu") and name[3:].isdigit():
+            cpus = _read_cpulist(os.path.join(root, name, "topology", "thread_siblings_list"))
+            if cpus:
+                out[int(name[3:])] = cpus
+    return dict(sorted(out.items()))
+
+
+def gpu_numa_node(device_index: int, root: str = "/sys/bus/pci/devices") -> int | None:
+    """The NUMA node the CUDA device hangs off (its PCI device's ``numa_node``), or ``None``: no CUDA, a device
+    the OS does not place (``-1``, as on one-node hosts and most VMs), or nothing to read.
+
+    Args:
+        device_index: the CUDA device, as torch numbers them (after ``CUDA_VISIBLE_DEVICES``).
+        root: where the PCI devices are listed (a fake tree in tests).
+    """
+    if not torch.cuda.is_available():
+        return None
+    bus_id = _pci_bus_id(int(device_index))
+    return None if bus_id is None else _pci_numa_node(bus_id, root)
+
+
+def _pci_bus_id(device_index: int) -> str | None:
+    """The device's PCI address, ``"0000:1b:00.0"``: from torch's device properties where they carry it (a string,
+    or the domain, bus and device numbers), else from the driver (``cuDeviceGetPCIBusId``)."""
+    try:
+        props = torch.cuda.get_device_properties(device_index)
+    except (RuntimeError, AssertionError, ValueError):
+        return None
+    bus = getattr(props, "pci_bus_id", None)
+    if isinstance(bus, str) and bus:
+        return bus
+    domain, device = getattr(props, "pci_domain_id", None), getattr(props, "pci_device_id", None)
+    if all(isinstance(v, int) for v in (domain, bus, device)):
+        return f"{domain:04x}:{bus:02x}:{device:02x}.0"
+    lib = _libcuda()
+    dev, buf = ctypes.c_int(), ctypes.create_string_buffer(64)
+    if lib is None or lib.cuDeviceGet(ctypes.byref(dev), device_index) != 0 \
+            or lib.cuDeviceGetPCIBusId(buf, len(buf), dev) != 0:
+        return None
+    return buf.value.decode() or None
+
+
+def _pci_numa_node(bus_id: str, root: str) -> int | None:
+    # torch reports "00000000:1B:00.0" (a 32-bit domain on some drivers); sysfs names it "0000:1b:00.0".
+    name = bus_id.strip().lower()
+    domain, _, rest = name.partition(":")
+    candidates = [name] + ([f"{domain[-4:]}:{rest}"] if len(domain) > 4 else [])
+    for cand in candidates:
+        try:
+            with open(os.path.join(root, cand, "numa_node")) as f:
+                node = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        return node if node >= 0 else None
+    return None
 
 
 def host_arch() -> str:

@@ -45,6 +45,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_gh import _lightning, compat
 from lightning_gh._options import check_type
+from lightning_gh.superoffload import numa
 from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options
 from lightning_gh.superoffload.strategy import SuperOffloadStrategy
@@ -123,6 +124,7 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":  # every rank shards (ModelParallelStrategy's "auto" is per node)
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        numa.bind_strategy_rank(self)  # before anything of the optimizer: see Note [A rank's CPUs near its GPU]
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)

@@ -83,6 +83,12 @@ class SuperOffloadOptions:
             ``torch.use_deterministic_algorithms(True)`` is in effect (which device updates a bucket depends on
             timing, and the GPU's fused AdamW may differ from the CPU's in the last bit); ``True``: also off CUDA,
             where the same split runs on the CPU (for tests); ``False``: the CPU updates every host bucket.
+        bind_numa: on a host with several NUMA nodes, run each rank's CPU threads on the CPUs of its GPU's node
+            (ranks whose GPUs share a node split them, whole cores each), so its host state sits in that node's
+            memory (see Note [A rank's CPUs near its GPU] in :mod:`.numa`). Only with CUDA; nothing changes on
+            one node or where the OS does not say which node a GPU is on. ``"auto"``: also leaves alone a process
+            already bound within one node (``numactl``, the cluster's launcher); ``True``: binds it all the same,
+            within its mask, and warns where the GPU's node is unknown; ``False``: never binds.
     """
 
     gpu_fraction: float | str = "auto"
@@ -94,6 +100,7 @@ class SuperOffloadOptions:
     host_memory_check: bool = True
     rollback: str = "auto"
     device_assist: bool | str = False
+    bind_numa: bool | str = "auto"
 
     def __post_init__(self) -> None:
         check_types(self)  # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
@@ -113,6 +120,8 @@ class SuperOffloadOptions:
             raise ValueError(f"cpu_threads={self.cpu_threads!r} must be an int >= 1 or None.")
         if not (isinstance(self.device_assist, bool) or self.device_assist == "auto"):
             raise ValueError(f"device_assist={self.device_assist!r} must be True, False or 'auto'.")
+        if not (isinstance(self.bind_numa, bool) or self.bind_numa == "auto"):
+            raise ValueError(f"bind_numa={self.bind_numa!r} must be True, False or 'auto'.")
         if self.rollback not in ("auto", "copy"):
             raise ValueError(f"rollback={self.rollback!r} must be 'auto' or 'copy'.")
         if not (_is_count(self.bucket_size) and self.bucket_size >= 1):

@@ -18,7 +18,9 @@ gradient hooks reduce each gradient onto the rank that owns its state, see :mod:
 Devices: ``devices=1`` runs one process with no process group, as a single-device strategy does.
 ``devices=N`` runs under DDP's launchers (a subprocess per device, NCCL on GPUs; ``start_method="spawn"`` for the
 CPU or notebooks, gloo on CPUs), and each rank keeps ``1/N`` of the offloaded state (ZeRO-1/2 with the state in
-host memory). The module is not wrapped: rank 0's weights and buffers are broadcast once at setup instead.
+host memory). The module is not wrapped: rank 0's weights and buffers are broadcast once at setup instead. On a
+host with several NUMA nodes each rank's CPU threads run on its GPU's node (``bind_numa``, see
+Note [A rank's CPUs near its GPU] in :mod:`.numa`).
 
 Registered in Lightning's strategy registry as ``"superoffload"`` when this module is imported (``import
 lightning_gh`` does that).
@@ -57,6 +59,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from lightning_gh import _lightning, compat
+from lightning_gh.superoffload import numa
 from lightning_gh.superoffload.optimizer import HeterogeneousAdamW
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options
 
@@ -130,6 +133,10 @@ class SuperOffloadStrategy(DDPStrategy):
         # children nor anything useful, but it would still set up a process group of one).
         if self._several:
             super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        numa.bind_strategy_rank(self)  # before anything of the optimizer: see Note [A rank's CPUs near its GPU]
 
     def setup_distributed(self) -> None:
         if self._several:

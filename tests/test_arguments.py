@@ -85,12 +85,17 @@ KNOWN: dict[str, dict[str, list[tuple[Any, type[Exception]]]]] = {
         "max_gpu_fraction": [(-0.1, V), (1.5, V), ("x", T)],
         "pipeline_trigger": [("never", V), (1, T)],
         "betas": [((2.0, 2.0), V), ((0.9,), V), ("0.9", T), ((-0.1, 0.9), V)],
+        "device_assist": [("no", V), (1, T)],
+        "bind_numa": [("yes", V), (1, T)],
     },
-    "SuperOffloadFSDPStrategy": {"data_parallel_size": [("x", V), (0, V), (-1, V), (1.5, T)]},
+    "SuperOffloadFSDPStrategy": {"data_parallel_size": [("x", V), (0, V), (-1, V), (1.5, T)],
+                                 "device_assist": [("no", V), (1, T)], "bind_numa": [("yes", V), (1, T)]},
     "SuperOffloadStrategy": {
         "gpu_fraction": [(-0.1, V), (1.5, V), ("most", V), (float("nan"), V)],
         "cpu_threads": [(0, V), (-2, V), (1.5, T), ("4", T)],
         "max_gpu_fraction": [(-0.1, V), (1.5, V), ("x", T)],
+        "device_assist": [("no", V), (1, T)],
+        "bind_numa": [("yes", V), (1, T)],
     },
     "SelectiveProfiler": {"ranks": [(-1, T), (1.5, T), ("zero", V), (object(), T)]},  # a string of ranks
     "NVTXRangeCallback": {"ranks": [(-1, T), (1.5, T), ("zero", V), (object(), T)]},
@@ -106,7 +111,9 @@ KNOWN: dict[str, dict[str, list[tuple[Any, type[Exception]]]]] = {
     "ManagedOptimizerState": {"preferred": [("disk", V), (1, T)], "prefetch": [("always", V), (1, T)]},
     "SuperOffloadOptions": {"gpu_fraction": [(-0.1, V), (1.5, V), ("most", V), (float("nan"), V)],
                             "cpu_threads": [(0, V), (-2, V), (1.5, T), ("4", T)],
-                            "max_gpu_fraction": [(-0.1, V), (1.5, V), ("x", T)]},
+                            "max_gpu_fraction": [(-0.1, V), (1.5, V), ("x", T)],
+                            "device_assist": [("no", V), (1, T)],
+                            "bind_numa": [("yes", V), (1, T)]},
     "precision(fp8-auto)": {
         "bogus": [(1, T), ("x", T), (None, T)],  # an unknown keyword is a TypeError, as for any Python call
         "min_dim": [(-1, V), (1.5, T), ("big", T)],

@@ -280,3 +280,18 @@ def test_cpu_trainer_never_binds(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="no GPU memory to relieve"):
         trainer.fit(model, MarkovDataModule.for_model(model, num_train_samples=8))
     assert len(called) == 1 and trainer.global_step == 1
+
+
+def test_a_bound_rank_counts_its_threads_from_its_own_cpus(monkeypatch):
+    import os
+
+    from lightning_gh import hardware
+    from lightning_gh.superoffload import numa as numa_mod
+    from lightning_gh.superoffload.zero import rank_cpu_threads
+
+    monkeypatch.setattr(hardware, "cpus_available", lambda: 16)
+    assert rank_cpu_threads(True, 2) == 6  # unbound: a half of the process's CPUs, less two
+    monkeypatch.setitem(numa_mod._BOUND, os.getpid(), frozenset(range(8)))
+    assert rank_cpu_threads(True, 2) == 6  # bound to its 8: not halved a second time
+    monkeypatch.setitem(numa_mod._BOUND, os.getpid(), frozenset(range(16)))
+    assert rank_cpu_threads(True, 2) == 14

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gh import hardware
+from lightning_gh.superoffload import numa
 from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot, chunk_by_size
 from lightning_gh.superoffload.step import GradNorms, StepCtx
 
@@ -122,7 +123,8 @@ def rank_cpu_threads(cuda: bool, local_ranks: int) -> int:
         >>> rank_cpu_threads(cuda=False, local_ranks=1) >= 1
         True
     """
-    share = hardware.cpus_available() // max(1, local_ranks)
+    bound = numa.bound_cpus()  # already this rank's own share: See Note [A rank's CPUs near its GPU]
+    share = len(bound) if bound is not None else hardware.cpus_available() // max(1, local_ranks)
     return max(1, share - 2 if cuda else share)
 
 

@@ -169,23 +169,29 @@ def _read_cpulist(path: str) -> frozenset[int] | None:
         return None
 
 
+def _cpulists(root: str, prefix: str, *rel: str, keep_empty: bool) -> dict[int, frozenset[int]]:
+    """``{N: cpulist}`` of each ``<root>/<prefix><N>/<rel...>`` file that reads as a CPU list (empty ones only with
+    ``keep_empty``); ``{}`` where ``root`` cannot be listed."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return {}
+    out = {}
+    for name in names:
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            cpus = _read_cpulist(os.path.join(root, name, *rel))
+            if cpus is not None and (cpus or keep_empty):
+                out[int(name[len(prefix):])] = cpus
+    return dict(sorted(out.items()))
+
+
 def numa_nodes(root: str = "/sys/devices/system/node") -> dict[int, frozenset[int]]:
     """Each NUMA node's CPUs (``node<N>/cpulist``), nodes without CPUs included; ``{}`` where the OS does not say.
 
     Args:
         root: where the nodes are listed (a fake tree in tests).
     """
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return {}
-    nodes = {}
-    for name in names:
-        if name.startswith("node") and name[4:].isdigit():
-            cpus = _read_cpulist(os.path.join(root, name, "cpulist"))
-            if cpus is not None:
-                nodes[int(name[4:])] = cpus
-    return dict(sorted(nodes.items()))
+    return _cpulists(root, "node", "cpulist", keep_empty=True)
 
 
 def cpu_siblings(root: str = "/sys/devices/system/cpu") -> dict[int, frozenset[int]]:
@@ -195,17 +201,7 @@ def cpu_siblings(root: str = "/sys/devices/system/cpu") -> dict[int, frozenset[i
     Args:
         root: where the CPUs are listed (a fake tree in tests).
     """
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return {}
-    out = {}
-    for name in names:
-        if name.startswith("cpu") and name[3:].isdigit():
-            cpus = _read_cpulist(os.path.join(root, name, "topology", "thread_siblings_list"))
-            if cpus:
-                out[int(name[3:])] = cpus
-    return dict(sorted(out.items()))
+    return _cpulists(root, "cpu", "topology", "thread_siblings_list", keep_empty=False)
 
 
 def gpu_numa_node(device_index: int, root: str = "/sys/bus/pci/devices") -> int | None:

@@ -54,19 +54,23 @@ SMT = {c: frozenset({c % 8, c % 8 + 8}) for c in range(16)}
     # two nodes, one rank each: the whole node
     (TWO, {0: 0, 1: 1}, ALL16, 0, {}, "0-7"),
     (TWO, {0: 0, 1: 1}, ALL16, 1, {}, "8-15"),
-    # two ranks on one node split it: contiguous, disjoint, in local-rank order
-    (TWO, {0: 0, 1: 0}, ALL16, 0, {}, "0-3"),
-    (TWO, {0: 0, 1: 0}, ALL16, 1, {}, "4-7"),
+    # every rank on one node while another node's CPUs would sit idle: "auto" leaves the affinity alone
+    (TWO, {0: 0, 1: 0}, ALL16, 0, {}, None),
+    (TWO, {0: 0, 1: 0}, ALL16, 1, {}, None),
+    # two ranks on one node split it (forced here; or with ranks on the other node too): contiguous, disjoint,
+    # in local-rank order
+    (TWO, {0: 0, 1: 0}, ALL16, 0, {"force": True}, "0-3"),
+    (TWO, {0: 0, 1: 0}, ALL16, 1, {"force": True}, "4-7"),
     (TWO, {0: 1, 1: 0, 2: 1}, ALL16, 0, {}, "8-11"),
     (TWO, {0: 1, 1: 0, 2: 1}, ALL16, 2, {}, "12-15"),
     (TWO, {0: 1, 1: 0, 2: 1}, ALL16, 1, {}, "0-7"),
     # near-equal: 8 CPUs over 3 ranks -> 3, 3, 2
-    (TWO, {0: 0, 1: 0, 2: 0}, ALL16, 0, {}, "0-2"),
-    (TWO, {0: 0, 1: 0, 2: 0}, ALL16, 1, {}, "3-5"),
-    (TWO, {0: 0, 1: 0, 2: 0}, ALL16, 2, {}, "6-7"),
+    (TWO, {0: 0, 1: 0, 2: 0, 3: 1}, ALL16, 0, {}, "0-2"),
+    (TWO, {0: 0, 1: 0, 2: 0, 3: 1}, ALL16, 1, {}, "3-5"),
+    (TWO, {0: 0, 1: 0, 2: 0, 3: 1}, ALL16, 2, {}, "6-7"),
     # the process's mask is intersected with the node
     (TWO, {0: 0, 1: 1}, cpus("2-13"), 0, {}, "2-7"),
-    (TWO, {0: 0, 1: 0}, cpus("2-13"), 1, {}, "5-7"),
+    (TWO, {0: 0, 1: 0, 2: 1}, cpus("2-13"), 1, {}, "5-7"),
     # the GPU's node unknown, or not a node with CPUs
     (TWO, {0: None, 1: 1}, ALL16, 0, {}, None),
     (TWO, {0: 3}, ALL16, 0, {}, None),
@@ -78,8 +82,8 @@ SMT = {c: frozenset({c % 8, c % 8 + 8}) for c in range(16)}
     (TWO, {0: 0, 1: 0}, cpus("0-7"), 1, {}, None),
     (TWO, {0: 0, 1: 0}, cpus("0-7"), 1, {"force": True}, "4-7"),
     # hardware threads of one core go to one rank
-    (SMT_NODES, {0: 0, 1: 0}, ALL16, 0, {"siblings": SMT}, "0-1,8-9"),
-    (SMT_NODES, {0: 0, 1: 0}, ALL16, 1, {"siblings": SMT}, "2-3,10-11"),
+    (SMT_NODES, {0: 0, 1: 0, 2: 1}, ALL16, 0, {"siblings": SMT}, "0-1,8-9"),
+    (SMT_NODES, {0: 0, 1: 0, 2: 1}, ALL16, 1, {"siblings": SMT}, "2-3,10-11"),
     (SMT_NODES, {0: 0, 1: 1}, ALL16, 1, {"siblings": SMT}, "4-7,12-15"),
 ])
 def test_rank_cpus(nodes, node_of_rank, allowed, rank, kw, expected):
@@ -90,7 +94,7 @@ def test_rank_cpus(nodes, node_of_rank, allowed, rank, kw, expected):
 def test_rank_cpus_slices_are_disjoint_and_cover_the_node():
     for ranks in range(1, 9):
         node_of_rank = dict.fromkeys(range(ranks), 1)
-        slices = [numa.rank_cpus(SMT_NODES, node_of_rank, ALL16, r, siblings=SMT) for r in range(ranks)]
+        slices = [numa.rank_cpus(SMT_NODES, node_of_rank, ALL16, r, siblings=SMT, force=True) for r in range(ranks)]
         got = [s for s in slices if s is not None]
         assert sum(map(len, got)) == len(frozenset().union(*got)) == 8  # disjoint, the whole node
         assert all(len(s) % 2 == 0 for s in got)  # whole cores
@@ -180,8 +184,13 @@ def test_bind_rank_binds_to_the_gpus_node(host, option):
 
 
 def test_bind_rank_splits_a_shared_node(host):
-    assert numa.bind_rank(1, [0, 2], "auto") == cpus("4-7")  # devices 0 and 2 both on node 0
+    assert numa.bind_rank(1, [0, 2], True) == cpus("4-7")  # devices 0 and 2 both on node 0
     assert host.calls == [(0, cpus("4-7"))]
+
+
+def test_bind_rank_auto_keeps_every_node_busy(host):
+    assert numa.bind_rank(1, [0, 2], "auto") is None  # node 1 would host no rank
+    assert host.calls == []
 
 
 @pytest.mark.parametrize("change", ["option_false", "one_node", "unknown_node", "already_bound"])

@@ -20,13 +20,18 @@ the CPU that first touches it, so binding the threads is enough, provided it hap
   near-equal slices of whole cores, in local-rank order, so two ranks never compete for a core;
 * nothing is changed where it would not help or cannot be known: one NUMA node, a GPU whose node the OS does
   not report, an empty share; under ``"auto"`` also a process that something else (``numactl``, the cluster's
-  launcher) already bound within one node.
+  launcher) already bound within one node, and a host where some node would host no rank (its CPUs and memory
+  channels would sit idle, while the CPU update is bound by memory bandwidth).
 
 Example::
 
     >>> nodes = {0: frozenset(range(0, 8)), 1: frozenset(range(8, 16))}
-    >>> sorted(rank_cpus(nodes, {0: 0, 1: 0}, frozenset(range(16)), local_rank=1))
+    >>> sorted(rank_cpus(nodes, {0: 0, 1: 1}, frozenset(range(16)), local_rank=1))
+    [8, 9, 10, 11, 12, 13, 14, 15]
+    >>> sorted(rank_cpus(nodes, {0: 0, 1: 0, 2: 1, 3: 1}, frozenset(range(16)), local_rank=1))
     [4, 5, 6, 7]
+    >>> rank_cpus(nodes, {0: 0, 1: 0}, frozenset(range(16)), local_rank=1) is None  # node 1 would sit idle
+    True
     >>> rank_cpus({0: frozenset(range(16))}, {0: 0}, frozenset(range(16)), local_rank=0) is None
     True
 """
@@ -79,7 +84,8 @@ def rank_cpus(nodes: Mapping[int, frozenset[int]], node_of_rank: Mapping[int, in
         local_rank: the rank to decide for.
         siblings: each CPU's hardware threads on its core (:func:`lightning_gh.hardware.cpu_siblings`); a core's
             threads go to one rank. ``None``: every CPU is its own core.
-        force: bind even when ``allowed`` already lies within one node (``bind_numa=True``).
+        force: bind even when ``allowed`` already lies within one node, or when a node would host no rank
+            (``bind_numa=True``).
     """
     with_cpus = {n: cpus for n, cpus in nodes.items() if cpus}
     node = node_of_rank.get(local_rank)
@@ -87,6 +93,9 @@ def rank_cpus(nodes: Mapping[int, frozenset[int]], node_of_rank: Mapping[int, in
         return None
     if not force and any(allowed <= cpus for cpus in with_cpus.values()):
         return None  # already bound within one node by something else
+    used = {n for n in node_of_rank.values() if n is not None}
+    if not force and any(cpus & allowed and n not in used for n, cpus in with_cpus.items()):
+        return None  # a node's CPUs (and its memory channels) would sit idle: the CPU update needs them more
     pool = with_cpus[node] & allowed
     cores: dict[int, list[int]] = {}
     for c in sorted(pool):

@@ -87,8 +87,9 @@ class SuperOffloadOptions:
             (ranks whose GPUs share a node split them, whole cores each), so its host state sits in that node's
             memory (see Note [A rank's CPUs near its GPU] in :mod:`.numa`). Only with CUDA; nothing changes on
             one node or where the OS does not say which node a GPU is on. ``"auto"``: also leaves alone a process
-            already bound within one node (``numactl``, the cluster's launcher); ``True``: binds it all the same,
-            within its mask, and warns where the GPU's node is unknown; ``False``: never binds.
+            already bound within one node (``numactl``, the cluster's launcher) and a host where some node would
+            host no rank (its CPUs and memory would sit idle); ``True``: binds in both cases, within the process's
+            mask, and warns where the GPU's node is unknown; ``False``: never binds.
     """
 
     gpu_fraction: float | str = "auto"

@@ -145,3 +145,17 @@ def test_the_gpu_workers_thread_stops_when_the_optimizer_is_closed_or_collected(
     gc.collect()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_an_assisted_update_makes_an_earlier_rollback_copy_stale():
+    from lightning_gh.superoffload.step import Decision
+
+    model, opt = train_ours(steps=3, clip=CLIP, speculative=True, rollback="copy", device_assist=True,
+                            gpu_fraction=0.0)
+    b = next(b for b in opt.layout.buckets if b.active)
+    opt.updater._backup(b, "test")  # what the worker does while idle, for the next speculative step
+    assert b.backup.fresh
+    dec = Decision(skip=False, coef=None, hp=opt._hp_snapshot(), redo=False)
+    opt.updater.assist._update(b, dec, None, None, None)  # updates the state in place
+    assert not b.backup.fresh  # a later rollback must copy again, not restore the state of a step before
+    opt.close()

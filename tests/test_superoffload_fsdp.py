@@ -637,6 +637,8 @@ def test_optimizer_checks():
     ({"gpu_fraction": 0.0, "speculative": False}, []),
     ({"gpu_fraction": 0.3}, []),
     ({"speculative": True}, ["speculative=True"]),
+    ({"device_assist": True}, ["device_assist=True"]),
+    ({"device_assist": "auto"}, []),
 ])
 def test_unsupported_options_table(kwargs, bad):
     assert unsupported_options(SuperOffloadOptions(**kwargs)) == bad

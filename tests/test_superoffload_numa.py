@@ -157,6 +157,7 @@ def test_gpu_numa_node_without_cuda_is_none(tmp_path):
 def host(monkeypatch):
     """Two nodes of 8 CPUs, GPU i on node i % 2, the affinity calls recorded instead of made."""
     monkeypatch.setattr(numa, "_BOUND", {})
+    monkeypatch.setattr(numa, "_ORIGINAL", {})
     _util.reset_warnings("superoffload:numa")
     facts = SimpleNamespace(nodes=dict(TWO), allowed=ALL16, gpu_node=lambda i: i % 2, calls=[], fail=False)
     monkeypatch.setattr(hardware, "numa_nodes", lambda: facts.nodes)
@@ -181,6 +182,16 @@ def test_bind_rank_binds_to_the_gpus_node(host, option):
     assert numa.bound_cpus() == cpus("8-15")
     assert numa.bind_rank(1, [0, 1], option) == cpus("8-15")  # once per process
     assert len(host.calls) == 1
+
+
+def test_unbind_gives_the_original_mask_back_and_forgets_the_decision(host):
+    assert numa.bind_rank(1, [0, 1], "auto") == cpus("8-15")
+    numa.unbind_rank()
+    assert host.calls == [(0, cpus("8-15")), (0, ALL16)]
+    assert numa.bound_cpus() is None
+    assert numa.bind_rank(1, [0, 1], False) is None  # a later run decides anew
+    numa.unbind_rank()  # nothing bound: nothing to give back
+    assert len(host.calls) == 2
 
 
 def test_bind_rank_splits_a_shared_node(host):

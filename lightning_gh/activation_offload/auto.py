@@ -174,8 +174,8 @@ class AutoPlanner:
     # Note [The reference of the check is the step without the engine]
     # The measured steps run with the engine's hooks (they time each block), which cost something of their own: a
     # Python call per saved tensor, autocast's weight casts made again in the backward. Held against them alone, a
-    # plan could be "within 3%" of a step already slower than the one without the engine. So a plan kept against the
-    # measured steps is held once more against ``profile_steps`` steps run with nothing installed (the engine only
+    # plan could be within TOLERANCE of a step already slower than the one without the engine. So a plan kept
+    # against the measured steps is held once more against ``profile_steps`` steps run with nothing installed (the engine only
     # marks their start and the backward's end, ``reference_step``/``reference_timed``), and from then on every check
     # uses those. Only without ``recompute`` and a forced lean loss (with them the plan does more than offload, and the
     # step without the engine is not what it promises to match), and only where the backward's end is marked.

@@ -16,6 +16,9 @@ Note [Device-assisted update]
     host reader of the bucket's state (the CPU worker's next update or rollback copy of it, and the worker's
     ``join``, which checkpoints and the tail mover go through) synchronises on it first.
 
+    A bucket the GPU updates is marked ready when its work is queued, so the forward's wait for it is a wait of
+    the GPU's stream, not of the host: the auto tail's stall and slack measurements do not see it.
+
     The GPU takes a bucket only when the one before its last has finished, so at most two of its buckets are in
     flight and each worker's share follows its speed on this machine and this step: no split is computed. A
     parameter updated on the GPU gets the GPU tail's arithmetic and one updated on the CPU the CPU kernel's (bitwise
@@ -28,6 +31,7 @@ Note [Device-assisted update]
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -170,7 +174,7 @@ class DeviceAssist:
             with self._wake:
                 while not self._jobs and not self._closed:
                     self._wake.wait()
-                if self._closed:
+                if not self._jobs:  # closed, nothing left to run
                     return
                 job = self._jobs.popleft()
             try:
@@ -183,21 +187,26 @@ class DeviceAssist:
 
     def _run(self, shared: SharedBuckets, dec: Decision, after: Any) -> list[Bucket]:
         done: list[Bucket] = []
-        coef = None if dec.coef is None else dec.coef.to(self.device)
+        coef = None
+        if dec.coef is not None:  # on the assist's stream, not behind the training thread's queued work
+            with torch.cuda.stream(self._streams[0]) if self._streams else contextlib.nullcontext():
+                coef = dec.coef.to(self.device)
         in_flight: deque[Any] = deque()
-        while True:
-            if len(in_flight) == 2:  # the one before the last must finish before another bucket is taken
-                in_flight.popleft().synchronize()
-            b = shared.take_front()
-            if b is None:
-                break
-            stream = self._streams[len(done) % 2] if self._streams else None
-            self._update(b, dec, coef, stream, after)
-            if stream is not None:
-                in_flight.append(b.h2d_event)
-            done.append(b)
-        for ev in in_flight:
-            ev.synchronize()
+        try:
+            while True:
+                if len(in_flight) == 2:  # the one before the last must finish before another bucket is taken
+                    in_flight.popleft().synchronize()
+                b = shared.take_front()
+                if b is None:
+                    break
+                stream = self._streams[len(done) % 2] if self._streams else None
+                self._update(b, dec, coef, stream, after)
+                if stream is not None:
+                    in_flight.append(b.h2d_event)
+                done.append(b)
+        finally:  # also after a failure: no copy into host memory may still run once the caller goes on
+            for stream in self._streams:
+                stream.synchronize()
         self.stats["assisted_buckets"] += len(done)
         self.stats["assisted_numel"] += sum(sum(s.numel for s in b.active) for b in done)
         return done
@@ -205,6 +214,7 @@ class DeviceAssist:
     def _update(self, b: Bucket, dec: Decision, coef: torch.Tensor | None, stream: Any, after: Any) -> None:
         """Bucket ``b``'s update on the GPU (see Note [Device-assisted update]); on ``stream``, or at once off CUDA."""
         b.speculated = False
+        b.backup.fresh = False  # updated in place: a rollback copy taken before is stale (as CpuUpdater._update)
         if stream is None:
             self._update_spans(b, dec, coef)
         else:

@@ -174,6 +174,7 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         for opt in self._ours():
             opt.close()
+        numa.unbind_rank()
         super().teardown()
 
 

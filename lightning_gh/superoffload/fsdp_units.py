@@ -36,18 +36,21 @@ def unsupported_options(options: SuperOffloadOptions) -> list[str]:
     """The :class:`SuperOffloadOptions` fields set to something the ZeRO-3 path cannot honour, as ``name=value``.
 
     The ZeRO-3 path updates each unit once its step's decision is known (no speculation: ``speculative`` must be
-    ``"auto"`` or ``False``); ``bucket_size`` and ``rollback`` do not apply (the unit of work is the FSDP module).
+    ``"auto"`` or ``False``; nor does the GPU share the host update: ``device_assist`` must be ``"auto"`` or
+    ``False``); ``bucket_size`` and ``rollback`` do not apply (the unit of work is the FSDP module).
     Every ``gpu_fraction`` is accepted: a float keeps the state of the first units in forward order on the device
     (:func:`device_share`); ``"auto"`` means ``0.0`` here (no sizing from measured memory on this path yet).
 
     >>> unsupported_options(SuperOffloadOptions())
     []
-    >>> unsupported_options(SuperOffloadOptions(gpu_fraction=0.5, speculative=True))
-    ['speculative=True']
+    >>> unsupported_options(SuperOffloadOptions(gpu_fraction=0.5, speculative=True, device_assist=True))
+    ['speculative=True', 'device_assist=True']
     """
     bad = []
     if options.speculative is True:
         bad.append("speculative=True")
+    if options.device_assist is True:  # each rank's CPU updates its own rows (see .assist)
+        bad.append("device_assist=True")
     return bad
 
 

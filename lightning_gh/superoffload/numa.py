@@ -46,12 +46,14 @@ from typing import Any
 from lightning_gh import hardware
 from lightning_gh._util import warn_once
 
-__all__ = ["bind_rank", "bind_strategy_rank", "bound_cpus", "format_cpulist", "rank_cpus"]
+__all__ = ["bind_rank", "bind_strategy_rank", "bound_cpus", "format_cpulist", "rank_cpus", "unbind_rank"]
 
 log = logging.getLogger(__name__)
 
 # pid -> what bind_rank decided in that process (None: left alone); keyed by pid so a forked child decides anew.
 _BOUND: dict[int, frozenset[int] | None] = {}
+# pid -> the affinity mask bind_rank replaced (restored by unbind_rank)
+_ORIGINAL: dict[int, frozenset[int]] = {}
 
 
 def format_cpulist(cpus: frozenset[int] | set[int]) -> str:
@@ -143,6 +145,7 @@ def bind_rank(local_rank: int, device_indices: Sequence[int], option: bool | str
                       "keeps its CPU affinity.")
     if cpus is not None:
         try:
+            _ORIGINAL[pid] = allowed
             os.sched_setaffinity(0, cpus)
         except (AttributeError, OSError) as err:
             warn_once("superoffload:numa-affinity", f"SuperOffload bind_numa={option!r}: could not bind local rank "
@@ -154,6 +157,19 @@ def bind_rank(local_rank: int, device_indices: Sequence[int], option: bool | str
                      device_indices[local_rank], node, format_cpulist(cpus))
     _BOUND[pid] = cpus
     return cpus
+
+
+def unbind_rank() -> None:
+    """Give this process back the CPU affinity :func:`bind_rank` replaced, and forget the decision (the strategies
+    call it in ``teardown``: a later run in the same process decides anew)."""
+    pid = os.getpid()
+    _BOUND.pop(pid, None)
+    original = _ORIGINAL.pop(pid, None)
+    if original is not None:
+        try:
+            os.sched_setaffinity(0, original)
+        except (AttributeError, OSError):
+            pass  # the binding stays; nothing else depends on it
 
 
 def bind_strategy_rank(strategy: Any) -> frozenset[int] | None:

@@ -82,7 +82,8 @@ class SuperOffloadOptions:
             that bandwidth from it (docs/benchmarks.md). ``"auto"``: with CUDA on one rank, unless
             ``torch.use_deterministic_algorithms(True)`` is in effect (which device updates a bucket depends on
             timing, and the GPU's fused AdamW may differ from the CPU's in the last bit); ``True``: also off CUDA,
-            where the same split runs on the CPU (for tests); ``False``: the CPU updates every host bucket.
+            where the same split runs on the CPU (for tests); ``False``: the CPU updates every host bucket. Never
+            with several ranks (each rank's CPU updates its own share) nor on the ZeRO-3 path.
         bind_numa: on a host with several NUMA nodes, run each rank's CPU threads on the CPUs of its GPU's node
             (ranks whose GPUs share a node split them, whole cores each), so its host state sits in that node's
             memory (see Note [A rank's CPUs near its GPU] in :mod:`.numa`). Only with CUDA; nothing changes on

@@ -293,6 +293,7 @@ class SuperOffloadStrategy(DDPStrategy):
     def teardown(self) -> None:
         for opt in self._heterogeneous():
             opt.close()
+        numa.unbind_rank()
         super().teardown()
 
 

@@ -153,13 +153,13 @@ class CpuUpdater:
         self.raise_error()
 
     def close(self) -> None:
-        """Stop the thread (after the tasks already queued)."""
-        if self.assist is not None:
-            self.assist.close()
+        """Stop the thread (after the tasks already queued), then the GPU's worker."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)
             self._thread = None
+        if self.assist is not None:
+            self.assist.close()
 
     def __del__(self) -> None:
         if getattr(self, "_thread", None) is not None:

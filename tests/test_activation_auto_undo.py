@@ -203,3 +203,21 @@ def test_a_forward_is_freed_with_its_graph_not_by_the_garbage_collector():
         assert [r() for r in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def test_a_reference_step_without_a_backward_is_asked_again_and_the_check_ends():
+    # As the first test, but a step without the engine ends with no backward (a training_step that returned None):
+    # the check still ends, with the plan kept, and no forward is left waiting for a backward.
+    model, cfg = _llama(n_layers=4)
+    off = offload_activations(model, "auto", profile_steps=2, **CPU)
+    assert off.enabled
+    off._clock = StillClock(off)
+    for i in range(11):
+        if i == 7:  # a reference step (steps 7-8 run without the engine here): a forward, then nothing
+            model(_batch(cfg, seed=i)[0])
+            continue
+        _step(model, _batch(cfg, seed=i), off, None)
+        off.end_backward()
+    assert off.plan is not None and off.plan.offloaded_blocks
+    assert not off.auto.checking
+    assert not off._measured  # nothing left waiting for a backward

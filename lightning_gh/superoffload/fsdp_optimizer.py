@@ -151,7 +151,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         bad = unsupported_options(self.options)
         if bad:
             raise ValueError(f"ShardedHostAdamW (ZeRO-3) cannot take {', '.join(bad)}: each unit is updated once "
-                             "its step's decision is known. Leave them at their defaults.")
+                             "its step's decision is known, by its rank's CPU. Leave them at their defaults.")
         validate_knobs(max_grad_norm=max_grad_norm)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": False,
                     "maximize": False, "foreach": None, "capturable": False, "differentiable": False,

@@ -48,7 +48,7 @@ from lightning_gh._options import check_type
 from lightning_gh.superoffload import numa
 from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options
-from lightning_gh.superoffload.strategy import SuperOffloadStrategy
+from lightning_gh.superoffload.strategy import SuperOffloadStrategy, clip_handler
 
 __all__ = ["SuperOffloadFSDPStrategy", "check_optimizers"]
 
@@ -178,19 +178,13 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
         super().teardown()
 
 
-def _clip_gradients(original: Any, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
-    """The precision plugin's ``clip_gradients`` under this strategy: the clip value becomes the optimizer's
-    ``max_grad_norm``, applied exactly across ranks in its ``step()``."""
-    opt = _lightning.unwrap_optimizer(optimizer)
-    if not isinstance(opt, ShardedHostAdamW):
-        if gradient_clip_algorithm is None:
-            return original(optimizer, clip_val)
-        return original(optimizer, clip_val, gradient_clip_algorithm)
-    algo = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"
-    if not clip_val or clip_val <= 0:
-        return None
+def _clip(opt: ShardedHostAdamW, clip_val: float, algo: str) -> None:
+    """Lightning's clipping for a :class:`ShardedHostAdamW`: the clip value becomes its ``max_grad_norm``, applied
+    exactly across ranks in its ``step()`` (see :func:`~lightning_gh.superoffload.strategy.clip_handler`)."""
     if algo != "norm":
         raise ValueError(f"SuperOffloadFSDPStrategy: gradient_clip_algorithm={algo!r} is not supported; use 'norm'.")
     opt.set_max_grad_norm(float(clip_val))  # decided in step(), after this call: a per-step value is honoured
-    return None
+
+
+_clip_gradients = clip_handler(ShardedHostAdamW, _clip)
 

@@ -354,17 +354,28 @@ def _unsupported_optimizer_message(opt: Any) -> str:
             f"offload: {instead}.")
 
 
-def _clip_gradients(original: Any, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
-    """The precision plugin's ``clip_gradients`` under this strategy: other optimizers clip as before; for a
-    :class:`HeterogeneousAdamW` the clip value becomes its ``max_grad_norm``, applied in its ``step()``."""
-    opt = _lightning.unwrap_optimizer(optimizer)
-    if not isinstance(opt, HeterogeneousAdamW):
-        if gradient_clip_algorithm is None:
-            return original(optimizer, clip_val)
-        return original(optimizer, clip_val, gradient_clip_algorithm)
-    algo = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm"
-    if not clip_val or clip_val <= 0:
+def clip_handler(ours: type, clip: Any) -> Any:
+    """The handler :func:`lightning_gh._lightning.route_clip_gradients` installs for a SuperOffload strategy: an
+    optimizer that is not of type ``ours`` clips as before; for one that is, a positive clip value goes to
+    ``clip(optimizer, clip_val, algorithm)`` (``"norm"`` or ``"value"``), which hands it to the optimizer, since the
+    optimizer clips in its own ``step()``; a clip value of 0 or ``None`` does nothing."""
+
+    def handler(original: Any, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        opt = _lightning.unwrap_optimizer(optimizer)
+        if not isinstance(opt, ours):
+            if gradient_clip_algorithm is None:
+                return original(optimizer, clip_val)
+            return original(optimizer, clip_val, gradient_clip_algorithm)
+        if clip_val and clip_val > 0:
+            clip(opt, clip_val, getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm")
         return None
+
+    return handler
+
+
+def _clip(opt: HeterogeneousAdamW, clip_val: float, algo: str) -> None:
+    """Lightning's clipping for a :class:`HeterogeneousAdamW`: the norm becomes its ``max_grad_norm``; a value clip
+    must be the one set up before backward (see :func:`clip_handler`)."""
     if algo == "value":
         if opt.max_grad_value != float(clip_val):
             raise RuntimeError(
@@ -372,10 +383,12 @@ def _clip_gradients(original: Any, optimizer: Any, clip_val: float = 0.0, gradie
                 f"already on the host when Lightning clips); got clip value {clip_val} at step time but "
                 f"{opt.max_grad_value} at setup. Set Trainer(gradient_clip_val=..., "
                 f"gradient_clip_algorithm='value').")
-        return None
+        return
     # norm clipping is decided in optimizer.step(), after this call, so a per-step value is honoured
     opt.set_max_grad_norm(float(clip_val))
-    return None
+
+
+_clip_gradients = clip_handler(HeterogeneousAdamW, _clip)
 
 
 def _mark_step_for_schedulers(opt: HeterogeneousAdamW) -> None:

@@ -340,15 +340,21 @@ def _assert_state(ours: dict, ref: dict) -> None:
         assert "master" not in ours[i]  # fp32 parameters: the master is the parameter
 
 
+def _assert_equals_reference(out: dict, ref: dict, rank: int) -> None:
+    """Rank ``rank``'s run of the module equals the one-process reference: parameters and AdamW state bitwise, its
+    half of each step's loss, every step taken, the injected inf skipped, some steps clipped and not all."""
+    for p, q in zip(out["params"], ref["params"]):
+        assert torch.equal(p, q), f"rank {rank}: parameters differ"
+    _assert_state(out["state"], ref["state"])
+    assert out["losses"] == [ref["losses"][s][rank] for s in range(STEPS)]
+    st = out["stats"]
+    assert st["steps"] == STEPS and st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
+
+
 def test_two_ranks_equal_one_process_adamw_bitwise(module_runs):
     ref = module_runs["ref"]
     for rank, out in enumerate(module_runs["ranks"]):
-        for p, q in zip(out["params"], ref["params"]):
-            assert torch.equal(p, q), f"rank {rank}: parameters differ"
-        _assert_state(out["state"], ref["state"])
-        assert out["losses"] == [ref["losses"][s][rank] for s in range(STEPS)]
-        st = out["stats"]
-        assert st["steps"] == STEPS and st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
+        _assert_equals_reference(out, ref, rank)
     total = sum(p.numel() for p in ref["params"])
     assert sum(out["host_numel"] for out in module_runs["ranks"]) == total  # each rank holds its rows only
 
@@ -367,12 +373,7 @@ def test_gpu_share_equals_one_process_adamw_bitwise_and_resumes(share_runs, modu
     ref = module_runs["ref"]
     for rank, out in enumerate(share_runs):
         assert out["device_units"] == [0, 1] and out["resumed_device_units"] == [0, 1]
-        for p, q in zip(out["params"], ref["params"]):
-            assert torch.equal(p, q), f"rank {rank}: parameters differ"
-        _assert_state(out["state"], ref["state"])
-        assert out["losses"] == [ref["losses"][s][rank] for s in range(STEPS)]
-        st = out["stats"]
-        assert st["steps"] == STEPS and st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
+        _assert_equals_reference(out, ref, rank)
         assert out["released"] == [False] * STEPS  # the device units' gradients stay in param.grad for step()
         assert out["resumed_losses"] == out["losses"][MID:]
         assert all(torch.equal(p, q) for p, q in zip(out["resumed_params"], out["params"]))

@@ -63,6 +63,7 @@ from one_gpu_job import (  # noqa: E402
     ROOT,
     UPDATE_BYTES_PER_PARAM,
     Outcome,
+    Shape,
     _host_used_bytes,
     param_count,
 )
@@ -103,27 +104,16 @@ FSDP_STATE_BYTES = 16
 
 
 @dataclass
-class MJob:
+class MJob(Shape):
     """One variant's job: the model shape, the ranks and the run length."""
 
     variant: str
     shape: str = "mistral7b"
     arch: str = "llama"
-    layers: int = 32
-    hidden: int = 4096
-    ffn: int = 14336
-    heads: int = 32
-    kv_heads: int = 8
-    vocab: int = 32000
     devices: int = 2
     accelerator: str = "gpu"
-    batch: int = 4
-    seq: int = 4096
     steps: int = 8  # timed
     warmup: int = 4  # untimed, before the timed steps
-    lr: float = 1e-5
-    seed: int = 0
-    checkpointing: bool = True
     gpu_cap_gib: float | None = None
 
 

@@ -62,11 +62,11 @@ VARIANTS = ("gpu_bf16_ckpt", "superoffload", "superoffload_fp8", "deepspeed_offl
 #: Variants that replace HF gradient checkpointing by ``ActivationOffload(budget=...)``.
 BUDGET_VARIANTS = ("gpu_bf16_budget", "superoffload_budget")
 
-@dataclass
-class Job:
-    """One variant's job: the model shape and the run length."""
+@dataclass(kw_only=True)
+class Shape:
+    """The decoder's shape and the tokens of a step, the learning rate and the seed: what the one-GPU and the N-GPU
+    jobs share (keyword-only, so a job's own fields may come first)."""
 
-    variant: str
     layers: int = 32
     hidden: int = 4096
     ffn: int = 14336
@@ -75,12 +75,19 @@ class Job:
     vocab: int = 32000
     batch: int = 4
     seq: int = 4096
-    steps: int = 12
-    warmup: int = 4
-    clip: float = 1.0
     lr: float = 1e-5
     seed: int = 0
     checkpointing: bool = True
+
+
+@dataclass
+class Job(Shape):
+    """One variant's job: the model shape and the run length."""
+
+    variant: str
+    steps: int = 12
+    warmup: int = 4
+    clip: float = 1.0
     record_losses: bool = False
     budget: str = "8GiB"
 

@@ -16,6 +16,10 @@ superoffload_fp8    the same with ``plugins=[lgh.precision("fp8-ao-tensorwise")]
 superoffload_assist as superoffload with ``device_assist=True`` (the GPU shares the host buckets' update once the
                     step's decision is known): the A/B of that option
 superoffload_fp8_assist  as superoffload_fp8 with ``device_assist=True``
+superoffload_rareclip    as superoffload with ``gradient_clip_val=--rare-clip``, a threshold above this job's
+                    gradient norm: a fine-tune whose norm stays under the threshold, so the CPU update may run
+                    during backward (validated every step; ``clipped_steps`` and ``last_grad_norm`` in the notes)
+superoffload_fp8_rareclip  as superoffload_fp8 with ``gradient_clip_val=--rare-clip``
 deepspeed_offload   Lightning ``strategy="deepspeed_stage_2_offload"`` + ``DeepSpeedCPUAdam``, ``bf16-mixed``,
                     HF gradient checkpointing (DeepSpeed ZeRO-Offload, the anchor users know)
 torchao_offload     torchao's ``CPUOffloadOptimizer`` (fused AdamW on the CPU), ``bf16-mixed``, HF checkpointing
@@ -58,7 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = ("gpu_bf16_ckpt", "superoffload", "superoffload_fp8", "deepspeed_offload", "torchao_offload",
             "gpu_fp32master", "gpu_bf16_budget", "superoffload_budget", "superoffload_assist",
-            "superoffload_fp8_assist")
+            "superoffload_fp8_assist", "superoffload_rareclip", "superoffload_fp8_rareclip")
 #: Variants that replace HF gradient checkpointing by ``ActivationOffload(budget=...)``.
 BUDGET_VARIANTS = ("gpu_bf16_budget", "superoffload_budget")
 
@@ -209,9 +213,9 @@ def _child(job: Job, out_file: Path) -> None:
         kw = {"precision": "bf16-true"}
     elif job.variant == "gpu_fp32master":
         kw = {"precision": "bf16-mixed"}
-    elif job.variant in ("superoffload", "superoffload_budget"):
+    elif job.variant in ("superoffload", "superoffload_budget", "superoffload_rareclip"):
         kw = {"precision": "bf16-true", "strategy": "superoffload"}
-    elif job.variant == "superoffload_fp8":
+    elif job.variant in ("superoffload_fp8", "superoffload_fp8_rareclip"):
         kw = {"plugins": [lgh.precision("fp8-ao-tensorwise")], "strategy": "superoffload"}
     elif job.variant == "superoffload_assist":
         kw = {"precision": "bf16-true", "strategy": lgh.SuperOffloadStrategy(device_assist=True)}
@@ -334,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-warmup", type=int, default=35, help="untimed steps of the SuperOffload variants")
     ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
     ap.add_argument("--budget", default="8GiB", help="ActivationOffload's budget in the *_budget variants")
+    ap.add_argument("--rare-clip", type=float, default=100.0,
+                    help="gradient_clip_val of the *_rareclip variants (above the job's gradient norm)")
     ap.add_argument("--check-loss", action="store_true",
                     help="record every step's loss of gpu_fp32master and superoffload (use a model that fits)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per variant")
@@ -357,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             job = Job(v, layers=layers, hidden=args.hidden, ffn=args.ffn, vocab=args.vocab, batch=args.batch,
                       seq=args.seq, steps=args.offload_steps if ours else args.steps,
                       warmup=args.offload_warmup if ours else args.warmup,
-                      checkpointing=not args.no_checkpointing, record_losses=args.check_loss, budget=args.budget)
+                      checkpointing=not args.no_checkpointing, record_losses=args.check_loss, budget=args.budget,
+                      clip=args.rare_clip if v.endswith("_rareclip") else 1.0)
             r = run_variant(job, out, args.timeout)
             r.notes["layers"] = layers
             rows.append(r)

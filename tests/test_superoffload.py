@@ -421,6 +421,18 @@ def test_stats_report_where_state_lives():
     opt.close()
 
 
+def test_stats_report_the_last_global_gradient_norm():
+    model = make_model()
+    opt = HeterogeneousAdamW(groups(model), lr=1e-2, max_grad_norm=CLIP, module=model, bucket_size=600)
+    loss_fn(model, batches(0)[0]).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for g in opt.param_groups for p in g["params"]])
+    opt.step()
+    opt.synchronize()
+    assert opt.stats["last_grad_norm"] == float(expected)
+    assert opt.stats["clipped_steps"] == int(float(expected) > CLIP)
+    opt.close()
+
+
 def test_moving_buckets_between_host_and_gpu_tail_keeps_the_math():
     """The auto tail moves buckets between host and GPU residency mid-run (on CUDA, from measured stalls); the
     state must travel intact. Driven by hand here: the run still equals the reference bitwise."""
@@ -756,6 +768,71 @@ def test_room_for_a_few_backups_speculates_on_exactly_those_buckets(monkeypatch,
         assert all(b.backup.tensor is not None for b in spec)
         assert all(b.backup.tensor is None for b in opt.layout.buckets[2:])
     assert 0 < opt.stats["rollbacks"] < opt.stats["speculative_buckets"] <= 2 * STEPS
+    assert_same(ref_model, ref_opt, model, opt)
+    opt.close()
+
+
+def _host_bytes(layout: HostLayout) -> int:
+    """Host bytes the layout's buckets hold: state and fp32 gradient buffer (16 B/param), plus 12 B/param for a
+    second copy or a rollback copy."""
+    return sum(b.numel * (16 + 12 * (b.alt_master is not None) + 12 * (b.backup.tensor is not None))
+               for b in layout.buckets)
+
+
+@pytest.mark.parametrize("rollback", ["auto", "copy"])
+def test_host_room_the_tail_frees_holds_rollback_copies_for_more_buckets(monkeypatch, rollback):
+    """The host plan sizes the rollback copies before the GPU tail takes anything. Once the tail holds buckets, the
+    room their host state had lets more buckets keep a copy and speculate (what the tail mover does when its
+    decision is final); a tail that moves back takes that room back first. The host never holds more than the
+    plan, and the run stays bitwise equal to the reference."""
+    m = make_model()
+    probe = HeterogeneousAdamW(groups(m), module=m, bucket_size=100, host_memory_check=False)
+    sizes = [b.numel for b in probe.layout.buckets]  # in gradient-arrival order
+    probe.close()
+    freed = (sizes[-1] + sizes[-2]) * 16 // 12  # copies the tail's two buckets make room for
+    room = sizes[0] + sizes[1] - freed // 2  # a copy of the first bucket fits; of the second, only with that room
+    assert sizes[0] <= room < sizes[0] + sizes[1] <= room + freed
+    _host_with_room(monkeypatch, backup_params=room)
+    ref_model, ref_opt, _ = train_reference()
+    model = make_model()
+    opt = HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=CLIP, module=model,
+                             bucket_size=100, rollback=rollback)
+    lay = opt.layout
+    def speculating(budget):  # the buckets, in arrival order, whose copies fit in the budget
+        fits, used = [], 0
+        for b in lay.buckets:
+            fits.append(used + b.numel <= budget)
+            used += b.numel if fits[-1] else 0
+        return fits
+
+    train_ours(steps=6, model=model, opt=opt, force_speculation=True)
+    assert [b.speculative for b in lay.buckets] == speculating(room) and not lay.buckets[1].speculative
+    assert _host_bytes(lay) <= lay.plan.needed_bytes
+    before = opt.stats["speculative_buckets"]
+
+    lay.to_device(lay.buckets[-1])  # the tail takes the last-arriving buckets
+    lay.to_device(lay.buckets[-1])
+    budget = superoffload_memory.speculation_budget(lay.plan, lay.host_numel())
+    assert budget == min(lay.host_numel(), lay.plan.backup_params + freed) == sizes[0] + sizes[1]
+    assert lay.fit_speculation(budget, opt.synchronize)
+    assert not lay.fit_speculation(budget, opt.synchronize)  # nothing changes twice
+    fits = speculating(budget)
+    assert [b.speculative for b in lay.buckets] == fits == [True, True]
+    if lay.two_copies:  # the second copies are made at once; rollback copies at a bucket's first speculation
+        assert [b.alt_master is not None for b in lay.buckets] == fits
+    second = []  # whether the bucket that could not speculate before does now, step by step
+    for step in range(6, 14):
+        train_ours(steps=step + 1, model=model, opt=opt, start=step, force_speculation=True)
+        second.append(lay.buckets[1].speculated)
+        assert _host_bytes(lay) <= lay.plan.needed_bytes
+    assert sum(second) >= 2 and opt.stats["speculative_buckets"] > before
+
+    lay.to_host(lay.device_slots())  # the tail goes home: the extra copies are dropped before the state lands
+    assert [b.speculative for b in lay.buckets] == speculating(room) and not lay.buckets[1].speculative
+    assert lay.buckets[1].alt_master is None and lay.buckets[1].backup.tensor is None
+    assert _host_bytes(lay) <= lay.plan.needed_bytes
+    train_ours(model=model, opt=opt, start=14, force_speculation=True)
+    assert 0 < opt.stats["rollbacks"]
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
 

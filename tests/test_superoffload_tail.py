@@ -189,6 +189,33 @@ def test_allocator_retries_undo_a_trial_and_later_send_the_tail_home(monkeypatch
     opt.close()
 
 
+def test_a_final_tail_lets_the_host_room_it_freed_hold_more_rollback_copies(monkeypatch, info_log):
+    from lightning_gh import hardware
+
+    n = sum(p.numel() for p in make_model().parameters())
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: int((16 * n + 12 * 1400) / 0.9) + 8)
+    retries = [0]
+    monkeypatch.setattr(tail_mod, "allocator_retries", lambda device: retries[0])
+    opt = _auto_opt(make_model())
+    lay = opt.layout
+    planned = lay.plan.backup_params
+    spec = lambda k: opt.tail.step(_times(60.0, 0.0), k, opt.synchronize,  # noqa: E731
+                                   lambda host: memory.speculation_budget(lay.plan, host))
+    _after(opt, 100.0, 10.0, k=4)
+    _after(opt, 70.0, 0.0, k=6)  # kept; probes further
+    retries[0] = 3
+    spec(9)  # the probe is undone; the decision is final with a tail
+    assert opt.tail.final and opt.device_numel > 0
+    lines = [r.getMessage() for r in info_log.records if "may be updated speculatively" in r.getMessage()]
+    assert len(lines) == 1 and f"{opt.stats['speculative_params']:,} of the {opt.host_numel:,}" in lines[0]
+    assert opt.stats["speculative_params"] > planned
+    retries[0] = 4  # the tail goes home: the copies give the room back first
+    with pytest.warns(UserWarning, match="tail went back to the host"):
+        spec(10)
+    assert opt.device_numel == 0 and opt.stats["speculative_params"] <= planned
+    opt.close()
+
+
 def test_growth_limited_by_memory_is_final_and_says_so(monkeypatch, info_log):
     monkeypatch.setattr(memory, "device_memory_room", lambda dev: (tail_mover.TAIL_HEADROOM_MIN_BYTES, 2**30))
     opt = _auto_opt(make_model())

@@ -244,6 +244,7 @@ class HostLayout:
         self.bucket_size = 1
         self.spec_budget: float = math.inf  # parameters whose buckets may be updated speculatively
         self.planned_device: frozenset[int] = frozenset()  # slots the host plan put on the GPU (they stay there)
+        self.sharded = False  # the host buckets are slices of a rank's blocks (see .zero)
 
     # ------------------------------------------------------------------ slots
     def add_slot(self, p: torch.Tensor, group: int) -> Slot:
@@ -301,6 +302,7 @@ class HostLayout:
             device_idx.add(i)
             acc += self.slots[i].numel
         self.order, self.bucket_size, self.spec_budget = order, bucket_size, spec_budget
+        self.sharded = shard is not None
         self.planned_device = frozenset(device_idx) if auto_tail else frozenset()
         # two copies of the state for the buckets that speculate with a copy (see Note [Speculative update ...])
         self.two_copies = self.kernel is not None and plan.backup_params > 0
@@ -360,11 +362,45 @@ class HostLayout:
         return out
 
     def set_spec_budget(self, budget: float) -> None:
-        """Let the first-arriving buckets within ``budget`` parameters speculate, and no other."""
+        """Let the first-arriving buckets within ``budget`` parameters speculate, and no other. Call it between
+        steps, with no CPU update pending. A bucket that stops speculating drops its rollback copy and (with two
+        copies of the state) its second copy; one that starts gets its second copy here, or its rollback copy at
+        its first speculative update. Over several ranks a bucket's buffers are slices of the rank's blocks and
+        stay as they are."""
         self.spec_budget = budget
         owned = [b for b in self.buckets if self.owns(b)]
         for b, spec in zip(owned, self._speculative_runs([b.numel for b in owned])):
-            b.speculative = spec
+            was, b.speculative = b.speculative, spec
+            if spec == was or self.sharded or b.master_buf is None:
+                continue
+            if not spec:
+                b.backup = RollbackCopy()
+                self._drop_second_copy(b)
+            elif self.two_copies:
+                b.alt_master = HostBuffer(b.numel, pin=self.cuda, zero=False)
+                alt = HostBuffer(2 * b.numel, pin=self.cuda and self.pin_moments)
+                b.pinned_moments, b.alt_moments = (*b.pinned_moments, alt), alt.tensor
+
+    @staticmethod
+    def _drop_second_copy(b: Bucket) -> None:
+        if b.alt_master is None:
+            return
+        b.alt_master.release()
+        for buf in b.pinned_moments:
+            if buf.tensor is b.alt_moments:
+                buf.release()
+        b.pinned_moments = tuple(buf for buf in b.pinned_moments if buf.tensor is not b.alt_moments)
+        b.alt_master = b.alt_moments = None
+
+    def fit_speculation(self, budget: float, sync: Callable[[], None]) -> bool:
+        """Apply a new speculation ``budget`` (see :func:`~lightning_gh.superoffload.memory.speculation_budget`)
+        once ``sync`` has waited for every CPU update. Returns whether anything changed."""
+        if budget == self.spec_budget or not self.built:
+            return False
+        sync()
+        with self.lock:
+            self.set_spec_budget(budget)
+        return True
 
     def new_bucket(self, slots: list[Slot], owner: int = 0, shard: Any = None) -> Bucket:
         """A host bucket for ``slots`` (their state is written by the caller or from loaded state)."""
@@ -474,8 +510,12 @@ class HostLayout:
         return True
 
     def to_host(self, slots: list[Slot]) -> None:
-        """Move GPU-tail slots back into new host buckets (runs of about ``bucket_size`` parameters)."""
+        """Move GPU-tail slots back into new host buckets (runs of about ``bucket_size`` parameters). Rollback
+        copies made in the room the tail had freed are dropped first, so the host stays within its plan."""
         with self.lock:
+            if self.plan is not None and self.plan.backup_params < self.spec_budget < math.inf:
+                incoming = sum(s.numel for s in slots)
+                self.set_spec_budget(memory.speculation_budget(self.plan, self.host_numel() + incoming))
             for chunk in chunk_by_size(slots, self.bucket_size):
                 dev = {s.index: (s.exp_avg, s.exp_avg_sq, s.step, s.dev_master) for s in chunk}
                 self.new_bucket(chunk)

@@ -37,6 +37,7 @@ __all__ = [
     "device_memory_room",
     "host_bytes_per_param",
     "plan_host_memory",
+    "speculation_budget",
 ]
 
 # fp32 master weight, fp32 exp_avg, fp32 exp_avg_sq, fp32 gradient landing buffer.
@@ -198,6 +199,24 @@ def plan_host_memory(params: int, *, available_bytes: int | None, speculative: b
     else:
         why = "no host RAM left for a backup: every bucket waits for the step's decision"
     return plan(host, spec, prefix + why)
+
+
+def speculation_budget(plan: HostMemoryPlan, host_params: int | None = None) -> int:
+    """Parameters whose buckets may keep an exact-rollback copy (and so be updated speculatively) while the host
+    holds the state of ``host_params`` parameters: the plan's copies, plus copies in the room the plan counted for
+    state that has since moved to the GPU tail. The host then never holds more than the plan's
+    :attr:`~HostMemoryPlan.needed_bytes`; ``None``: as planned.
+
+    Example::
+
+        >>> p = plan_host_memory(1000, available_bytes=22_223)  # copies of 333 of the 1,000 parameters fit
+        >>> speculation_budget(p), speculation_budget(p, 1000), speculation_budget(p, 850), speculation_budget(p, 400)
+        (333, 333, 533, 400)
+    """
+    if host_params is None:
+        return plan.backup_params
+    freed = max(0, plan.host_params - host_params) * host_bytes_per_param(False, plan.grad_bytes)
+    return min(host_params, plan.backup_params + freed // BACKUP_BYTES)
 
 
 def local_world_size() -> int:

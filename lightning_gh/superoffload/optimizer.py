@@ -298,12 +298,12 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         rank_zero_info(text)
         return plan
 
-    def _spec_budget(self) -> float:
-        """Parameters whose buckets may be updated speculatively: all when no step needs validation (no copy is
-        needed then), else what the host plan has room to copy."""
+    def _spec_budget(self, host_params: int | None = None) -> float:
+        """Parameters whose buckets may speculate: all when no step needs validation (no copy needed), else the
+        copies the host has room for (:func:`~lightning_gh.superoffload.memory.speculation_budget`)."""
         if self.options.speculative is False:
             return 0
-        return math.inf if not self._needs_validation() else self._layout.plan.backup_params
+        return math.inf if not self._needs_validation() else memory.speculation_budget(self._layout.plan, host_params)
 
     def _build_layout(self, arrival: list[int]) -> None:
         opts = self.options
@@ -664,7 +664,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
                 not h.installed for h in self._module_hooks if isinstance(h, WaitBeforeCompiledCall))):
             self.attach(self._module)  # a block was compiled (or uncompiled) since: see Note [Forward hooks ...]
         if self._tail is not None and (self._layout.cuda or self._shard is not None):  # off CUDA: no GPU tail
-            self._tail.step(times, self._step_id - self._layout.built_at, self.synchronize)
+            self._tail.step(times, self._step_id - self._layout.built_at, self.synchronize, self._spec_budget)
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:

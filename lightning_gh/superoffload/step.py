@@ -97,6 +97,7 @@ class StepCtx:
         self.hp_now: list[dict[str, float]] = hp
         self.max_norm: float | None = None
         self.skip_nonfinite = True
+        self.norm: float | None = None  # the global gradient norm, once the decision is read
 
     def decide(self, norms: GradNorms, hp_now: list[dict[str, float]], max_norm: float | None,
                skip_nonfinite: bool, cuda: bool, device: torch.device) -> tuple[torch.Tensor | None,
@@ -156,6 +157,7 @@ class StepCtx:
                 return None
             self.result_event.synchronize()
         total, coef = (float(v) for v in self.result_host.tolist())
+        self.norm = total
         skip = self.skip_nonfinite and not math.isfinite(total)
         coef_t = None
         if not skip and self.max_norm is not None and coef != 1.0:

@@ -119,15 +119,35 @@ class TailMover:
             gained=self.gained, all_in_tried=self.all_in_tried, blocked=self.blocked, stage=self.stage,
             retries_seen=self.retries_seen)
 
-    def step(self, times: StepTimes, steps: int, sync: Callable[[], None]) -> TailAction:
-        """After a step: decide from the window and apply the action (``sync`` waits for every CPU update)."""
+    def step(self, times: StepTimes, steps: int, sync: Callable[[], None],
+             spec_budget: Callable[[int], float] | None = None) -> TailAction:
+        """After a step: decide from the window and apply the action (``sync`` waits for every CPU update). Once
+        the decision is final, ``spec_budget`` (host parameters -> parameters that may speculate) lets the host
+        room the tail freed hold rollback copies for more buckets."""
         if self.shard is not None:
             self._step_ranks(times, steps, sync)
             return TailAction(TailActionKind.KEEP)
         w = self.window(times, steps)
         action = tail.decide(w)
         self.apply(action, w, times, sync)
+        if self.final and spec_budget is not None:
+            self._fit_speculation(spec_budget, sync)
         return action
+
+    def _fit_speculation(self, spec_budget: Callable[[int], float], sync: Callable[[], None]) -> None:
+        lay = self.layout
+        host = lay.host_numel()
+        speculating = lambda: sum(b.numel for b in lay.buckets if b.speculative and lay.owns(b))  # noqa: E731
+        was = speculating()
+        lay.fit_speculation(spec_budget(host), sync)
+        self.stats["speculative_params"] = spec = speculating()
+        if spec == was:
+            return
+        text = (f"SuperOffload: with the GPU tail settled, {spec:,} of the {host:,} parameters on the host may be "
+                f"updated speculatively (the host memory the tail freed holds their rollback copies).")
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info  # Lightning's rank-0 logger
+
+        rank_zero_info(text)
 
     def apply(self, action: TailAction, w: TailWindow, times: StepTimes, sync: Callable[[], None]) -> None:
         """Carry out ``action``, decided from window ``w``."""

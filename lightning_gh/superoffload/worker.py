@@ -299,6 +299,7 @@ class CpuUpdater:
         self._redone.append(dec.redo)
         self._count(dec)
         st = self.stats
+        st["last_grad_norm"] = ctx.norm
         st["last_speculated"] = spec = bool(ctx.speculate)
         st["speculated_steps"] += spec
         st["finish_ms"] = (time.perf_counter() - t0) * 1e3

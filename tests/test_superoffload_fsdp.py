@@ -250,11 +250,26 @@ def _load(model, opt, sched, path: str) -> None:
     sched.load_state_dict(torch.load(f"{path}-sched.pt"))
 
 
+#: Device bytes beyond the margin that the ``"auto-room"`` runs report free: about half of the test model's state
+#: (16 B per local element with fp32 gradients, 480 elements on the larger rank).
+HALF_ROOM = 16 * 480 // 2
+
+
+def _report_room_for_half() -> None:
+    """Make the CPU "device" report room beside the margin for about half of a rank's state (forked child only)."""
+    from lightning_gh.superoffload import memory as so_memory
+
+    so_memory.device_memory_room = lambda dev: (2**30 + HALF_ROOM, 2 * 2**30)  # the margin is 1 GiB here
+
+
 def _module_run(rank: int, world: int, tmp: str, fraction: float | str = "auto") -> None:
     from torch.distributed.tensor import DTensor
 
     _init(rank, world)
     tag = "" if fraction == "auto" else f"-share{fraction}"
+    if fraction == "auto-room":  # gpu_fraction="auto" where the device reports room for about half of the state
+        _report_room_for_half()
+        fraction = "auto"
     model = shard(make_model())
     control: list[bool] = []  # a plain pre-hook runs after FSDP2's: the parameters are unsharded there
     model[1].register_forward_pre_hook(lambda m, a: control.append(isinstance(m[0].weight, DTensor)))
@@ -378,6 +393,30 @@ def test_gpu_share_equals_one_process_adamw_bitwise_and_resumes(share_runs, modu
         assert out["resumed_losses"] == out["losses"][MID:]
         assert all(torch.equal(p, q) for p, q in zip(out["resumed_params"], out["params"]))
     assert sum(out["host_numel"] for out in share_runs) == 24 * 23 + 23  # model[1] only, split over the ranks
+
+
+@pytest.fixture(scope="module")
+def auto_share_runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("zero3-auto-share"))
+    run_ranks(_module_run, WORLD, tmp, "auto-room")
+    return [torch.load(f"{tmp}/module-shareauto-room-rank{r}.pt") for r in range(WORLD)]
+
+
+def test_auto_gpu_share_is_sized_from_the_room_once_and_stays_bitwise(auto_share_runs, module_runs):
+    """gpu_fraction="auto" with device room for about half of the state: after its second step each rank moves the
+    same first units in forward order (the root and model[0]) to the device, says so, and the run stays bitwise
+    equal to the reference (the checkpoint resumes, sizing the share again)."""
+    from lightning_gh.superoffload.fsdp_units import AUTO_SHARE_STEP
+
+    ref = module_runs["ref"]
+    for rank, out in enumerate(auto_share_runs):
+        assert out["device_units"] == [0, 1] and out["resumed_device_units"] == [0, 1]
+        assert "2 of 3 FSDP units (40.0% of the elements)" in out["stats"]["gpu_share_decision"]
+        _assert_equals_reference(out, ref, rank)
+        # streamed to the host until the share was sized; then the device units keep their gradients for step()
+        assert out["released"] == [True] * AUTO_SHARE_STEP + [False] * (STEPS - AUTO_SHARE_STEP)
+        assert out["resumed_losses"] == out["losses"][MID:]
+        assert all(torch.equal(p, q) for p, q in zip(out["resumed_params"], out["params"]))
 
 
 @pytest.mark.parametrize(("order", "numels", "fraction", "expected"), [

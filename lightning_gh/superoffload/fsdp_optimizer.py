@@ -64,8 +64,9 @@ Note [ZeRO-3 step and the forward's wait]
     with the same clip coefficient, the skip decision as its ``found_inf``: no host synchronization) and writes its
     weights, cast, into the local shards on the compute stream, ahead of the next forward's all-gathers. Its
     forward pre-hook does not wait for the CPU; the CPU thread only advances its step counts once the decision is
-    known. ``gpu_fraction="auto"`` keeps everything in host memory on this path (no sizing from measured device
-    memory yet).
+    known. With ``gpu_fraction="auto"`` the share starts empty and is sized once, at the end of step
+    ``AUTO_SHARE_STEP``, from the smallest room any rank has beside a full step's peak (an all-reduce, so every
+    rank chooses the same units), after the CPU thread has finished every unit; the chosen units move then.
 
     Whatever reads the parameters or the state outside a forward (``state_dict()``, a checkpoint, the next
     ``step()``) waits for every unit first (:meth:`ShardedHostAdamW.synchronize`).
@@ -93,11 +94,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gh._host import PLAN, HostMemoryError, check_host_room
+from lightning_gh._util import fmt_bytes
 from lightning_gh.superoffload import cpu_adamw
 from lightning_gh.superoffload.fsdp_grads import UnitGradients
 from lightning_gh.superoffload.fsdp_units import (
+    AUTO_SHARE_STEP,
     HostUnit,
     LocalShard,
+    auto_device_fraction,
     check_no_forward_prefetch,
     device_share,
     fsdp_units,
@@ -111,6 +115,7 @@ from lightning_gh.superoffload.memory import PLAN_PART, local_world_size
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options, validate_knobs
 from lightning_gh.superoffload.state import check_group
 from lightning_gh.superoffload.step import StepCtx
+from lightning_gh.superoffload.tail_mover import device_room
 from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE
 from lightning_gh.superoffload.zero import rank_cpu_threads
 
@@ -131,7 +136,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         module: the model the parameters belong to (its ``fully_shard``-ed modules get the forward pre-hooks).
         max_grad_norm: clip the global gradient L2 norm to this value (as ``clip_grad_norm_``), or ``None``.
         options: :class:`SuperOffloadOptions`; ``skip_nonfinite``, ``cpu_threads``, ``host_memory_check`` and
-            ``gpu_fraction`` (a float: the GPU share of the Note; ``"auto"``: none) apply (see
+            ``gpu_fraction`` (a float: the GPU share of the Note; ``"auto"``: sized from measured memory) and
+            ``max_gpu_fraction`` apply (see
             :func:`~.fsdp_units.unsupported_options` for the rest).
         **option_kwargs: the same options as keywords instead (see :class:`SuperOffloadOptions`).
 
@@ -278,15 +284,15 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         if err is not None:
             raise err
 
-    def _place(self) -> None:
-        """Choose the GPU share once, by the forward order recorded so far (module order for the units it did not
-        run), and move the units it places otherwise. See Note [ZeRO-3 step and the forward's wait]."""
+    def _place(self, order: list[int] | None = None) -> None:
+        """Choose the GPU share once, by ``order`` or the forward order recorded so far (module order for the units
+        it did not run), and move the units it places otherwise. See Note [ZeRO-3 step and the forward's wait]."""
         if self._share is None:
             return
         share, self._share = self._share, None
         if not share:
             return
-        seen = [i for i in self._recording]
+        seen = [i for i in self._recording] if order is None else order
         order = seen + [u.index for u in self._units if u.index not in seen]
         chosen = set(device_share(order, [sum(sum(s.numels) for s in u.shards) for u in self._units], share))
         moved = False
@@ -297,6 +303,32 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                 moved = True
         if moved and self.state:
             self.publish_state()
+
+    def _size_device_share(self) -> None:
+        """``gpu_fraction="auto"``: size the GPU share once, from the smallest room beside a full step's peak on any
+        rank (:func:`~.tail_mover.device_room`, :func:`~.fsdp_units.auto_device_fraction`: the same share on every
+        rank), move the first units in forward order there, and say so in one log line (rank 0)."""
+        self.synchronize()  # the CPU thread is done with every unit before any moves
+        measured = device_room(self.device)
+        sizes = torch.tensor([-1 if measured is None else measured[0], -sum(u.numel for u in self._units)],
+                             dtype=torch.int64, device=self.device)
+        if self.world > 1:  # the smallest room and the largest rank
+            dist.all_reduce(sizes, op=dist.ReduceOp.MIN, group=self._pg)
+        room, local = (int(v) for v in sizes.tolist())
+        grad_bytes = max(u.grad_dtype.itemsize for u in self._units)
+        self._share = auto_device_fraction(None if room < 0 else room, -local, grad_bytes,
+                                           self.options.max_gpu_fraction)
+        self._place(self._forward_order)
+        total = sum(sum(s.numels) for u in self._units for s in u.shards)
+        on = sum(sum(s.numels) for u in self._units if u.on_device for s in u.shards)
+        why = "no device memory reading" if measured is None else f"on the tightest rank {fmt_bytes(max(room, 0))}"
+        self.stats["gpu_share_decision"] = text = (
+            f"SuperOffload ZeRO-3 auto GPU share: {len(self.device_units)} of {len(self._units)} FSDP units "
+            f"({on / max(total, 1):.1%} of the elements) keep their fp32 master and moments on the GPUs; room for "
+            f"state beside a step's peak: {why} (here: {measured[1] if measured else 'unknown'}).")
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info  # Lightning's rank-0 logger
+
+        rank_zero_info(text)
 
     @property
     def device_units(self) -> list[int]:
@@ -446,6 +478,9 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._start()
         self._queue.put((ctx, [u.index for u in order]))
         self.stats["steps"] += 1
+        if self.options.gpu_fraction == "auto" and self._step_id >= AUTO_SHARE_STEP and \
+                "gpu_share_decision" not in self.stats:  # sized once, from measured memory
+            self._size_device_share()
         return loss
 
     def _order(self) -> list[HostUnit]:

@@ -1,7 +1,8 @@
 """The pieces of SuperOffload's ZeRO-3 path (:class:`~.fsdp_optimizer.ShardedHostAdamW`) that describe FSDP2's sharding:
 which parameters each ``fully_shard``-ed module manages (:func:`fsdp_units`), one parameter's local rows on this
 rank (:class:`LocalShard`), one module's rows in host memory or on the device (:class:`HostUnit`), which units keep
-their state on the device (:func:`device_share`) and their update there (:func:`update_on_device`), the row-exact
+their state on the device (:func:`device_share`, sized by :func:`auto_device_fraction` with ``gpu_fraction="auto"``)
+and their update there (:func:`update_on_device`), the row-exact
 torch AdamW of a shard's rows (:func:`positioned_update`, see Note [A shard's rows, updated as the full tensor's]),
 the host-backed DTensors of the state dict (:func:`host_dtensor`), and the checks made before the first step.
 """
@@ -19,7 +20,8 @@ from lightning_gh._host import HostBuffer
 from lightning_gh.superoffload.cpu_adamw import _TAIL as _UNIT  # torch's fused CPU AdamW's unit of work
 from lightning_gh.superoffload.options import SuperOffloadOptions
 
-__all__ = ["HostUnit", "LocalShard", "check_no_forward_prefetch", "device_share", "fsdp_units", "host_dtensor",
+__all__ = ["AUTO_SHARE_STEP", "HostUnit", "LocalShard", "auto_device_fraction", "check_no_forward_prefetch",
+           "device_share", "fsdp_units", "host_dtensor",
            "local_rows", "norm_owner", "positioned_update", "tail_range", "unsupported_options", "update_on_device"]
 
 
@@ -39,7 +41,7 @@ def unsupported_options(options: SuperOffloadOptions) -> list[str]:
     ``"auto"`` or ``False``; nor does the GPU share the host update: ``device_assist`` must be ``"auto"`` or
     ``False``); ``bucket_size`` and ``rollback`` do not apply (the unit of work is the FSDP module).
     Every ``gpu_fraction`` is accepted: a float keeps the state of the first units in forward order on the device
-    (:func:`device_share`); ``"auto"`` means ``0.0`` here (no sizing from measured memory on this path yet).
+    (:func:`device_share`); ``"auto"`` sizes that share from the measured device memory (:func:`auto_device_fraction`).
 
     >>> unsupported_options(SuperOffloadOptions())
     []
@@ -52,6 +54,28 @@ def unsupported_options(options: SuperOffloadOptions) -> list[str]:
     if options.device_assist is True:  # each rank's CPU updates its own rows (see .assist)
         bad.append("device_assist=True")
     return bad
+
+
+#: With ``gpu_fraction="auto"``, the step at whose end the ranks size the GPU share: the peak of a full step is known.
+AUTO_SHARE_STEP = 2
+
+
+def auto_device_fraction(room: int | None, local_elements: int, grad_bytes: int,
+                         cap: float | None = None) -> float:
+    """``gpu_fraction="auto"`` on the ZeRO-3 path: the share of the state whose fp32 master and moments (12 B per
+    local element) and gradient rows (``grad_bytes``, kept on the device until ``step()``) fit in ``room`` bytes, the
+    smallest room of any rank beside a full step's peak, for a rank of ``local_elements`` elements; at most
+    ``cap`` (``max_gpu_fraction``). ``0.0`` when the room is unknown or none is left.
+
+    >>> auto_device_fraction(14_000, 2_000, 2), auto_device_fraction(10**9, 2_000, 2, cap=0.5)
+    (0.5, 0.5)
+    >>> auto_device_fraction(None, 2_000, 2), auto_device_fraction(-5, 2_000, 2), auto_device_fraction(10**9, 2_000, 4)
+    (0.0, 0.0, 1.0)
+    """
+    if room is None or room <= 0 or local_elements <= 0:
+        return 0.0
+    share = min(1.0, room / ((12 + grad_bytes) * local_elements))
+    return share if cap is None else min(share, cap)
 
 
 def device_share(order: list[int], numels: list[int], fraction: float) -> list[int]:

@@ -20,7 +20,7 @@ from lightning_gh.superoffload import memory, tail
 from lightning_gh.superoffload.layout import HostLayout, Slot, chunk_by_size
 from lightning_gh.superoffload.tail import StepTimes, TailAction, TailActionKind, TailStage, TailWindow, Trial
 
-__all__ = ["TAIL_UPDATE_CHUNK", "TailMover", "update_device_tail"]
+__all__ = ["TAIL_UPDATE_CHUNK", "TailMover", "device_room", "update_device_tail"]
 
 #: The tail's fused update reads fp32 gradients; for bf16/fp16 weights it casts them a chunk of about this many
 #: parameters at a time, so the cast costs one chunk of transient GPU memory instead of 4 B for every tail parameter.
@@ -61,6 +61,31 @@ def update_device_tail(slots: list[Slot], hp: list[dict[str, float]], coef: torc
             if mastered:  # one multi-tensor cast back into the module's (bf16) weights
                 torch._foreach_copy_([s.param for s in mastered], [s.dev_master for s in mastered])
             del grads  # free this chunk's fp32 copies before the next chunk makes its own
+
+
+def device_room(dev: torch.device) -> tuple[int, str] | None:
+    """GPU bytes optimizer state may still take on ``dev`` beside a full step's peak, and how that was worked out in
+    words; ``None`` when the device's memory cannot be read (not CUDA).
+
+    Measured after a full step: the allocator's peak reserved memory (the activations the next step needs again)
+    counts as used even where it is cached now, and a margin of ``TAIL_HEADROOM_MIN_BYTES`` or
+    ``TAIL_HEADROOM_SHARE`` of the limit (the device, or a per-process cap) stays free."""
+    room = memory.device_memory_room(dev)
+    if room is None:
+        return None
+    free, device_total = room
+    limit = device_total
+    peak_extra = 0
+    if dev.type == "cuda" and torch.cuda.is_available():
+        fraction = torch.cuda.get_per_process_memory_fraction(dev) \
+            if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+        limit = min(device_total, int(fraction * device_total))
+        # memory the step's peak needed beyond what is reserved now (the cache may have been trimmed)
+        peak_extra = max(0, torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev))
+    margin = max(TAIL_HEADROOM_MIN_BYTES, int(TAIL_HEADROOM_SHARE * limit))
+    how = (f"{fmt_bytes(max(free - peak_extra, 0))} free after a step's peak under a {fmt_bytes(limit)} "
+           f"limit, less a margin of {fmt_bytes(margin)}")
+    return free - peak_extra - margin, how
 
 
 def tail_bytes(slots: Iterable[Slot]) -> int:
@@ -288,30 +313,15 @@ class TailMover:
         return 4 * (TAIL_UPDATE_CHUNK + max(cast)) if cast else 0
 
     def budget(self) -> tuple[int, str] | None:
-        """GPU bytes the tail may still take, and how that was worked out; ``None`` when the room is unknown.
-
-        The room is measured after a full step: the allocator's peak reserved memory (the activations the next
-        step needs again) counts as used even where it is cached now."""
-        dev = self.layout.device
-        room = memory.device_memory_room(dev)
+        """GPU bytes the tail may still take, and how that was worked out; ``None`` when the room is unknown (see
+        :func:`device_room`)."""
+        room = device_room(self.layout.device)
         if room is None:
             return None
-        free, device_total = room
-        limit = device_total
-        peak_extra = 0
-        if dev.type == "cuda" and torch.cuda.is_available():
-            fraction = torch.cuda.get_per_process_memory_fraction(dev) \
-                if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
-            limit = min(device_total, int(fraction * device_total))
-            # memory the step's peak needed beyond what is reserved now (the cache may have been trimmed)
-            peak_extra = max(0, torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev))
-        margin = max(TAIL_HEADROOM_MIN_BYTES, int(TAIL_HEADROOM_SHARE * limit))
         # one chunk of the update's fp32 gradient copies, before the first move: afterwards the measured peak of a
         # full step holds it (the copies are made in step(), after the activations are freed)
         cast = self.cast_chunk_bytes() if self.layout.device_numel() == 0 else 0
-        how = (f"{fmt_bytes(max(free - peak_extra, 0))} free after a step's peak under a {fmt_bytes(limit)} "
-               f"limit, less a margin of {fmt_bytes(margin)}")
-        return free - peak_extra - margin - cast, how
+        return room[0] - cast, room[1]
 
     # ------------------------------------------------------------------ several ranks
     def _step_ranks(self, times: StepTimes, steps: int, sync: Callable[[], None]) -> None:

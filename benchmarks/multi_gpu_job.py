@@ -19,6 +19,7 @@ fsdp_clip                  the same with ``gradient_clip_val=1.0`` (Lightning's 
 superoffload               ``strategy="superoffload"`` (ZeRO-1/2, AdamW state in host memory), ``bf16-true``,
                            defaults, clipping; the model whole on every rank (built on the meta device, materialized)
 superoffload_fsdp          ``strategy="superoffload_fsdp"`` (ZeRO-3 through FSDP2), ``bf16-true``, defaults, clipping
+superoffload_fsdp_lean     the same with ``max_gpu_fraction=--lean-gpu-fraction``: less GPU memory, more CPU work
 fsdp_cpu_offload           as fsdp_clip with ``fully_shard(..., offload_policy=CPUOffloadPolicy())``
 deepspeed_zero3_offload    Lightning ``strategy="deepspeed_stage_3_offload"``, ``bf16-mixed``, ``DeepSpeedCPUAdam``,
                            clipping (the model is built inside DeepSpeed's ``zero.Init``: torch's default init, so
@@ -85,6 +86,7 @@ VARIANTS = {
     "fsdp_clip": Variant("fsdp", "bf16-mixed", clip=True),
     "superoffload": Variant("superoffload", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
+    "superoffload_fsdp_lean": Variant("superoffload_fsdp", "bf16-true", clip=True),
     "fsdp_cpu_offload": Variant("fsdp", "bf16-mixed", clip=True, offload=True),
     "deepspeed_zero3_offload": Variant("deepspeed_stage_3_offload", "bf16-mixed", clip=True),
 }
@@ -115,6 +117,7 @@ class MJob(Shape):
     steps: int = 8  # timed
     warmup: int = 4  # untimed, before the timed steps
     gpu_cap_gib: float | None = None
+    max_gpu_fraction: float | None = None  # SuperOffload's option, for the *_lean variant
 
 
 @dataclass
@@ -356,6 +359,8 @@ def _child(job: MJob, out_file: Path) -> None:
         if spec.strategy == "fsdp":
             from lightning.pytorch.strategies import ModelParallelStrategy
             strategy: Any = ModelParallelStrategy(data_parallel_size=job.devices, tensor_parallel_size=1)
+        elif job.max_gpu_fraction is not None:
+            strategy = lightning_gh.SuperOffloadFSDPStrategy(max_gpu_fraction=job.max_gpu_fraction)
         else:
             strategy = spec.strategy
         trainer = L.Trainer(accelerator=job.accelerator, devices=job.devices, strategy=strategy,
@@ -622,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
                          "steps; the ZeRO-3 path has no tail and takes --warmup)")
     ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
     ap.add_argument("--gpu-cap-gib", type=float, help="torch.cuda.set_per_process_memory_fraction on every rank")
+    ap.add_argument("--lean-gpu-fraction", type=float, default=0.35,
+                    help="max_gpu_fraction of the superoffload_fsdp_lean variant")
     ap.add_argument("--anchor", help="the row the ratios are taken against (default: fsdp_noclip if run)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per variant")
     ap.add_argument("--wall-budget", type=float, help="seconds for the whole run: later variants get what is left")
@@ -663,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         job = make_job(v, shape, layers, devices=devices, accelerator=accel, batch=batch, seq=seq, steps=steps,
                        warmup=args.offload_warmup if v == "superoffload" and not args.smoke else warmup,
-                       checkpointing=not args.no_checkpointing, gpu_cap_gib=args.gpu_cap_gib)
+                       checkpointing=not args.no_checkpointing, gpu_cap_gib=args.gpu_cap_gib,
+                       max_gpu_fraction=args.lean_gpu_fraction if v.endswith("_lean") else None)
         left = args.wall_budget - (time.perf_counter() - t_start) if args.wall_budget else args.timeout
         why = None if args.no_fit_check else fsdp_fit_reason(v, params_of(job), devices, gpu_bytes)
         if why is None and left < 30:

@@ -20,9 +20,11 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # What to use instead when the parameters are already sharded by another strategy (ZeRO-3 style).
 SHARDED_ALTERNATIVES = (
-    "for ZeRO-3 with the optimizer state in host memory use Lightning's FSDPStrategy(cpu_offload=True) (FSDP2's "
-    "CPUOffloadPolicy through ModelParallelStrategy works the same way) or strategy='deepspeed_stage_3_offload'; "
-    "for a model whose bf16 weights fit one GPU use Trainer(strategy='superoffload', devices=1)")
+    "for ZeRO-3 with the fp32 master weights and AdamW state in host memory use Trainer(strategy='superoffload_fsdp') "
+    "(FSDP2 shards the bf16 parameters, ShardedHostAdamW keeps each rank's state on its host; the module calls "
+    "fully_shard in configure_model and returns torch.optim.AdamW); for ZeRO-1/2 across GPUs or a model whose bf16 "
+    "weights fit one GPU use Trainer(strategy='superoffload'); other frameworks' ZeRO-3 offload (Lightning's "
+    "FSDPStrategy(cpu_offload=True), strategy='deepspeed_stage_3_offload') keep their own optimizers")
 
 
 def _check_not_sharded(p: torch.Tensor) -> None:

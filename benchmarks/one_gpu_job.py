@@ -94,6 +94,8 @@ class Job(Shape):
     clip: float = 1.0
     record_losses: bool = False
     budget: str = "8GiB"
+    profile_step: int | None = None  # optimizer step the SuperOffload variants profile (SelectiveProfiler)
+    out: str = ""  # the run's output folder (the profile goes there)
 
 
 @dataclass
@@ -229,7 +231,11 @@ def _child(job: Job, out_file: Path) -> None:
     else:
         raise SystemExit(f"unknown variant {job.variant!r}; expected one of {VARIANTS}")
     clock = Clock()
-    extra = [lgh.ActivationOffload(budget=job.budget)] if job.variant in BUDGET_VARIANTS else []
+    extra: list[Any] = [lgh.ActivationOffload(budget=job.budget)] if job.variant in BUDGET_VARIANTS else []
+    if job.profile_step is not None and job.variant.startswith("superoffload"):
+        from lightning_gh.profiling import SelectiveProfiler
+
+        extra.append(SelectiveProfiler(steps=str(job.profile_step), output_dir=Path(job.out) / f"profile-{job.variant}"))
     memory = lgh.MemoryReport(folder=f"/tmp/lgh-memory-{job.variant}", measure_steps=job.warmup)  # plan in notes
     trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=job.steps, gradient_clip_val=job.clip,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -259,6 +265,11 @@ def _child(job: Job, out_file: Path) -> None:
         res.notes["optimizer_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
     if memory.plan is not None:
         res.notes["memory_plan"] = memory.plan.as_dict()
+    for cb in extra:  # the profiled window's verdict
+        for entry in getattr(cb, "written", []):
+            summary = entry["files"].get("summary_json")
+            if summary:
+                res.notes["profile_verdict"] = json.loads(Path(summary).read_text()).get("verdict")
     out_file.write_text(json.dumps(asdict(res), default=str))
 
 
@@ -338,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-warmup", type=int, default=35, help="untimed steps of the SuperOffload variants")
     ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
     ap.add_argument("--budget", default="8GiB", help="ActivationOffload's budget in the *_budget variants")
+    ap.add_argument("--profile-step", type=int, help="profile this optimizer step of the superoffload* variants "
+                    "(SelectiveProfiler: trace, summary and verdict under --out)")
     ap.add_argument("--rare-clip", type=float, default=100.0,
                     help="gradient_clip_val of the *_rareclip variants (above the job's gradient norm)")
     ap.add_argument("--check-loss", action="store_true",
@@ -364,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                       seq=args.seq, steps=args.offload_steps if ours else args.steps,
                       warmup=args.offload_warmup if ours else args.warmup,
                       checkpointing=not args.no_checkpointing, record_losses=args.check_loss, budget=args.budget,
-                      clip=args.rare_clip if v.endswith("_rareclip") else 1.0)
+                      clip=args.rare_clip if v.endswith("_rareclip") else 1.0, profile_step=args.profile_step,
+                      out=str(out))
             r = run_variant(job, out, args.timeout)
             r.notes["layers"] = layers
             rows.append(r)

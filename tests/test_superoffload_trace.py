@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from lightning_gh.superoffload import HeterogeneousAdamW
-from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE
+from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE, WAIT_RANGE
 
 
 def _with_all_threads(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -34,3 +34,35 @@ def test_the_cpu_update_range_is_recorded_from_the_worker_thread():
     threads = {e.thread for e in prof.events() if e.name == CPU_UPDATE_RANGE}
     main = {e.thread for e in prof.events() if e.name.startswith("aten::mm")}
     assert not threads & main  # the update runs off the training thread
+
+
+def test_range_names_match_what_the_trace_summary_reads():
+    from lightning_gh.profiling import offload_analysis
+
+    assert CPU_UPDATE_RANGE == offload_analysis.CPU_UPDATE_RANGE
+    assert WAIT_RANGE == offload_analysis.UPDATE_WAIT_RANGE
+
+
+def test_selective_profilers_torch_backend_records_other_threads(tmp_path):
+    """SelectiveProfiler's torch backend asks torch to record every thread (where torch can), so a CPU update on its
+    own thread is in the trace."""
+    import threading
+
+    from lightning_gh.profiling._profiler_backends import TorchBackend, _all_threads_config
+    from lightning_gh.profiling.trace import load_trace
+
+    backend = TorchBackend(record_shapes=False, with_stack=False, profile_memory=False)
+    assert backend.start(1, {})
+
+    def work():
+        with torch.profiler.record_function(CPU_UPDATE_RANGE):
+            torch.ones(64).add_(1)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    torch.ones(8).mul_(2)
+    path = backend.stop(tmp_path / "trace.pt.trace.json.gz")
+    ranges = [e for e in load_trace(path).annotations if e.name == CPU_UPDATE_RANGE]
+    if _all_threads_config():  # this torch records other threads
+        assert len(ranges) == 1

@@ -107,8 +107,11 @@ class TraceBuilder:
     def step(self, n: int, *, wait_us: float = 40.0, batch_mb: float = 1.0, layers: int = 4,
              fwd: tuple = ((GEMM, 300.0), (FLASH, 100.0)), host_us: float = 12.0, gap_us: float = 3.0,
              bwd_factor: float = 2.0, optimizer: str = "gpu", update_us: float = 0.0, update_ranges: bool = True,
-             grad_mb: float = 0.0, push_mb: float = 0.0, act_mb: float = 0.0, fp8: tuple = ()) -> None:
-        """One training step: data wait and batch copy, forward, backward, optimizer, and the logging sync."""
+             grad_mb: float = 0.0, push_mb: float = 0.0, act_mb: float = 0.0, fp8: tuple = (),
+             worker_seen: bool = True, wait_range: bool = False) -> None:
+        """One training step: data wait and batch copy, forward, backward, optimizer, and the logging sync.
+        ``worker_seen=False``: the profiler did not record the worker thread's operators (no
+        ``profile_all_threads``); ``wait_range``: the training thread's wait for the update is a named range."""
         t0 = self.clock[MAIN]
         # data wait: the loader produces the batch, then the pinned batch is copied to the GPU
         self.clock[MAIN] = t0 + wait_us
@@ -157,6 +160,11 @@ class TraceBuilder:
             for landed in grads_landed:
                 start = max(self.clock[WORKER], landed + 20)
                 self.clock[WORKER] = start
+                if not worker_seen:
+                    self.clock[WORKER] = start + update_us + 10
+                    pushed = max(start + update_us + 20, self.free[PUSH]) + push_mb * MB / (self.link_gbps * 1e3)
+                    self.free[PUSH] = pushed
+                    continue
                 if update_ranges:
                     self.op(WORKER, "aten::_foreach_mul_", 5)
                     self.span("superoffload/cpu_update", WORKER, start, start + update_us)
@@ -165,6 +173,8 @@ class TraceBuilder:
                     self.op(WORKER, "aten::_fused_adamw_", update_us)
                 pushed = self.op(WORKER, "aten::copy_", 10, copy="HtoD", nbytes=int(push_mb * MB), stream=PUSH)
             # the training thread waits (a threading.Event: no operator) for the last bucket, then for its copy
+            if wait_range and self.clock[WORKER] > self.clock[MAIN]:
+                self.span("superoffload/wait_for_update", MAIN, self.clock[MAIN], self.clock[WORKER])
             self.clock[MAIN] = max(self.clock[MAIN], self.clock[WORKER])
             self.free[COMPUTE] = max(self.free[COMPUTE], pushed)
         self.span("Optimizer.step#AdamW.step" if optimizer == "gpu" else "Optimizer.step#SuperOffloadAdamW.step",
@@ -203,6 +213,9 @@ SCENARIOS = [
     ("cpu-update", "cpu-update-bound", dict(optimizer="superoffload", update_us=1500.0, grad_mb=20, push_mb=10), 50.0),
     ("cpu-update-no-ranges", "cpu-update-bound",
      dict(optimizer="superoffload", update_us=1500.0, update_ranges=False, grad_mb=20, push_mb=10), 50.0),
+    ("cpu-update-worker-unseen-wait-range", "cpu-update-bound",
+     dict(optimizer="superoffload", update_us=1500.0, grad_mb=20, push_mb=10, worker_seen=False, wait_range=True),
+     50.0),
     ("cpu-update-then-link", "cpu-update-bound",
      dict(optimizer="superoffload", update_us=900.0, grad_mb=20, push_mb=10), 50.0),
     ("link-superoffload-weights", "link-bound",
@@ -327,6 +340,19 @@ def test_markdown_and_json_carry_the_new_sections(summaries, tmp_path):
     json.loads(json.dumps(s))  # JSON-ready
     assert "## Offload" not in render_markdown(summarize(parse_trace(
         {"traceEvents": [{"ph": "X", "cat": "kernel", "name": GEMM, "ts": 0, "dur": 5, "pid": 0, "tid": 7}]})))
+
+
+def test_the_named_wait_shows_the_cpu_update_when_the_worker_thread_is_not_recorded():
+    """A profiler that does not record other threads sees no CPU update: the GPU idles while the training thread,
+    blocked, launches nothing, which reads as launch-bound (what a real trace of the 7B job showed before the wait had
+    a name). The training thread's range around its wait for the update turns that idle time into the update's."""
+    kw = dict(optimizer="superoffload", update_us=1500.0, grad_mb=20, push_mb=10, worker_seen=False)
+    unnamed = summarize(parse_trace(TraceBuilder().trace(**kw)))
+    named = summarize(parse_trace(TraceBuilder().trace(wait_range=True, **kw)))
+    assert unnamed["verdict"]["bound"] == "launch-bound" and unnamed["verdict"]["stalls"]["cpu-update-bound"] == 0
+    assert named["verdict"]["bound"] == "cpu-update-bound"
+    assert named["verdict"]["stalls"]["cpu-update-bound"] == pytest.approx(
+        unnamed["verdict"]["stalls"]["launch-bound"], abs=0.01)
 
 
 # ---------------------------------------------------------------------------------------------- fixture files

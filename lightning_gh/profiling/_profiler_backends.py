@@ -75,6 +75,16 @@ class Backend:
         raise NotImplementedError
 
 
+def _all_threads_config() -> dict[str, Any]:
+    """``torch.profiler.profile`` keywords that record the host operators of every thread (SuperOffload's CPU update
+    runs on a thread of its own; see :mod:`lightning_gh.profiling.offload_analysis`), or none where this torch
+    cannot."""
+    try:
+        return {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):
+        return {}
+
+
 def _record_always(step: int) -> Any:
     # A schedule makes torch.profiler emit ProfilerStep#<n> markers; recording every step keeps the window whole.
     return torch.profiler.ProfilerAction.RECORD
@@ -98,7 +108,8 @@ class TorchBackend(Backend):
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(activities=acts, schedule=_record_always, **self.kwargs)
+        self.prof = torch.profiler.profile(activities=acts, schedule=_record_always, **self.kwargs,
+                                           **_all_threads_config())
         self.prof.step_num = step
         self.prof.start()
         self.note("lgh", meta)

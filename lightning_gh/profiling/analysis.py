@@ -172,6 +172,7 @@ def analyze(trace: KinetoTrace, top: int = 10, context: Mapping[str, Any] | None
     # The CPU update, and when it leaves the GPU waiting: see offload_analysis.
     update_u, update_source, update_threads = off.cpu_update_spans(trace)
     update_free = subtract(update_u, off.host_busy(trace, update_threads)) if update_u else []
+    update_free = union(update_free + off.update_wait_spans(trace))  # the training thread blocked on the update
     copies = off.link_copies(trace, phase_of, update_threads) if trace.memcpys else []
     link_u = union((e.ts, e.end) for e, _, _ in copies)
 

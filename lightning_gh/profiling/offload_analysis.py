@@ -15,8 +15,10 @@ CPU AdamW off the training thread). Its spans are, in order of preference:
   torch's own ``Optimizer.step#...`` ranges, which the training thread opens around a step, never count.
 
 torch.profiler records the host operators of other Python threads only with
-``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``; without it the update is
-invisible and the section is ``None``. Its time is the union of those spans inside the window; the share *under
+``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`` (SelectiveProfiler asks for
+it where torch has it); without it the update is invisible and the section is ``None``. What the training thread
+shows either way is its wait for the update: a range named :data:`UPDATE_WAIT_RANGE` around each blocking wait
+(:func:`update_wait_spans`); GPU idle time inside it is the update's too. Its time is the union of those spans inside the window; the share *under
 backward* is the part inside the backward (each ``lgh/backward`` range stretched over the GPU work launched in
 it: the host launches the backward ahead of the GPU); the *exposed* part is GPU idle time while it ran and no
 launching thread ran an operator (the GPU waited for the update, not for launches), as
@@ -49,13 +51,15 @@ from typing import Any, Callable, Iterable, Mapping
 from lightning_gh.profiling._intervals import Interval, intersect, length, subtract, union
 from lightning_gh.profiling.trace import Event, KinetoTrace
 
-__all__ = ["CPU_UPDATE_RANGE", "ACTIVATION_RANGES", "HOST_GAP_US", "NOMINAL_LINK_GBPS", "LINK_DIRECTIONS", "OWNERS",
+__all__ = ["CPU_UPDATE_RANGE", "UPDATE_WAIT_RANGE", "ACTIVATION_RANGES", "HOST_GAP_US", "NOMINAL_LINK_GBPS", "LINK_DIRECTIONS", "OWNERS",
            "SMALL_COPY_BYTES",
            "copy_direction", "copy_owner", "cpu_update_spans", "fp8_section", "host_busy", "is_fp8_cast",
-           "is_fp8_gemm", "link_rate", "main_threads"]
+           "is_fp8_gemm", "link_rate", "main_threads", "update_wait_spans"]
 
 #: The range name a CPU optimizer worker opens around each unit of update work (SuperOffload's bucket updates).
 CPU_UPDATE_RANGE = "superoffload/cpu_update"
+#: The range name the training thread opens around a blocking wait for a CPU update (SuperOffload's forward waits).
+UPDATE_WAIT_RANGE = "superoffload/wait_for_update"
 #: Range names activation offload opens around its copies to the host and back.
 ACTIVATION_RANGES = ("activation_offload/offload", "activation_offload/prefetch")
 LINK_DIRECTIONS = ("HtoD", "DtoH")
@@ -155,6 +159,11 @@ def cpu_update_spans(trace: KinetoTrace) -> tuple[list[Interval], str | None, li
         return [], None, []
     threads = sorted({(e.pid, e.tid) for e in picked}, key=str)
     return union((e.ts, e.end) for e in picked), source, threads
+
+
+def update_wait_spans(trace: KinetoTrace) -> list[Interval]:
+    """The spans (merged) in which a thread waited for a CPU update: :data:`UPDATE_WAIT_RANGE` ranges."""
+    return union((e.ts, e.end) for e in trace.annotations if e.name == UPDATE_WAIT_RANGE)
 
 
 def host_busy(trace: KinetoTrace, exclude: Iterable[ThreadKey]) -> list[Interval]:

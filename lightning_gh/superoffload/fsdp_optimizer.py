@@ -116,7 +116,7 @@ from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_optio
 from lightning_gh.superoffload.state import check_group
 from lightning_gh.superoffload.step import StepCtx
 from lightning_gh.superoffload.tail_mover import device_room
-from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE
+from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE, WAIT_RANGE
 from lightning_gh.superoffload.zero import rank_cpu_threads
 
 __all__ = ["ShardedHostAdamW"]
@@ -530,10 +530,11 @@ class ShardedHostAdamW(torch.optim.Optimizer):
     def _wait(self, u: HostUnit) -> None:
         if not u.ready.is_set():
             t0 = time.perf_counter()
-            while not u.ready.wait(0.05):
-                self._raise()
-                if self._thread is None or not self._thread.is_alive():
-                    raise RuntimeError("ShardedHostAdamW: the CPU worker stopped with an update pending.")
+            with torch.profiler.record_function(WAIT_RANGE):
+                while not u.ready.wait(0.05):
+                    self._raise()
+                    if self._thread is None or not self._thread.is_alive():
+                        raise RuntimeError("ShardedHostAdamW: the CPU worker stopped with an update pending.")
             self.stats["wait_ms"] += (time.perf_counter() - t0) * 1e3
         self._raise()
         if self.cuda and u.h2d_event is not None:

@@ -40,11 +40,14 @@ from lightning_gh.superoffload.assist import DeviceAssist, SharedBuckets
 from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot
 from lightning_gh.superoffload.step import SPECULATION_WINDOW, Decision, StepCtx, should_speculate
 
-__all__ = ["CpuUpdater", "worker_loop"]
+__all__ = ["CPU_UPDATE_RANGE", "WAIT_RANGE", "CpuUpdater", "worker_loop"]
 
 #: The profiler range around each bucket's CPU work (update, rollback, copies back): the trace summary reads the
 #: CPU update's time from it (lightning_gh.profiling.offload_analysis).
 CPU_UPDATE_RANGE = "superoffload/cpu_update"
+#: The profiler range around the training thread's wait for a bucket the CPU has not finished: the trace summary counts
+#: GPU idle time inside it as the CPU update's (lightning_gh.profiling.offload_analysis).
+WAIT_RANGE = "superoffload/wait_for_update"
 
 Task = tuple[str, Bucket | None, StepCtx]
 
@@ -139,10 +142,11 @@ class CpuUpdater:
         if b.ready.is_set():
             return 0.0
         t0 = time.perf_counter()
-        while not b.ready.wait(0.05):
-            self.raise_error()
-            if self._thread is None or not self._thread.is_alive():
-                raise RuntimeError("HeterogeneousAdamW: the CPU worker stopped with a bucket still pending.")
+        with torch.profiler.record_function(WAIT_RANGE):
+            while not b.ready.wait(0.05):
+                self.raise_error()
+                if self._thread is None or not self._thread.is_alive():
+                    raise RuntimeError("HeterogeneousAdamW: the CPU worker stopped with a bucket still pending.")
         return (time.perf_counter() - t0) * 1e3
 
     def join(self) -> None:

@@ -86,7 +86,7 @@ VARIANTS = {
     "fsdp_clip": Variant("fsdp", "bf16-mixed", clip=True),
     "superoffload": Variant("superoffload", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
-    "superoffload_fsdp_lean": Variant("superoffload_fsdp", "bf16-true", clip=True),
+    "superoffload_fsdp_lean": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "fsdp_cpu_offload": Variant("fsdp", "bf16-mixed", clip=True, offload=True),
     "deepspeed_zero3_offload": Variant("deepspeed_stage_3_offload", "bf16-mixed", clip=True),
 }
@@ -624,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="untimed steps before them")
     ap.add_argument("--offload-warmup", type=int, default=36,
                     help="untimed steps of the superoffload variant (its GPU tail settles over its first pipelined "
-                         "steps; the ZeRO-3 path has no tail and takes --warmup)")
+                         "steps); the ZeRO-3 variants take --warmup, which should be at least 2: their auto GPU "
+                         "share moves at the end of step 2")
     ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
     ap.add_argument("--gpu-cap-gib", type=float, help="torch.cuda.set_per_process_memory_fraction on every rank")
     ap.add_argument("--lean-gpu-fraction", type=float, default=0.35,

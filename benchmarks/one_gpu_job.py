@@ -235,7 +235,8 @@ def _child(job: Job, out_file: Path) -> None:
     if job.profile_step is not None and job.variant.startswith("superoffload"):
         from lightning_gh.profiling import SelectiveProfiler
 
-        extra.append(SelectiveProfiler(steps=str(job.profile_step), output_dir=Path(job.out) / f"profile-{job.variant}"))
+        extra.append(SelectiveProfiler(steps=str(job.profile_step),
+                                       output_dir=Path(job.out) / f"profile-{job.variant}"))
     memory = lgh.MemoryReport(folder=f"/tmp/lgh-memory-{job.variant}", measure_steps=job.warmup)  # plan in notes
     trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=job.steps, gradient_clip_val=job.clip,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -363,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(Job(**json.loads(args.child)), Path(args.child_out))
         return 0
+    if args.profile_step is not None and not 0 <= args.profile_step < args.offload_warmup:
+        ap.error(f"--profile-step={args.profile_step} must be one of the untimed steps, 0 to "
+                 f"--offload-warmup - 1 = {args.offload_warmup - 1} (a profiled step is slower)")
     for steps, warmup, name in ((args.steps, args.warmup, ""), (args.offload_steps, args.offload_warmup, "offload-")):
         if steps <= warmup + 1:
             ap.error(f"--{name}steps={steps} must exceed --{name}warmup={warmup} by at least 2")

@@ -267,8 +267,15 @@ def _module_run(rank: int, world: int, tmp: str, fraction: float | str = "auto")
 
     _init(rank, world)
     tag = "" if fraction == "auto" else f"-share{fraction}"
-    if fraction == "auto-room":  # gpu_fraction="auto" where the device reports room for about half of the state
+    if fraction in ("auto-room", "auto-oom"):  # gpu_fraction="auto" where the device reports room for half the state
         _report_room_for_half()
+        if fraction == "auto-oom" and rank == 1:  # ... but rank 1's move runs out of device memory
+            from lightning_gh.superoffload import fsdp_units as units_module
+
+            def no_room(self, numel, device):
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+            units_module._DeviceBuffer.__init__ = no_room
         fraction = "auto"
     model = shard(make_model())
     control: list[bool] = []  # a plain pre-hook runs after FSDP2's: the parameters are unsharded there
@@ -417,6 +424,16 @@ def test_auto_gpu_share_is_sized_from_the_room_once_and_stays_bitwise(auto_share
         assert out["released"] == [True] * AUTO_SHARE_STEP + [False] * (STEPS - AUTO_SHARE_STEP)
         assert out["resumed_losses"] == out["losses"][MID:]
         assert all(torch.equal(p, q) for p, q in zip(out["resumed_params"], out["params"]))
+
+
+def test_a_rank_whose_move_runs_out_of_memory_keeps_every_rank_on_the_host(tmp_path, module_runs):
+    """If one rank cannot allocate the GPU share, every rank keeps its state on the host (no rank is left alone in a
+    collective), the decision line says why, and the run stays bitwise equal to the reference."""
+    run_ranks(_module_run, WORLD, str(tmp_path), "auto-oom")
+    for rank in range(WORLD):
+        out = torch.load(f"{tmp_path}/module-shareauto-oom-rank{rank}.pt")
+        assert out["device_units"] == [] and "ran out of memory on some rank" in out["stats"]["gpu_share_decision"]
+        _assert_equals_reference(out, module_runs["ref"], rank)
 
 
 @pytest.mark.parametrize(("order", "numels", "fraction", "expected"), [
@@ -743,15 +760,15 @@ def test_unsharded_model_errors_and_bf16_masters(tmp_path):
 
 
 def _host_room_fails_on_rank_1(rank: int, world: int, tmp: str) -> None:
+    from lightning_gh import _host
     from lightning_gh._host import HostMemoryError
-    from lightning_gh.superoffload import fsdp_optimizer
 
     _init(rank, world)
     if rank == 1:
         def no_room(*args, **kwargs):
             raise HostMemoryError("no host room on rank 1 (test)")
 
-        fsdp_optimizer.check_host_room = no_room  # a forked process: the parent's module is untouched
+        _host.check_host_room = no_room  # a forked process: the parent's module is untouched
     try:
         _opt(shard(make_model()))
         outcome = "built"

@@ -66,3 +66,25 @@ def test_selective_profilers_torch_backend_records_other_threads(tmp_path):
     ranges = [e for e in load_trace(path).annotations if e.name == CPU_UPDATE_RANGE]
     if _all_threads_config():  # this torch records other threads
         assert len(ranges) == 1
+
+
+def test_a_second_session_of_the_torch_backend_steps_aside(tmp_path):
+    """A session that records every thread leaves torch's per-thread "profiler enabled" flag off; a second one started
+    in the same process still sees the first and skips its window instead of ending the first one's trace."""
+    import warnings
+
+    from lightning_gh._util import reset_warnings
+    from lightning_gh.profiling._profiler_backends import TorchBackend
+
+    reset_warnings("torch-busy")
+    first = TorchBackend(record_shapes=False, with_stack=False, profile_memory=False)
+    second = TorchBackend(record_shapes=False, with_stack=False, profile_memory=False)
+    assert first.start(1, {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not second.start(1, {})
+    assert any("already active" in str(w.message) for w in caught)
+    torch.ones(4).add_(1)
+    assert first.stop(tmp_path / "t.pt.trace.json.gz").exists()
+    assert TorchBackend.active == 0 and second.start(2, {})
+    second.stop(None)

@@ -99,9 +99,13 @@ class TorchBackend(Backend):
         self.prof: Any = None
         self._ranges: list[Any] = []
 
+    #: sessions of this backend running in this process: one that records every thread leaves
+    #: ``torch.autograd._profiler_enabled()`` off, so a second one is told apart here
+    active = 0
+
     def start(self, step: int, meta: dict[str, Any]) -> bool:
         enabled = getattr(torch.autograd, "_profiler_enabled", lambda: False)()
-        if enabled:
+        if enabled or TorchBackend.active:
             _warn_once("torch-busy", "SelectiveProfiler: another torch.profiler session is already active in this "
                                      "process, so the 'torch' backend skips this window (the other backends run).")
             return False
@@ -112,6 +116,7 @@ class TorchBackend(Backend):
                                            **_all_threads_config())
         self.prof.step_num = step
         self.prof.start()
+        TorchBackend.active += 1
         self.note("lgh", meta)
         return True
 
@@ -141,6 +146,7 @@ class TorchBackend(Backend):
         while self._ranges:
             self.pop()
         prof, self.prof = self.prof, None
+        TorchBackend.active -= 1
         prof.stop()
         if path is None:
             return None

@@ -18,8 +18,8 @@ torch.profiler records the host operators of other Python threads only with
 ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`` (SelectiveProfiler asks for
 it where torch has it); without it the update is invisible and the section is ``None``. What the training thread
 shows either way is its wait for the update: a range named :data:`UPDATE_WAIT_RANGE` around each blocking wait
-(:func:`update_wait_spans`); GPU idle time inside it is the update's too. Its time is the union of those spans inside the window; the share *under
-backward* is the part inside the backward (each ``lgh/backward`` range stretched over the GPU work launched in
+(:func:`update_wait_spans`); GPU idle time inside it is the update's too. Its time is the union of those spans
+inside the window; the share *under backward* is the part inside the backward (each ``lgh/backward`` range stretched over the GPU work launched in
 it: the host launches the backward ahead of the GPU); the *exposed* part is GPU idle time while it ran and no
 launching thread ran an operator (the GPU waited for the update, not for launches), as
 :func:`lightning_gh.profiling.analysis.analyze` splits idle time.
@@ -51,8 +51,8 @@ from typing import Any, Callable, Iterable, Mapping
 from lightning_gh.profiling._intervals import Interval, intersect, length, subtract, union
 from lightning_gh.profiling.trace import Event, KinetoTrace
 
-__all__ = ["CPU_UPDATE_RANGE", "UPDATE_WAIT_RANGE", "ACTIVATION_RANGES", "HOST_GAP_US", "NOMINAL_LINK_GBPS", "LINK_DIRECTIONS", "OWNERS",
-           "SMALL_COPY_BYTES",
+__all__ = ["CPU_UPDATE_RANGE", "UPDATE_WAIT_RANGE", "ACTIVATION_RANGES", "HOST_GAP_US", "NOMINAL_LINK_GBPS",
+           "LINK_DIRECTIONS", "OWNERS", "SMALL_COPY_BYTES",
            "copy_direction", "copy_owner", "cpu_update_spans", "fp8_section", "host_busy", "is_fp8_cast",
            "is_fp8_gemm", "link_rate", "main_threads", "update_wait_spans"]
 

@@ -93,7 +93,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gh._host import PLAN, HostMemoryError, check_host_room
 from lightning_gh._util import fmt_bytes
 from lightning_gh.superoffload import cpu_adamw
 from lightning_gh.superoffload.fsdp_grads import UnitGradients
@@ -102,16 +101,18 @@ from lightning_gh.superoffload.fsdp_units import (
     HostUnit,
     LocalShard,
     auto_device_fraction,
+    check_host_on_every_rank,
     check_no_forward_prefetch,
     device_share,
     fsdp_units,
     host_dtensor,
     local_rows,
     positioned_update,
+    share_decision,
     unsupported_options,
     update_on_device,
 )
-from lightning_gh.superoffload.memory import PLAN_PART, local_world_size
+from lightning_gh.superoffload.memory import local_world_size
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options, validate_knobs
 from lightning_gh.superoffload.state import check_group
 from lightning_gh.superoffload.step import StepCtx
@@ -234,9 +235,11 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._share = 0.0 if gf == "auto" else float(gf)  # None once the units are placed (at the first take)
         sizes = [sum(sum(s.numels) for s in shards) for _, shards in pending]
         provisional = set(device_share(list(range(len(pending))), sizes, self._share))
-        self._check_host(sum(sum(s.numel for s in shards) * (12 + (2 if {s.param.dtype for s in shards} ==
-                                                                       {torch.bfloat16} else 4))
-                             for ui, (_, shards) in enumerate(pending) if ui not in provisional))
+        host_bytes = sum(sum(s.numel for s in shards) * (12 + (2 if {s.param.dtype for s in shards} == {torch.bfloat16}
+                                                                else 4))
+                         for ui, (_, shards) in enumerate(pending) if ui not in provisional)
+        check_host_on_every_rank(host_bytes, options=self.options, world=self.world, device=self.device,
+                                 group=self._pg, owner=self)
         self._units: list[HostUnit] = []
         for ui, (unit_module, shards) in enumerate(pending):
             unit = HostUnit(ui, unit_module, shards, pin=torch.cuda.is_available(),
@@ -257,32 +260,6 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                                     prepare=self._place)
         self._grads.register()
         self._masters_stale = True  # re-derived from the weights at the first step (a model loaded since)
-
-    def _check_host(self, host_bytes: int) -> None:
-        """Every rank checks its host room before any rank pins its buffers, and the ranks fail together: a rank
-        that checked after another had pinned would see that memory as gone, and a rank that raised alone would
-        leave the others waiting in their next collective."""
-        err: Exception | None = None  # any failure of the check, so that no rank skips the flag's all_reduce
-        if self.options.host_memory_check:
-            try:
-                check_host_room(host_bytes, what="ShardedHostAdamW (fp32 master, moments and gradient rows of "
-                                "this rank's shards)", headroom=0.9 / max(1, min(local_world_size(), self.world)),
-                                tips=["run more ranks (each holds 1/N of the state)", "fewer ranks per host"],
-                                opt_out="host_memory_check=False", part=PLAN_PART, owner=self)
-            except Exception as e:
-                err = e
-        if self.world > 1:
-            failed = torch.tensor([0.0 if err is None else 1.0], device=self.device)
-            dist.all_reduce(failed, group=self._pg)
-            if err is None and failed.item():
-                if self.options.host_memory_check:
-                    PLAN.release(PLAN_PART)  # this rank's claim: nothing gets pinned
-                raise HostMemoryError(
-                    f"ShardedHostAdamW: {int(failed.item())} other rank(s) of this job lack host memory for their "
-                    "shards or could not check it (see their error); no rank pinned its buffers. Run more ranks (each holds 1/N "
-                    "of the state), fewer ranks per host, or pass host_memory_check=False.")
-        if err is not None:
-            raise err
 
     def _place(self, order: list[int] | None = None) -> None:
         """Choose the GPU share once, by ``order`` or the forward order recorded so far (module order for the units
@@ -307,7 +284,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
     def _size_device_share(self) -> None:
         """``gpu_fraction="auto"``: size the GPU share once, from the smallest room beside a full step's peak on any
         rank (:func:`~.tail_mover.device_room`, :func:`~.fsdp_units.auto_device_fraction`: the same share on every
-        rank), move the first units in forward order there, and say so in one log line (rank 0)."""
+        rank), move the first units in forward order there, and say so in one log line (rank 0). A rank whose move
+        runs out of memory makes every rank keep its state on the host."""
         self.synchronize()  # the CPU thread is done with every unit before any moves
         measured = device_room(self.device)
         sizes = torch.tensor([-1 if measured is None else measured[0], -sum(u.numel for u in self._units)],
@@ -316,16 +294,22 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             dist.all_reduce(sizes, op=dist.ReduceOp.MIN, group=self._pg)
         room, local = (int(v) for v in sizes.tolist())
         grad_bytes = max(u.grad_dtype.itemsize for u in self._units)
-        self._share = auto_device_fraction(None if room < 0 else room, -local, grad_bytes,
-                                           self.options.max_gpu_fraction)
-        self._place(self._forward_order)
-        total = sum(sum(s.numels) for u in self._units for s in u.shards)
-        on = sum(sum(s.numels) for u in self._units if u.on_device for s in u.shards)
-        why = "no device memory reading" if measured is None else f"on the tightest rank {fmt_bytes(max(room, 0))}"
-        self.stats["gpu_share_decision"] = text = (
-            f"SuperOffload ZeRO-3 auto GPU share: {len(self.device_units)} of {len(self._units)} FSDP units "
-            f"({on / max(total, 1):.1%} of the elements) keep their fp32 master and moments on the GPUs; room for "
-            f"state beside a step's peak: {why} (here: {measured[1] if measured else 'unknown'}).")
+        self._share = auto_device_fraction(None if room < 0 else room, -local, grad_bytes, self.options.max_gpu_fraction)
+        failed = torch.zeros(1, device=self.device)
+        try:
+            self._place(self._forward_order)
+        except torch.cuda.OutOfMemoryError:
+            failed += 1
+        if self.world > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._pg)
+        if failed.item():
+            for u in self._units:
+                if u.on_device:
+                    u.place(None, pin=torch.cuda.is_available())
+            self.publish_state()
+        self.stats["gpu_share_decision"] = text = share_decision(
+            self._units, fmt_bytes(max(room, 0)) if measured else None, measured[1] if measured else None,
+            bool(failed.item()))
         from lightning.pytorch.utilities.rank_zero import rank_zero_info  # Lightning's rank-0 logger
 
         rank_zero_info(text)

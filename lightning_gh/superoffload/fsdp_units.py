@@ -20,8 +20,9 @@ from lightning_gh._host import HostBuffer
 from lightning_gh.superoffload.cpu_adamw import _TAIL as _UNIT  # torch's fused CPU AdamW's unit of work
 from lightning_gh.superoffload.options import SuperOffloadOptions
 
-__all__ = ["AUTO_SHARE_STEP", "HostUnit", "LocalShard", "auto_device_fraction", "check_no_forward_prefetch",
-           "device_share", "fsdp_units", "host_dtensor",
+__all__ = ["AUTO_SHARE_STEP", "HostUnit", "LocalShard", "auto_device_fraction", "check_host_on_every_rank",
+           "check_no_forward_prefetch",
+           "device_share", "share_decision", "fsdp_units", "host_dtensor",
            "local_rows", "norm_owner", "positioned_update", "tail_range", "unsupported_options", "update_on_device"]
 
 
@@ -76,6 +77,52 @@ def auto_device_fraction(room: int | None, local_elements: int, grad_bytes: int,
         return 0.0
     share = min(1.0, room / ((12 + grad_bytes) * local_elements))
     return share if cap is None else min(share, cap)
+
+
+def check_host_on_every_rank(host_bytes: int, *, options: SuperOffloadOptions, world: int, device: torch.device,
+                             group: Any, owner: object) -> None:
+    """Check this rank's host room for ``host_bytes`` before any rank pins its buffers, and fail on every rank
+    together: a rank that checked after another had pinned would see that memory as gone, and a rank that raised
+    alone would leave the others waiting in their next collective (``group``: the ranks' process group)."""
+    import torch.distributed as dist
+
+    from lightning_gh._host import PLAN, HostMemoryError, check_host_room
+    from lightning_gh.superoffload.memory import PLAN_PART, local_world_size
+
+    err: Exception | None = None  # any failure of the check, so that no rank skips the flag's all_reduce
+    if options.host_memory_check:
+        try:
+            check_host_room(host_bytes, what="ShardedHostAdamW (fp32 master, moments and gradient rows of this "
+                            "rank's shards)", headroom=0.9 / max(1, min(local_world_size(), world)),
+                            tips=["run more ranks (each holds 1/N of the state)", "fewer ranks per host"],
+                            opt_out="host_memory_check=False", part=PLAN_PART, owner=owner)
+        except Exception as e:
+            err = e
+    if world > 1:
+        failed = torch.tensor([0.0 if err is None else 1.0], device=device)
+        dist.all_reduce(failed, group=group)
+        if err is None and failed.item():
+            if options.host_memory_check:
+                PLAN.release(PLAN_PART)  # this rank's claim: nothing gets pinned
+            raise HostMemoryError(
+                f"ShardedHostAdamW: {int(failed.item())} other rank(s) of this job lack host memory for their shards "
+                "or could not check it (see their error); no rank pinned its buffers. Run more ranks (each holds 1/N "
+                "of the state), fewer ranks per host, or pass host_memory_check=False.")
+    if err is not None:
+        raise err
+
+
+def share_decision(units: list[HostUnit], room: str | None, how: str | None, failed: bool) -> str:
+    """The one log line of ``gpu_fraction="auto"``'s decision on the ZeRO-3 path: how many units (and what share of
+    the elements) keep their state on the GPUs, and the room that decided it (``None``: unknown)."""
+    total = sum(sum(s.numels) for u in units for s in u.shards)
+    on = sum(sum(s.numels) for u in units if u.on_device for s in u.shards)
+    why = "no device memory reading" if room is None else f"on the tightest rank {room} (here: {how})"
+    if failed:
+        why += "; moving the share ran out of memory on some rank, so every rank keeps its state on the host"
+    return (f"SuperOffload ZeRO-3 auto GPU share: {sum(u.on_device for u in units)} of {len(units)} FSDP units "
+            f"({on / max(total, 1):.1%} of the elements) keep their fp32 master and moments on the GPUs; room for "
+            f"state beside a step's peak: {why}.")
 
 
 def device_share(order: list[int], numels: list[int], fraction: float) -> list[int]:

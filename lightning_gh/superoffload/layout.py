@@ -361,22 +361,24 @@ class HostLayout:
             out.append(fits)
         return out
 
-    def set_spec_budget(self, budget: float) -> None:
-        """Let the first-arriving buckets within ``budget`` parameters speculate, and no other. Call it between
-        steps, with no CPU update pending. A bucket that stops speculating drops its rollback copy and (with two
-        copies of the state) its second copy; one that starts gets its second copy here, or its rollback copy at
-        its first speculative update. Over several ranks a bucket's buffers are slices of the rank's blocks and
-        stay as they are."""
+    def set_spec_budget(self, budget: float, resize: bool = True) -> None:
+        """Let the first-arriving buckets within ``budget`` parameters speculate, and no other. With ``resize``
+        (call it between steps, with no CPU update pending, under :attr:`lock`) a bucket that stops speculating
+        drops its rollback copy and (with two copies of the state) its second copy, and one that starts gets its
+        second copy here (a finite budget only: without validation nothing is undone), or its rollback copy at its
+        first speculative update. Over several ranks a bucket's buffers are slices of the rank's blocks and stay as
+        they are."""
         self.spec_budget = budget
         owned = [b for b in self.buckets if self.owns(b)]
         for b, spec in zip(owned, self._speculative_runs([b.numel for b in owned])):
             was, b.speculative = b.speculative, spec
-            if spec == was or self.sharded or b.master_buf is None:
+            if spec == was or not resize or self.sharded or b.master_buf is None:
                 continue
             if not spec:
+                b.speculated = False  # no rollback copy is made ahead for it (see CpuUpdater.idle_work)
                 b.backup = RollbackCopy()
                 self._drop_second_copy(b)
-            elif self.two_copies:
+            elif self.two_copies and math.isfinite(budget):
                 b.alt_master = HostBuffer(b.numel, pin=self.cuda, zero=False)
                 alt = HostBuffer(2 * b.numel, pin=self.cuda and self.pin_moments)
                 b.pinned_moments, b.alt_moments = (*b.pinned_moments, alt), alt.tensor
@@ -385,6 +387,8 @@ class HostLayout:
     def _drop_second_copy(b: Bucket) -> None:
         if b.alt_master is None:
             return
+        if b.h2d_event is not None:
+            b.h2d_event.synchronize()  # a copy of weights from the second copy may still be queued
         b.alt_master.release()
         for buf in b.pinned_moments:
             if buf.tensor is b.alt_moments:

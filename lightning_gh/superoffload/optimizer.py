@@ -216,7 +216,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
                                       "last_speculated": None, "last_cpu_after_step_ms": None, "last_stall_ms": 0.0,
                                       "last_slack_ms": None, "cpu_ms_per_step": 0.0, "tail_moves": 0,
                                       "tail_moves_back": 0, "tail_limited": 0, "tail_move_failures": 0,
-                                      "tail_decision": None, "cpu_phases_ms": {},
+                                      "tail_decision": None, "cpu_phases_ms": {}, "last_grad_norm": None,
                                       "loop_phases_ms": {"grad_hooks": 0.0, "forward_hooks": 0.0}}
         threads = opts.cpu_threads or _default_cpu_threads(cuda, None if group is None else group.local_size)
         self.stats.update(assisted_buckets=0, assisted_numel=0)
@@ -356,8 +356,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         self._max_grad_norm = None if value is None else float(value)
         if self._needs_validation() != was:  # speculation now needs (or no longer needs) exact-rollback copies
             self._plan_host()
-            if self._layout.built:
-                self._layout.set_spec_budget(self._spec_budget())
+            if self._layout.built:  # flags only: buffers change between steps (see HostLayout.set_spec_budget)
+                self._layout.set_spec_budget(self._spec_budget(), resize=False)
 
     def set_max_grad_value(self, value: float | None) -> None:
         """Clamp gradients to ``[-value, value]`` from the next backward on (``None``: no clamping)."""

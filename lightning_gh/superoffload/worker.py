@@ -122,7 +122,7 @@ class CpuUpdater:
             dec = self._uncounted[0].poll(block=block)
             if dec is None:
                 return
-            self._uncounted.pop(0)
+            self.stats["last_grad_norm"] = self._uncounted.pop(0).norm
             self._count(dec)
 
     def _count(self, dec: Decision) -> None:
@@ -287,8 +287,8 @@ class CpuUpdater:
             return False
         try:
             for b in list(self.layout.buckets):
-                if (b.speculated and not b.backup.fresh and b.ready.is_set() and b.master_buf is not None
-                        and b.alt_master is None):
+                if (b.speculated and b.speculative and not b.backup.fresh and b.ready.is_set()
+                        and b.master_buf is not None and b.alt_master is None):
                     self._backup(b, "backup_idle")
                     self.stats["prefetched_backups"] += 1
                     return True

@@ -371,6 +371,7 @@ def _assert_equals_reference(out: dict, ref: dict, rank: int) -> None:
     assert out["losses"] == [ref["losses"][s][rank] for s in range(STEPS)]
     st = out["stats"]
     assert st["steps"] == STEPS and st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
+    assert st["last_grad_norm"] is not None and st["last_grad_norm"] > 0
 
 
 def test_two_ranks_equal_one_process_adamw_bitwise(module_runs):

@@ -169,7 +169,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self.module = module
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.stats: dict[str, Any] = {"steps": 0, "skipped_steps": 0, "clipped_steps": 0, "wait_ms": 0.0,
-                                      "cpu_ms": 0.0, "streamed_units": 0}
+                                      "cpu_ms": 0.0, "streamed_units": 0, "last_grad_norm": None}
         self._build(module)
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue()
@@ -572,6 +572,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             try:
                 if dec is None:
                     dec = ctx.poll(block=True)
+                    self.stats["last_grad_norm"] = ctx.norm
                     if dec.skip:
                         self.stats["skipped_steps"] += 1
                     elif dec.coef is not None:

@@ -160,6 +160,8 @@ class TailMover:
         return action
 
     def _fit_speculation(self, spec_budget: Callable[[int], float], sync: Callable[[], None]) -> None:
+        """Apply the speculation budget for the host's current share (stat ``speculative_params``); one log line when
+        more (or fewer) host parameters may now speculate."""
         lay = self.layout
         host = lay.host_numel()
         speculating = lambda: sum(b.numel for b in lay.buckets if b.speculative and lay.owns(b))  # noqa: E731

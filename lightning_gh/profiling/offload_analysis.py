@@ -16,13 +16,13 @@ CPU AdamW off the training thread). Its spans are, in order of preference:
 
 torch.profiler records the host operators of other Python threads only with
 ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`` (SelectiveProfiler asks for
-it where torch has it); without it the update is invisible and the section is ``None``. What the training thread
-shows either way is its wait for the update: a range named :data:`UPDATE_WAIT_RANGE` around each blocking wait
-(:func:`update_wait_spans`); GPU idle time inside it is the update's too. Its time is the union of those spans
-inside the window; the share *under backward* is the part inside the backward (each ``lgh/backward`` range stretched over the GPU work launched in
-it: the host launches the backward ahead of the GPU); the *exposed* part is GPU idle time while it ran and no
-launching thread ran an operator (the GPU waited for the update, not for launches), as
-:func:`lightning_gh.profiling.analysis.analyze` splits idle time.
+it where torch has it); without it the update is invisible and the section is ``None``. The update's time is the
+union of its spans inside the window; the share *under backward* is the part inside the backward (each
+``lgh/backward`` range stretched over the GPU work launched in it: the host launches the backward ahead of the GPU);
+the *exposed* part is GPU idle time while it ran and no launching thread ran an operator (the GPU waited for the
+update, not for launches), as :func:`lightning_gh.profiling.analysis.analyze` splits idle time. What the training
+thread shows either way is its own wait for the update, a range named :data:`UPDATE_WAIT_RANGE` around each blocking
+wait (:func:`update_wait_spans`): GPU idle time inside it counts as the update's too.
 
 **The host link** is the ``Memcpy HtoD`` / ``Memcpy DtoH`` activity: count, bytes (Kineto's ``bytes`` argument),
 summed time, busy time (union over streams), achieved GB/s over busy time, and that against the link's rate when

@@ -294,7 +294,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             dist.all_reduce(sizes, op=dist.ReduceOp.MIN, group=self._pg)
         room, local = (int(v) for v in sizes.tolist())
         grad_bytes = max(u.grad_dtype.itemsize for u in self._units)
-        self._share = auto_device_fraction(None if room < 0 else room, -local, grad_bytes, self.options.max_gpu_fraction)
+        self._share = auto_device_fraction(None if room < 0 else room, -local, grad_bytes,
+                                           self.options.max_gpu_fraction)
         failed = torch.zeros(1, device=self.device)
         try:
             self._place(self._forward_order)

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from lightning_gh.superoffload import HeterogeneousAdamW
-from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE, WAIT_RANGE
+from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE, UPDATE_WAIT_RANGE
 
 
 def _with_all_threads(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +40,7 @@ def test_range_names_match_what_the_trace_summary_reads():
     from lightning_gh.profiling import offload_analysis
 
     assert CPU_UPDATE_RANGE == offload_analysis.CPU_UPDATE_RANGE
-    assert WAIT_RANGE == offload_analysis.UPDATE_WAIT_RANGE
+    assert UPDATE_WAIT_RANGE == offload_analysis.UPDATE_WAIT_RANGE
 
 
 def test_selective_profilers_torch_backend_records_other_threads(tmp_path):

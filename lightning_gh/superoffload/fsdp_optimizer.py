@@ -117,7 +117,7 @@ from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_optio
 from lightning_gh.superoffload.state import check_group
 from lightning_gh.superoffload.step import StepCtx
 from lightning_gh.superoffload.tail_mover import device_room
-from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE, WAIT_RANGE
+from lightning_gh.superoffload.worker import CPU_UPDATE_RANGE, UPDATE_WAIT_RANGE
 from lightning_gh.superoffload.zero import rank_cpu_threads
 
 __all__ = ["ShardedHostAdamW"]
@@ -515,7 +515,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
     def _wait(self, u: HostUnit) -> None:
         if not u.ready.is_set():
             t0 = time.perf_counter()
-            with torch.profiler.record_function(WAIT_RANGE):
+            with torch.profiler.record_function(UPDATE_WAIT_RANGE):
                 while not u.ready.wait(0.05):
                     self._raise()
                     if self._thread is None or not self._thread.is_alive():

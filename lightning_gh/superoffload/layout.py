@@ -379,9 +379,15 @@ class HostLayout:
                 b.backup = RollbackCopy()
                 self._drop_second_copy(b)
             elif self.two_copies and math.isfinite(budget):
-                b.alt_master = HostBuffer(b.numel, pin=self.cuda, zero=False)
-                alt = HostBuffer(2 * b.numel, pin=self.cuda and self.pin_moments)
-                b.pinned_moments, b.alt_moments = (*b.pinned_moments, alt), alt.tensor
+                self._add_second_copy(b)
+
+    def _add_second_copy(self, b: Bucket) -> None:
+        """Give host bucket ``b`` the other copy of its master weights and moments that a speculative update writes
+        (see Note [Speculative update and exact rollback] in :mod:`.worker`); the master part page-locked, as a
+        speculative update's weights are copied from it."""
+        b.alt_master = HostBuffer(b.numel, pin=self.cuda, zero=False)
+        alt = HostBuffer(2 * b.numel, pin=self.cuda and self.pin_moments)
+        b.pinned_moments, b.alt_moments = (*b.pinned_moments, alt), alt.tensor
 
     @staticmethod
     def _drop_second_copy(b: Bucket) -> None:
@@ -419,12 +425,10 @@ class HostLayout:
         elif owned:
             b.master_buf = HostBuffer(numel, pin=self.cuda, zero=False)
             b.grad_buf = HostBuffer(numel, pin=self.cuda, zero=False, dtype=self._grad_dtype(slots, shard))
-            pin = self.cuda and self.pin_moments
-            b.pinned_moments = tuple(HostBuffer(2 * numel, pin=pin) for _ in range(2 if alt else 1))
+            b.pinned_moments = (HostBuffer(2 * numel, pin=self.cuda and self.pin_moments),)
             b.moments = b.pinned_moments[0].tensor
-            if alt:  # page-locked too: a speculative update's weights are copied from it
-                b.alt_master = HostBuffer(numel, pin=self.cuda, zero=False)
-                b.alt_moments = b.pinned_moments[1].tensor
+            if alt:
+                self._add_second_copy(b)
         if self.cuda and owned:
             b.d2h_event = torch.cuda.Event()
             b.h2d_event = torch.cuda.Event()

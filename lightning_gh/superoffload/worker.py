@@ -36,18 +36,15 @@ from typing import Any
 
 import torch
 
+from lightning_gh.profiling.offload_analysis import CPU_UPDATE_RANGE, UPDATE_WAIT_RANGE
 from lightning_gh.superoffload.assist import DeviceAssist, SharedBuckets
 from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot
 from lightning_gh.superoffload.step import SPECULATION_WINDOW, Decision, StepCtx, should_speculate
 
-__all__ = ["CPU_UPDATE_RANGE", "WAIT_RANGE", "CpuUpdater", "worker_loop"]
+__all__ = ["CPU_UPDATE_RANGE", "UPDATE_WAIT_RANGE", "CpuUpdater", "worker_loop"]
 
-#: The profiler range around each bucket's CPU work (update, rollback, copies back): the trace summary reads the
-#: CPU update's time from it (lightning_gh.profiling.offload_analysis).
-CPU_UPDATE_RANGE = "superoffload/cpu_update"
-#: The profiler range around the training thread's wait for a bucket the CPU has not finished: the trace summary counts
-#: GPU idle time inside it as the CPU update's (lightning_gh.profiling.offload_analysis).
-WAIT_RANGE = "superoffload/wait_for_update"
+# The profiler ranges around each bucket's CPU work (update, rollback, copies back) and around the training thread's
+# wait for a bucket: named where the trace summary reads them (lightning_gh.profiling.offload_analysis).
 
 Task = tuple[str, Bucket | None, StepCtx]
 
@@ -142,7 +139,7 @@ class CpuUpdater:
         if b.ready.is_set():
             return 0.0
         t0 = time.perf_counter()
-        with torch.profiler.record_function(WAIT_RANGE):
+        with torch.profiler.record_function(UPDATE_WAIT_RANGE):
             while not b.ready.wait(0.05):
                 self.raise_error()
                 if self._thread is None or not self._thread.is_alive():

@@ -39,6 +39,7 @@ Usage (on the GPU machine)::
     python benchmarks/one_gpu_job.py --variants gpu_bf16_ckpt superoffload --layers 32 --steps 12 --out $OUT
     python benchmarks/one_gpu_job.py --variants superoffload --vocab 128256        # Llama-3.1-8B's shape
     python benchmarks/one_gpu_job.py --check-loss --layers 4 --steps 50              # losses vs an fp32-master run
+    python benchmarks/one_gpu_job.py --variants superoffload --no-checkpointing --oom-knob   # OOM, then its knob
 
 A GH200 forecast is printed beside the measured figures, marked as a forecast (its assumptions are printed with
 it).
@@ -54,7 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,8 @@ class Job(Shape):
     budget: str = "8GiB"
     profile_step: int | None = None  # optimizer step the SuperOffload variants profile (SelectiveProfiler)
     out: str = ""  # the run's output folder (the profile goes there)
+    knob: str | None = None  # the out-of-memory report's knob this run applies (--oom-knob), as the report wrote it
+    knob_budget: str | None = None  # ActivationOffload(budget=...) added by that knob (HF checkpointing gives way)
 
 
 @dataclass
@@ -232,6 +235,8 @@ def _child(job: Job, out_file: Path) -> None:
         raise SystemExit(f"unknown variant {job.variant!r}; expected one of {VARIANTS}")
     clock = Clock()
     extra: list[Any] = [lgh.ActivationOffload(budget=job.budget)] if job.variant in BUDGET_VARIANTS else []
+    if job.knob_budget is not None:
+        extra.append(lgh.ActivationOffload(budget=job.knob_budget))
     if job.profile_step is not None and job.variant.startswith("superoffload"):
         from lightning_gh.profiling import SelectiveProfiler
 
@@ -266,6 +271,13 @@ def _child(job: Job, out_file: Path) -> None:
         res.notes["optimizer_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
     if memory.plan is not None:
         res.notes["memory_plan"] = memory.plan.as_dict()
+    if memory.oom_knobs:  # the out-of-memory report: its knobs, and the report itself beside the results
+        res.notes["oom_knobs"] = [k.knob for k in memory.oom_knobs]
+    for f in memory.oom_files:
+        if f.suffix == ".md" and job.out:
+            (Path(job.out) / f"oom_report-{job.variant}.md").write_text(f.read_text())
+    if job.knob:
+        res.notes["applied_knob"] = job.knob
     for cb in extra:  # the profiled window's verdict
         for entry in getattr(cb, "written", []):
             summary = entry["files"].get("summary_json")
@@ -320,6 +332,32 @@ def gh200_forecast(step_gpu_ms: float, params: int) -> dict[str, float]:
             "step_ms": max(step_gpu_ms, cpu_ms, link_ms)}
 
 
+def apply_knob(job: Job, knob: str) -> Job | None:
+    """``job`` changed as the out-of-memory report's ``knob`` says, or ``None`` for a knob this script cannot apply
+    (one without a number, or a strategy the variant does not take).
+
+    >>> apply_knob(Job("superoffload"), 'ActivationOffload(budget="59GiB")').knob_budget
+    '59GiB'
+    >>> j = apply_knob(Job("superoffload", batch=4, seq=4096), "at most 11,878 tokens per step (now 16,384)")
+    >>> (j.batch, j.seq)
+    (2, 4096)
+    >>> apply_knob(Job("superoffload"), "SuperOffloadStrategy(max_gpu_fraction=...)") is None
+    True
+    """
+    import re
+
+    budget = re.fullmatch(r'ActivationOffload\(budget="([\d.]+[KMGT]iB)"\)', knob)
+    if budget:
+        return replace(job, knob=knob, knob_budget=budget.group(1))
+    tokens = re.match(r"at most ([\d,]+) tokens per step", knob)
+    if tokens:
+        most = int(tokens.group(1).replace(",", ""))
+        if most >= job.seq:
+            return replace(job, knob=knob, batch=most // job.seq)
+        return replace(job, knob=knob, batch=1, seq=most // 128 * 128) if most >= 128 else None
+    return None
+
+
 def table(rows: list[Outcome], anchor: str | None) -> str:
     base = next((r for r in rows if r.variant == anchor and r.step_ms), None)
     head = ("| variant | params (B) | step ms | tokens/s | MFU | vs anchor | peak GPU GiB | host used GiB | "
@@ -356,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="gradient_clip_val of the *_rareclip variants (above the job's gradient norm)")
     ap.add_argument("--check-loss", action="store_true",
                     help="record every step's loss of gpu_fp32master and superoffload (use a model that fits)")
+    ap.add_argument("--oom-knob", action="store_true",
+                    help="a variant that runs out of GPU memory runs again with the first knob of MemoryReport's "
+                    "out-of-memory report that this script can apply (the report goes to --out)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -387,6 +428,15 @@ def main(argv: list[str] | None = None) -> int:
             r.notes["layers"] = layers
             rows.append(r)
             print(f"{v} ({layers} layers): {r.step_ms and round(r.step_ms)} ms, error={r.error}", flush=True)
+            knobs = r.notes.get("oom_knobs") or []
+            again = next((j for j in (apply_knob(job, k) for k in knobs) if j is not None), None)
+            if args.oom_knob and r.error and "OutOfMemoryError" in r.error and again is not None:
+                r2 = run_variant(again, out, args.timeout)
+                r2.variant = f"{v} + {again.knob}"
+                r2.notes["layers"] = layers
+                rows.append(r2)
+                print(f"{r2.variant} ({layers} layers): {r2.step_ms and round(r2.step_ms)} ms, error={r2.error}",
+                      flush=True)
             # each row as it finishes: a run stopped at its time limit keeps the variants it completed
             (out / "one_gpu_job.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     anchor = "gpu_fp32master" if args.check_loss else "gpu_bf16_ckpt"

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from lightning_gh import _host
-from lightning_gh.memory import MemoryReport, MemoryReportOptions, Shortfall, attribute, parse_cuda_oom, suggest
+from lightning_gh.memory import (
+    MemoryReport,
+    MemoryReportOptions,
+    Shortfall,
+    attribute,
+    parse_cuda_oom,
+    step_shortfall,
+    suggest,
+)
 
 GIB = 2**30
 OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
@@ -47,6 +55,30 @@ def test_suggest_fewer_tokens_in_proportion_to_the_activations():
     knobs = suggest(owners(w=14, a=40), Shortfall(12 * GIB, 2 * GIB), tokens_per_step=16384)
     fewer = [k for k in knobs if "tokens per step" in k.knob]
     assert fewer and fewer[0].knob.startswith("at most 11,878 tokens")  # 16384 x (1 - 11 GiB / 40 GiB)
+
+
+@pytest.mark.parametrize(
+    ("parts", "peak", "capacity", "first"),
+    [
+        # the first forward failed with only weights and activations live; the whole step also needs the gradients
+        # and the optimizer state: the budget leaves room for them (90 GiB > 0.95 x 80 GiB: 14 GiB missing)
+        ({"before the step": 14 * GIB, "gradients": 14 * GIB, "optimizer state": 28 * GIB}, 90 * GIB, 80 * GIB,
+         'ActivationOffload(budget="18GiB")'),
+        # a SuperOffload tail the plan expected to grow is not counted as activations
+        ({"before the step": 15 * GIB, "gradients": 0, "optimizer state": 0,
+          "GPU tail grown after the first steps": 0}, 90 * GIB, 80 * GIB, 'ActivationOffload(budget="59GiB")'),
+    ],
+)
+def test_a_predicted_step_sizes_the_knob_for_the_whole_step(parts, peak, capacity, first):
+    owners, short = step_shortfall(parts, peak, capacity)
+    assert suggest(owners, short)[0].knob == first
+
+
+@pytest.mark.parametrize(("parts", "peak", "capacity"), [({}, 90 * GIB, 80 * GIB), ({"gradients": GIB}, None, 80 * GIB),
+                                                        ({"gradients": GIB}, 90 * GIB, None),
+                                                        ({"gradients": GIB}, 70 * GIB, 80 * GIB)])
+def test_no_step_shortfall_without_a_prediction_or_when_it_fits(parts, peak, capacity):
+    assert step_shortfall(parts, peak, capacity) is None
 
 
 def test_attribute_counts_each_storage_once():
@@ -119,6 +151,27 @@ def test_a_cuda_oom_writes_the_report_and_the_error_is_reraised(tmp_path):
     text = (tmp_path / "oom_report.md").read_text()
     assert "asked for 2.00 GiB with 512.0 MiB free" in text
     assert "## What would have fit" in text and "| weights |" in text
+
+
+def test_the_report_sizes_its_knobs_from_the_plans_prediction(tmp_path):
+    """An error early in the step, with a plan that predicted the whole step: the knobs are sized for the step."""
+
+    class Predicted(MemoryReport):
+        def build_plan(self, trainer, pl_module):
+            plan = super().build_plan(trainer, pl_module)
+            plan.gpu_free, plan.reserved = 70 * GIB, 10 * GIB
+            plan.predicted_peak = 90 * GIB
+            plan.predicted = {"before the step": 14 * GIB, "gradients": 14 * GIB, "optimizer state": 28 * GIB}
+            return plan
+
+    cb = Predicted(folder=str(tmp_path))
+    trainer = L.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        trainer.fit(Tiny(fail_at=1, error=torch.cuda.OutOfMemoryError(OOM)))
+    text = (tmp_path / "oom_report.md").read_text()
+    assert "sized for the whole step" in text and "| optimizer state | 28.00 GiB |" in text
+    assert cb.oom_knobs[0].knob == 'ActivationOffload(budget="18GiB")'
 
 
 def test_a_host_memory_error_reports_the_host_plan(tmp_path):

@@ -49,3 +49,22 @@ def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         job.main(["--steps", "3", "--warmup", "4"])
     assert "--steps=3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("knob", "want"),
+    [
+        ('ActivationOffload(budget="59GiB")', {"knob_budget": "59GiB", "batch": 4, "seq": 4096}),
+        ("at most 11,878 tokens per step (now 16,384)", {"knob_budget": None, "batch": 2, "seq": 4096}),
+        ("at most 3,000 tokens per step (now 16,384)", {"knob_budget": None, "batch": 1, "seq": 2944}),
+        ("at most 100 tokens per step (now 16,384)", None),
+        ("SuperOffloadStrategy(max_gpu_fraction=...)", None),
+        ('strategy="superoffload"', None),
+    ],
+)
+def test_the_oom_reports_knob_is_applied_to_the_job(knob, want):
+    got = job.apply_knob(job.Job("superoffload", batch=4, seq=4096), knob)
+    if want is None:
+        assert got is None
+    else:
+        assert {k: getattr(got, k) for k in want} == want and got.knob == knob

@@ -7,7 +7,9 @@ free memory, the parts' decisions). At the first batch, before its step runs, it
 step traced once on fake tensors, see :mod:`.forecast`; or an ActivationOffload budget), then prints the plan on
 rank 0 and writes it as ``memory_plan.json``. After ``measure_steps`` optimizer steps it adds the measured peak
 beside the predicted one, with the error. On a CUDA out-of-memory error inside ``fit``
-it writes ``oom_report.md`` (the request, the owners of the live memory, the knob that would have fit) and, when
+it writes ``oom_report.md`` (the request, the owners of the live memory, the knob that would have fit: sized for
+the whole step when the plan predicted its peak, since an error in the first forward does not yet see the gradients
+and optimizer state the step allocates later; the knobs also in ``oom_knobs``) and, when
 ``record_history`` is on, ``oom_snapshot.pickle`` (``torch.cuda.memory._snapshot()``, readable at
 https://pytorch.org/memory_viz); a host ``MemoryError`` gets the host plan's shares. Lightning then re-raises
 the original error.
@@ -36,7 +38,7 @@ from lightning_gh import _host, hardware
 from lightning_gh._options import resolve
 from lightning_gh._util import count_tokens, warn_once
 from lightning_gh.memory import forecast
-from lightning_gh.memory.oom import parse_cuda_oom, report, suggest
+from lightning_gh.memory.oom import Knob, parse_cuda_oom, report, step_shortfall, suggest
 from lightning_gh.memory.plan import MemoryPlan, attribute
 
 __all__ = ["MemoryReport", "MemoryReportOptions"]
@@ -98,6 +100,7 @@ class MemoryReport(Callback):
         self.options = resolve(MemoryReportOptions, options, "MemoryReport", **kwargs)
         self.plan: MemoryPlan | None = None
         self.oom_files: list[Path] = []
+        self.oom_knobs: list[Knob] = []  # what the last out-of-memory report suggested, the first knob first
         self._steps = 0
         self._tokens: int | None = None
         self._recording = False
@@ -228,10 +231,13 @@ class MemoryReport(Callback):
                            device_type=device.type)
         shortfall = parse_cuda_oom(str(exception))
         tokens = self._tokens * trainer.accumulate_grad_batches if self._tokens else None
-        knobs = suggest(owners, shortfall, tokens_per_step=tokens,
+        step = self._step_shortfall()
+        sized_for = step if step is not None and (shortfall is None or step[1].missing > shortfall.missing) else None
+        knobs = suggest(*(sized_for or (owners, shortfall)), tokens_per_step=tokens,
                         superoffload=getattr(trainer.strategy, "lgh_part", None) == "SuperOffload")
+        self.oom_knobs = knobs
         text = report(owners, shortfall, knobs, reserved=torch.cuda.memory_reserved(device) if cuda else None,
-                      allocated=allocated if cuda else None, error=str(exception))
+                      allocated=allocated if cuda else None, error=str(exception), step=sized_for)
         folder = self.folder(trainer)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "oom_report.md"
@@ -245,6 +251,13 @@ class MemoryReport(Callback):
             self.oom_files.append(snap)
         log.error("out of GPU memory: the report is in %s%s", path,
                   f"; first knob to try: {knobs[0].knob}" if knobs else "")
+
+    def _step_shortfall(self) -> Any:
+        """:func:`~lightning_gh.memory.oom.step_shortfall` of the plan's prediction (``None`` without one)."""
+        plan = self.plan
+        if plan is None or plan.gpu_free is None or plan.reserved is None:
+            return None
+        return step_shortfall(plan.predicted, plan.predicted_peak, plan.gpu_free + plan.reserved)
 
     def _host_report(self, trainer: Any, exception: BaseException) -> None:
         folder = self.folder(trainer)

@@ -22,13 +22,15 @@ from dataclasses import dataclass
 
 from lightning_gh._util import fmt_bytes
 
-__all__ = ["Knob", "Shortfall", "parse_cuda_oom", "report", "suggest"]
+__all__ = ["Knob", "Shortfall", "parse_cuda_oom", "report", "step_shortfall", "suggest"]
 
 _GIB = 2**30
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 #: Extra room a suggested knob leaves beyond the shortfall, for the allocator's rounding and fragmentation.
 MARGIN = 0.10
+#: Share of the device a knob sized from a predicted step leaves free (the allocator's cache and fragmentation).
+CAPACITY_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,41 @@ def parse_cuda_oom(message: str) -> Shortfall | None:
     if req is None:
         return None
     return Shortfall(_bytes(*req.groups()), _bytes(*free.groups()) if free else 0)
+
+
+def step_shortfall(predicted: Mapping[str, int], peak: int | None, capacity: int | None
+                   ) -> tuple[dict[str, int], Shortfall] | None:
+    """The owners of a whole step's predicted peak and what that peak misses of the device, or ``None`` when there
+    is no prediction or it fits.
+
+    An out-of-memory error in the first forward sees only what was live then: the gradients and the optimizer
+    state the step allocates later are not among the owners, so a knob sized from the failed allocation alone
+    leaves the step short again further on. With the plan's prediction (:class:`lightning_gh.memory.plan.MemoryPlan`)
+    the knob is sized for the whole step, leaving :data:`CAPACITY_MARGIN` of the device free.
+
+    Args:
+        predicted: the predicted peak's parts (``"before the step"``, ``"gradients"``, ``"optimizer state"``, ...;
+            see :class:`lightning_gh.memory.forecast.Prediction`).
+        peak: the predicted peak (bytes).
+        capacity: what the process can allocate: free bytes plus what its allocator held at the plan.
+
+    >>> gib = 2**30
+    >>> owners, short = step_shortfall({"before the step": 15 * gib, "gradients": 0, "optimizer state": 0},
+    ...                                peak=90 * gib, capacity=78 * gib)
+    >>> owners["activations and temporaries"] // gib, round(short.missing / gib, 1)
+    (75, 15.9)
+    """
+    if not predicted or peak is None or capacity is None:
+        return None
+    usable = int((1 - CAPACITY_MARGIN) * capacity)
+    if peak <= usable:
+        return None
+    before = predicted.get("before the step", 0)
+    grads, state = predicted.get("gradients", 0), predicted.get("optimizer state", 0)
+    grown = predicted.get("GPU tail grown after the first steps", 0)
+    owners = {"weights, buffers and the batch": before, "gradients": grads, "optimizer state": state,
+              "activations and temporaries": max(0, peak - before - grads - state - grown)}
+    return owners, Shortfall(requested=peak, free=usable)
 
 
 def _gib_ceil(nbytes: float) -> int:
@@ -116,8 +153,11 @@ def suggest(owners: Mapping[str, int], shortfall: Shortfall | None, *, tokens_pe
 
 
 def report(owners: Mapping[str, int], shortfall: Shortfall | None, knobs: Sequence[Knob], *,
-           reserved: int | None = None, allocated: int | None = None, error: str = "") -> str:
-    """The out-of-memory report as markdown: the request, the owners, fragmentation, and the knobs."""
+           reserved: int | None = None, allocated: int | None = None, error: str = "",
+           step: tuple[Mapping[str, int], Shortfall] | None = None) -> str:
+    """The out-of-memory report as markdown: the request, the owners, fragmentation, and the knobs.
+
+    ``step`` is :func:`step_shortfall`'s answer when the knobs were sized for the whole predicted step."""
     lines = ["# Out of GPU memory", ""]
     if error:
         lines += [f"Error: `{error.splitlines()[0][:300]}`", ""]
@@ -128,6 +168,13 @@ def report(owners: Mapping[str, int], shortfall: Shortfall | None, knobs: Sequen
     lines += [f"| {k} | {fmt_bytes(v)} |" for k, v in sorted(owners.items(), key=lambda kv: -kv[1])]
     if reserved is not None and allocated is not None:
         lines.append(f"| allocator cache (reserved, not allocated: fragmentation) | {fmt_bytes(reserved - allocated)} |")
+    if step is not None:
+        parts, whole = step
+        lines += ["", f"The plan predicted a peak of {fmt_bytes(whole.requested)} for the whole step against "
+                  f"{fmt_bytes(whole.free)} the process can use ({CAPACITY_MARGIN:.0%} of the device left free): "
+                  f"{fmt_bytes(whole.missing)} missing. The knobs below are sized for the whole step.", "",
+                  "| predicted peak's part | bytes |", "| --- | ---: |"]
+        lines += [f"| {k} | {fmt_bytes(v)} |" for k, v in parts.items()]
     lines += ["", "## What would have fit", ""]
     lines += [f"- `{k.knob}`: {k.why}" for k in knobs] or ["- no single knob frees enough: see the owners above"]
     return "\n".join(lines) + "\n"

@@ -216,7 +216,7 @@ def test_hf_budget_plain_offload_activations_loop():
 def test_hf_budget_above_need_is_a_noop(caplog):
     cb = ActivationOffload(budget="64GiB", backend="host-copy", min_tensor_bytes=1, profile_steps=1)
     with caplog.at_level(logging.INFO):
-        _fit(HFModule(), [cb], steps=10)  # a size budget: floor, samples, then one block relaxed per step
+        _fit(HFModule(), [cb], steps=14)  # a size budget: floor, samples, then one block relaxed per step
     assert not cb.plan.offloaded_blocks and not cb.plan.recompute
     assert "nothing to do" in cb.plan.describe()
 

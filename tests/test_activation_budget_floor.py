@@ -128,3 +128,19 @@ def test_fraction_that_fits_measures_the_plain_step_as_before(monkeypatch):
     b = off.budget
     assert [m.label for m in b.schedule[:4]] == ["warm-up", "sample keep", "warm-up", "raw"]
     assert b.budget_bytes == int(0.6 * b.plain_activation_bytes) and b.forecast is not None
+
+
+def test_each_mode_is_sampled_twice_and_the_faster_sample_counts(monkeypatch):
+    """The first step that offloads a whole block pays the pinned pool's growth: the plan's plain block is the
+    faster of the two keep samples."""
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, "64GiB", probe)
+    _train(model, off, 12)
+    b = off.budget
+    keep = next(m for m in b.schedule if m.kind is Kind.SAMPLE and m.mode is None)
+    assert sum(m == keep for m in b.schedule) == 2
+    seen = b.observations(keep)
+    assert len(seen) == 2
+    fastest = min(o.profile.blocks[0].forward_ms + o.profile.blocks[0].backward_ms for o in seen)
+    plain = b.profile.step.blocks[0]
+    assert plain.forward_ms + plain.backward_ms == fastest

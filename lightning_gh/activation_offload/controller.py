@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import statistics
@@ -112,6 +113,12 @@ class _Relaxation:
     steps: int = 0
 
 
+def _block0_ms(obs: Observation) -> float:
+    """Block 0's forward and backward time in a sample step (see :func:`floor_schedule`: the faster sample counts)."""
+    b = obs.profile.blocks[0] if obs.profile is not None else None
+    return float("inf") if b is None else b.forward_ms + b.backward_ms
+
+
 class BudgetController:
     """Budget mode's decisions, from the measuring schedule to the corrected plan (see the module docstring).
 
@@ -189,7 +196,7 @@ class BudgetController:
     def next_forward(self) -> tuple[OffloadPlan, Measure | None]:
         """The plan of the next training forward, and what it is measured for (``None``: not measured)."""
         if self.state is BudgetState.MEASURE:
-            m = self.schedule[self._issued] if self._issued < len(self.schedule) else Measure(Kind.PLAIN)
+            m = self.schedule[self._issued] if self._issued < len(self.schedule) else self._past_schedule()
             self._issued += 1
             return self._measuring_plan(m), m
         if self.state is BudgetState.RELAX:
@@ -279,11 +286,22 @@ class BudgetController:
             plan = replace(plan, modes=(m.mode,) * self.n)
         return plan
 
+    def _past_schedule(self) -> Measure:
+        """What a step after the schedule measures while it waits for observations: a size budget's floor step (it
+        never runs the plain step), else a plain step."""
+        if self.budget.bytes is not None:
+            return next(m for m in self.schedule if m.kind is Kind.FLOOR)
+        return Measure(Kind.PLAIN)
+
     def _plain_seen(self) -> list[Observation]:
         return self._seen.get(Measure(Kind.PLAIN), [])
 
     def _ready(self, counted: Kind = Kind.PLAIN) -> bool:
-        return all(m.kind is Kind.WARMUP or m in self._seen for m in self.schedule) \
+        """Every measuring step of the schedule observed, a step listed twice twice (two steps past the schedule's
+        end, once is enough: a step whose profile could not be read is not waited for forever)."""
+        need = collections.Counter(m for m in self.schedule if m.kind is not Kind.WARMUP)
+        late = self._issued >= len(self.schedule) + 2
+        return all(len(self._seen.get(m, ())) >= (1 if late else k) for m, k in need.items()) \
             and sum(len(v) for m, v in self._seen.items() if m.kind is counted) >= self.options.profile_steps
 
     def _link(self) -> tuple[float, float, float, int]:
@@ -450,7 +468,7 @@ class BudgetController:
         if not self._ready(Kind.FLOOR):
             return
         floor = [o for m, v in self._seen.items() if m.kind is Kind.FLOOR for o in v]
-        samples = {m.mode: v[0] for m, v in self._seen.items() if m.kind is Kind.SAMPLE}
+        samples = {m.mode: min(v, key=_block0_ms) for m, v in self._seen.items() if m.kind is Kind.SAMPLE}
         fm = self.schedule[0].floor_mode
         fprof = median_profile([o.profile for o in floor])
         plain = samples[None].profile.blocks[0] if None in samples else fprof.blocks[0]

@@ -93,25 +93,32 @@ def measuring_schedule(modes: tuple[str, ...], profile_steps: int, weigh_lean_lo
             + tuple(Measure(Kind.MODE, mode=m) for m in modes))
 
 
+#: Steps each mode is sampled in from the floor (see :func:`floor_schedule`).
+SAMPLES_PER_MODE = 2
+
+
 def floor_schedule(modes: tuple[str, ...], profile_steps: int, weigh_lean_loss: bool) -> tuple[Measure, ...]:
     """The measuring steps of a size budget: none of them runs more than the floor plus one block.
 
     A warm-up and ``profile_steps`` steps at the floor (every block in its least-memory mode, what it still saves
     offloaded but in the last ``skip_last_blocks``), then one step per other mode (keeping included) with block 0 in
     that mode and everything it saves offloaded; the blocks are alike, so block 0's costs stand for every block's.
-    The lean loss, where weighed, runs in every step (the head at its least memory too).
+    Each mode is sampled twice and the faster sample counts: the first step that offloads a whole block grows the
+    pinned pool by that block's bytes, host time the block's forward would otherwise be charged with (and a keep
+    sample charged so would make every other mode look free beside it). The lean loss, where weighed, runs in every
+    step (the head at its least memory too).
 
     Example::
 
         >>> [m.label for m in floor_schedule(("norm-act", "full"), 1, False)]
-        ['warm-up', 'floor', 'sample keep', 'sample norm-act']
+        ['warm-up', 'floor', 'sample keep', 'sample norm-act', 'sample keep', 'sample norm-act']
     """
     fm = floor_mode(modes)
     lean = weigh_lean_loss
     return ((Measure(Kind.WARMUP, lean_loss=lean, floor_mode=fm),)
             + (Measure(Kind.FLOOR, lean_loss=lean, floor_mode=fm),) * profile_steps
             + tuple(Measure(Kind.SAMPLE, mode=m, lean_loss=lean, floor_mode=fm)
-                    for m in (None,) + tuple(modes) if m != fm))
+                    for m in (None,) + tuple(modes) if m != fm) * SAMPLES_PER_MODE)
 
 
 def floor_mode(modes: tuple[str, ...]) -> str | None:

@@ -162,3 +162,21 @@ def test_superoffload_plans_around_what_another_part_announced(monkeypatch):
     assert alone.backup_params == params  # 90 GiB of room: every copy fits
     assert 0 < shared.backup_params < params  # 60 GiB of room less the state: copies for part of it
     assert {s.part for s in _host.PLAN.shares()} == {"ActivationOffload", "SuperOffload"}
+
+
+def test_a_zero12_rank_reserves_its_process_bytes_beside_the_state(monkeypatch):
+    """Two ZeRO-1/2 ranks on a 250 GiB host: a 14.8B model's state (16 B per parameter, half per rank) fits the
+    ranks' shares alone, not beside each rank's process bytes: a clear error naming the ZeRO-3 strategy, before
+    anything is allocated; the 7.2B model still fits."""
+    from lightning_gh.superoffload import memory
+
+    monkeypatch.setattr(_host.hardware, "available_host_bytes", lambda: 250 * GIB)
+    big, small = 14_770_000_000, 7_240_000_000
+    assert memory.check_host_memory(big, speculative=False, local_ranks=2, shards=2).host_params == big // 2
+    with pytest.raises(HostMemoryError, match='superoffload_fsdp') as e:
+        memory.check_host_memory(big, speculative=False, local_ranks=2, shards=2,
+                                 process_bytes=memory.rank_process_bytes(big, 2))
+    assert "the rank's process takes beside them" in str(e.value)
+    plan = memory.check_host_memory(small, speculative="auto", local_ranks=2, shards=2,
+                                    process_bytes=memory.rank_process_bytes(small, 2))
+    assert plan.host_params == small // 2

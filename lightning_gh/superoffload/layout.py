@@ -348,7 +348,8 @@ class HostLayout:
             speculative=options.speculative, enforce=options.host_memory_check, validation=validation,
             grad_bytes=self.grad_bytes(self.kernel, shard is not None), gpu_share=None if auto else options.gpu_fraction,
             gpu_room_bytes=gpu_room if auto else 0, gpu_bytes_per_param=gpu_per_param,
-            shards=1 if shard is None else shard.group.size)
+            shards=1 if shard is None else shard.group.size,
+            process_bytes=memory.rank_process_bytes(self.trainable_numel(), 1 if shard is None else shard.group.size))
         return self.plan
 
     def _speculative_runs(self, numels: list[int], used: int = 0) -> list[bool]:

@@ -247,9 +247,26 @@ def local_world_size() -> int:
 PLAN_PART = "SuperOffload"
 
 
+#: Host bytes per parameter of the whole model that a ZeRO-1/2 rank's process holds beyond its plan's buffers
+#: (every rank holds the whole model; measured on GPU hosts, docs/superoffload.md "Host memory per rank").
+ZERO12_PROCESS_BYTES_PER_PARAM = 2.5
+
+
+def rank_process_bytes(model_params: int, ranks: int) -> int:
+    """Host bytes a rank's process takes beside the host plan's buffers: none counted on one rank (the plan's
+    headroom covers it); with several ZeRO-1/2 ranks, :data:`ZERO12_PROCESS_BYTES_PER_PARAM` per parameter of the
+    whole model, on every rank.
+
+    >>> rank_process_bytes(1000, 1), rank_process_bytes(1000, 2)
+    (0, 2500)
+    """
+    return 0 if ranks <= 1 else int(ZERO12_PROCESS_BYTES_PER_PARAM * model_params)
+
+
 def check_host_memory(params: int, speculative_backup: bool = True, headroom: float = 0.9,
                       local_ranks: int | None = None, *, speculative: bool | str | None = None,
-                      enforce: bool = True, owner: object | None = None, **sizes: Any) -> HostMemoryPlan:
+                      enforce: bool = True, owner: object | None = None, process_bytes: int = 0,
+                      **sizes: Any) -> HostMemoryPlan:
     """Plan this rank's host state from the host memory available now (:func:`plan_host_memory`) and raise
     :class:`~lightning_gh._host.HostMemoryError` (a ``MemoryError``) naming the numbers, and the largest model that
     would fit, when no configuration fits.
@@ -268,6 +285,8 @@ def check_host_memory(params: int, speculative_backup: bool = True, headroom: fl
             unknown (``host_memory_check=False``).
         owner: the object whose lifetime the claim in the host-memory plan follows (see Note [One host-memory
             plan] in :mod:`lightning_gh._host`); ``None``: the plan is checked, not recorded.
+        process_bytes: host bytes this rank's process takes beyond the plan's buffers (see
+            :func:`rank_process_bytes`): the room shrinks by them and the claim counts them.
         **sizes: the other arguments of :func:`plan_host_memory` (``validation``, ``grad_bytes``, ``gpu_share``,
             ``gpu_room_bytes``, ``gpu_bytes_per_param``, ``shards``).
 
@@ -288,6 +307,8 @@ def check_host_memory(params: int, speculative_backup: bool = True, headroom: fl
     # announced (Note [One host-memory plan]); the claim below checks the same number.
     room = _host.PLAN.room(PLAN_PART, headroom=headroom / ranks) if enforce and available_host_bytes() is not None \
         else None
+    if room is not None:
+        room = max(0, room - process_bytes)
     plan = plan_host_memory(params, available_bytes=room, speculative=speculative, local_ranks=1, headroom=1.0,
                             **sizes)
     if room is not None:  # the plan says what the host has; the room it was made for is in the claim's message
@@ -303,7 +324,11 @@ def check_host_memory(params: int, speculative_backup: bool = True, headroom: fl
     if plan.largest_params is not None:
         tips.append(f"a model of at most {plan.largest_params:,} parameters fits this host")
     share = "" if ranks == 1 else f", this rank's share: 1/{ranks} of the host"
-    _host.check_host_room(plan.needed_bytes, what=f"HeterogeneousAdamW ({plan.describe()}{share})",
+    if process_bytes:
+        share += f", plus {fmt_bytes(process_bytes)} the rank's process takes beside them"
+        tips.append('strategy="superoffload_fsdp" (ZeRO-3: the parameters sharded too, less host memory per rank '
+                    "beside the state)")
+    _host.check_host_room(plan.needed_bytes + process_bytes, what=f"HeterogeneousAdamW ({plan.describe()}{share})",
                           headroom=headroom / ranks, tips=tips, opt_out="host_memory_check=False", part=PLAN_PART,
                           owner=owner, record=owner is not None)
     return plan

@@ -144,3 +144,17 @@ def test_each_mode_is_sampled_twice_and_the_faster_sample_counts(monkeypatch):
     fastest = min(o.profile.blocks[0].forward_ms + o.profile.blocks[0].backward_ms for o in seen)
     plain = b.profile.step.blocks[0]
     assert plain.forward_ms + plain.backward_ms == fastest
+
+
+def test_a_budget_without_host_room_keeps_on_the_device_and_recomputes(monkeypatch):
+    """Another part holds the host's memory: what a size budget would offload stays on the device (counted, one
+    warning), the budget is still planned and reached by recomputing, and nothing raises."""
+    from lightning_gh import hardware
+
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: 1024)
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, "64GiB", probe)
+    with pytest.warns(UserWarning, match="stays on the device"):
+        _train(model, off, 14)
+    assert off.stats.skipped.get("no host room", 0) > 0 and off.stats.offloaded_bytes <= 1024
+    assert off.budget.state is BudgetState.DONE

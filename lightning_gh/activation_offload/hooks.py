@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_gh._host import HostMemoryError
+from lightning_gh._util import warn_once
 from lightning_gh.activation_offload.policy import OffloadPlan
 from lightning_gh.activation_offload.pool import HostBufferPool, _HostBuffer
 from lightning_gh.activation_offload.stats import OffloadStats, TimelinePoint
@@ -284,14 +286,16 @@ class SavedTensorHooks:
             reason = self._skip_reason(t, ptr, nbytes)
             budget = fwd.plan.budgets[block]
             moved = reason is None and (budget is None or fwd.used[block] + nbytes <= budget)
+            host = self._host_buffer(nbytes) if moved else None
+            moved = host is not None
             e = _Entry(self, block, nbytes, moved, StorageWeakRef(st), t)
             fwd.by_key[(block, ptr)] = e
             if reason is None:
                 fwd.offloadable[block] += nbytes
             else:
                 self._count_skip(reason)
-            if moved:
-                self._start_copy(fwd, e, t, st)
+            if host is not None:
+                self._start_copy(fwd, e, t, st, host)
             else:
                 fwd.resident[block] += nbytes
                 self._saved_bytes += nbytes
@@ -379,8 +383,24 @@ class SavedTensorHooks:
     def _count_skip(self, reason: str) -> None:
         self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
 
-    def _start_copy(self, fwd: Forward, e: _Entry, t: torch.Tensor, st: torch.UntypedStorage) -> None:
-        host = self._pool.acquire(e.nbytes)
+    def _host_buffer(self, nbytes: int) -> _HostBuffer | None:
+        """A pinned buffer for an offload, or ``None`` where the host-memory plan has no room and a budget plans
+        the offloads: the tensor then stays on the device, and the budget's measuring and relaxing steps see it
+        there (another part, SuperOffload say, may hold the host's memory). A fixed policy raises the
+        :class:`~lightning_gh._host.HostMemoryError` instead."""
+        try:
+            return self._pool.acquire(nbytes)
+        except HostMemoryError as err:
+            if self.options.budget is None:
+                raise
+            self._count_skip("no host room")
+            warn_once("activation_offload:no-host-room",
+                      f"ActivationOffload(budget={self.options.budget!r}): {err} What it would offload stays on the "
+                      "device; the budget is reached by recomputing instead (see stats.skipped['no host room']).")
+            return None
+
+    def _start_copy(self, fwd: Forward, e: _Entry, t: torch.Tensor, st: torch.UntypedStorage,
+                    host: _HostBuffer) -> None:
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
         e.d2h = self._transport.to_host(src, host.tensor[: e.nbytes], host.ready)
         host.ready = None

@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                     row.pop("files", None)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    # every row as it finishes: a run stopped at its time limit keeps the rows it completed
+                    (out / "observe_job.json").write_text(json.dumps({"rows": rows, "overheads": overheads(rows),
+                                                                       "trace": kept}, indent=1))
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
     summary = {"rows": rows, "overheads": overheads(rows), "trace": kept,

@@ -384,6 +384,21 @@ def test_a_real_superoffload_trace_shows_the_cpu_update_and_what_it_cost_the_gpu
     assert s["verdict"]["stalls"]["cpu-update-bound"] == pytest.approx(cu["exposed_share"], abs=1e-6)
 
 
+#: A real trace from the GPU machine: two steps of a small HF Llama (hidden 256, 4 layers, 4 x 256 tokens,
+#: bf16-mixed, fused AdamW, its own loss) on one H100, recorded by SelectiveProfiler from benchmarks/observe_job.py.
+REAL_SMALL = DATA / "kineto_small_hf_launch_bound.json.gz"
+
+
+def test_a_real_trace_of_a_small_model_is_launch_bound(tmp_path):
+    """Tiny kernels, the GPU idle between them while the host launches the next: launch-bound, with the CUDA-graph
+    advice; no CPU update, no link traffic to speak of."""
+    s = summarize_trace(REAL_SMALL, tmp_path, plot=False)
+    assert s["verdict"]["bound"] == "launch-bound"
+    assert s["gpu"]["busy_share"] < 0.2 and s["verdict"]["stalls"]["launch-bound"] > 0.5
+    assert any("CUDAGraphCapture" in a for a in s["verdict"]["advice"])
+    assert s["verdict"]["stalls"]["cpu-update-bound"] == 0.0
+
+
 def test_fixtures_are_what_the_builder_writes():
     """The fixtures are the ``cpu-update`` and ``link-activation-offload`` scenarios, two steps each."""
     kw = {sid: k for sid, _, k, _ in SCENARIOS}

@@ -56,6 +56,17 @@ def _fresh_host_plan():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _nobody_sizing_gpu_memory():
+    """Every test starts with no part sizing its GPU memory (Note [One part sizes GPU memory at a time] in
+    lightning_gh/_gpu_plan.py): an engine another test left measuring must not hold this test's GPU tail."""
+    from lightning_gh import _gpu_plan
+
+    with _gpu_plan._lock:
+        _gpu_plan._sizing.clear()
+    yield
+
+
 #: Import orders of the precision modules that a cycle among them would fail (tests/test_precision.py).
 PRECISION_IMPORT_ORDERS = [
     [first] + [f"lightning_gh.precision.{m}" for m in ("export", "plugin", "registry", "auto", "ao", "te", "trial",

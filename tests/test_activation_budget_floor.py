@@ -158,3 +158,16 @@ def test_a_budget_without_host_room_keeps_on_the_device_and_recomputes(monkeypat
         _train(model, off, 14)
     assert off.stats.skipped.get("no host room", 0) > 0 and off.stats.offloaded_bytes <= 1024
     assert off.budget.state is BudgetState.DONE
+
+
+def test_a_budget_says_it_is_sizing_gpu_memory_until_its_plan_is_done(monkeypatch):
+    """SuperOffload's tail waits on it (Note [One part sizes GPU memory at a time])."""
+    from lightning_gh import _gpu_plan
+
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, "64GiB", probe)
+    _train(model, off, 2)
+    assert "ActivationOffload" in _gpu_plan.sizing()
+    _train(model, off, 12)
+    assert off.budget.state is BudgetState.DONE and _gpu_plan.sizing() == []
+    off.close()

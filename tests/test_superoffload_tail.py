@@ -150,6 +150,27 @@ def test_a_final_decision_is_one_log_line_and_later_windows_change_nothing(info_
     opt.close()
 
 
+def test_the_tail_waits_while_another_part_sizes_its_gpu_memory(info_log):
+    """An ActivationOffload budget still measuring or relaxing: the tail neither grows nor decides; once it is done,
+    the same window grows the tail (Note [One part sizes GPU memory at a time])."""
+    from lightning_gh import _gpu_plan
+
+    class Budget:
+        pass
+
+    opt = _auto_opt(make_model())
+    owner = Budget()
+    _gpu_plan.set_sizing(owner, "ActivationOffload", True)
+    try:
+        action, _ = _after(opt, 100.0, 8.0, k=4)
+        assert action.kind is K.KEEP and opt.device_numel == 0 and not opt.tail.final
+    finally:
+        _gpu_plan.set_sizing(owner, "ActivationOffload", False)
+    action, _ = _after(opt, 100.0, 8.0, k=5)
+    assert action.kind is K.GROW and opt.device_numel > 0
+    opt.close()
+
+
 def test_a_grown_trial_then_its_undo_move_exactly_the_trial(info_log):
     opt = _auto_opt(make_model())
     total = opt.host_numel

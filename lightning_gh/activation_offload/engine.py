@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lightning_gh import hardware
+from lightning_gh import _gpu_plan, hardware
 from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload.auto import AutoPlanner
 from lightning_gh.activation_offload.blocks import compiled_owner, find_blocks
@@ -379,6 +379,7 @@ class ActivationOffloader(SavedTensorHooks):
         """Remove hooks, drop the free host buffers, and restore the compiler's budget if budget mode set it."""
         self.end_forward()
         if self.budget is not None:
+            _gpu_plan.set_sizing(self.budget, "ActivationOffload", False)
             self.budget.close()
         if self._pool is not None:
             self._pool.clear()
@@ -537,12 +538,15 @@ class ActivationOffloader(SavedTensorHooks):
         # The lean loss is measured once (plain blocks): its memory and time are the head's, the blocks' own
         # measurements serve both heads.
         ctl.start(tuple(modes), weigh_lean_loss=self._lean is not None and self.options.lean_loss is None)
+        _gpu_plan.set_sizing(ctl, "ActivationOffload", True)
 
     def _harvest(self) -> None:
         """Hand the measured forwards whose backward has ended to the controller or the ``"auto"`` planner."""
         ctl = self.budget
         if ctl is not None:
-            if ctl.state not in (BudgetState.MEASURE, BudgetState.RELAX, BudgetState.CORRECT):
+            sizing = ctl.state in (BudgetState.MEASURE, BudgetState.RELAX, BudgetState.CORRECT)
+            _gpu_plan.set_sizing(ctl, "ActivationOffload", sizing)  # Note [One part sizes GPU memory at a time]
+            if not sizing:
                 return
             for fwd in list(self._measured):
                 if fwd.measure is None or not ("bwd_end" in fwd.marks or fwd.bwd_point <= 0):
@@ -552,6 +556,8 @@ class ActivationOffloader(SavedTensorHooks):
                     fwd.act_peak = ctl.probe.peak(fwd.mem_base)
                 ctl.observe(self._observation(fwd))
             ctl.after_observations()
+            _gpu_plan.set_sizing(ctl, "ActivationOffload",
+                                 ctl.state in (BudgetState.MEASURE, BudgetState.RELAX, BudgetState.CORRECT))
             return
         if self.auto is None or not self._measured:
             return

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_gh import _gpu_plan
 from lightning_gh._util import fmt_bytes
 from lightning_gh.superoffload import memory, tail
 from lightning_gh.superoffload.layout import HostLayout, Slot, chunk_by_size
@@ -152,6 +153,8 @@ class TailMover:
         if self.shard is not None:
             self._step_ranks(times, steps, sync)
             return TailAction(TailActionKind.KEEP)
+        if self.stage is TailStage.SEARCHING and _gpu_plan.sizing(exclude="SuperOffload"):
+            return TailAction(TailActionKind.KEEP)  # Note [One part sizes GPU memory at a time]
         w = self.window(times, steps)
         action = tail.decide(w)
         self.apply(action, w, times, sync)

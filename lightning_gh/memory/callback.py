@@ -56,9 +56,10 @@ class MemoryReportOptions:
     """On an out-of-memory error inside ``fit``, write ``oom_report.md`` (and the snapshot, see
     ``record_history``)."""
     record_history: bool = False
-    """Record CUDA allocation history (``torch.cuda.memory._record_memory_history``) from the start of training,
-    so the out-of-memory report comes with a snapshot of the last ``history_entries`` allocations. Off by default:
-    recording every allocation's Python stack costs step time."""
+    """Record CUDA allocation history (``torch.cuda.memory._record_memory_history``, the Python stack of each
+    allocation) from the start of training, so the out-of-memory report comes with a snapshot of the last
+    ``history_entries`` allocations. Off by default: recording costs step time in steps of many small allocations
+    (see docs/benchmarks.md)."""
     history_entries: int = 100_000
     """Allocations the history keeps (the newest)."""
     predict: bool = True
@@ -146,7 +147,10 @@ class MemoryReport(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         cuda = pl_module.device.type == "cuda"
         if self.options.record_history and cuda:
-            torch.cuda.memory._record_memory_history(max_entries=self.options.history_entries)
+            # Python stacks of allocations only: C++ unwinding, and a stack for every free, cost a launch-bound
+            # step a multiple of this (the snapshot still names every live allocation's Python stack).
+            torch.cuda.memory._record_memory_history(max_entries=self.options.history_entries, context="alloc",
+                                                     stacks="python")
             self._recording = True
         elif self.options.record_history:
             warn_once("memory:no-cuda-history", "MemoryReport(record_history=True): no CUDA device, so there is no "

@@ -172,13 +172,14 @@ def overheads(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     2.0
     """
     table: list[dict[str, Any]] = []
+    def median_of(model: str, variant: str) -> tuple[list[float], float | None]:
+        ms = [r["step_ms"] for r in rows if r["model"] == model and r["variant"] == variant and r["step_ms"]]
+        return ms, statistics.median(ms) if ms else None
+
     for model in dict.fromkeys(r["model"] for r in rows):
-        base = None
+        base = median_of(model, "plain")[1]
         for variant in dict.fromkeys(r["variant"] for r in rows if r["model"] == model):
-            ms = [r["step_ms"] for r in rows if r["model"] == model and r["variant"] == variant and r["step_ms"]]
-            med = statistics.median(ms) if ms else None
-            if variant == "plain":
-                base = med
+            ms, med = median_of(model, variant)
             pct = round(100 * (med / base - 1), 2) if med and base else None
             table.append({"model": model, "variant": variant, "step_ms": med, "rounds": ms, "overhead_pct": pct})
     return table

@@ -275,7 +275,8 @@ def _child(job: Job, out_file: Path) -> None:
         res.notes["oom_knobs"] = [k.knob for k in memory.oom_knobs]
     for f in memory.oom_files:
         if f.suffix == ".md" and job.out:
-            (Path(job.out) / f"oom_report-{job.variant}.md").write_text(f.read_text())
+            again = "-with-knob" if job.knob else ""
+            (Path(job.out) / f"oom_report-{job.variant}{again}.md").write_text(f.read_text())
     if job.knob:
         res.notes["applied_knob"] = job.knob
     for cb in extra:  # the profiled window's verdict
@@ -347,6 +348,8 @@ def apply_knob(job: Job, knob: str) -> Job | None:
     import re
 
     budget = re.fullmatch(r'ActivationOffload\(budget="([\d.]+[KMGT]iB)"\)', knob)
+    if budget and job.variant in BUDGET_VARIANTS:  # the variant's own budget, lowered
+        return replace(job, knob=knob, budget=budget.group(1))
     if budget:
         return replace(job, knob=knob, knob_budget=budget.group(1))
     tokens = re.match(r"at most ([\d,]+) tokens per step", knob)

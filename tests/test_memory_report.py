@@ -66,7 +66,11 @@ def test_suggest_fewer_tokens_in_proportion_to_the_activations():
          'ActivationOffload(budget="18GiB")'),
         # a SuperOffload tail the plan expected to grow is not counted as activations
         ({"before the step": 15 * GIB, "gradients": 0, "optimizer state": 0,
-          "GPU tail grown after the first steps": 0}, 90 * GIB, 80 * GIB, 'ActivationOffload(budget="59GiB")'),
+          "GPU tail grown after the first steps": 5 * GIB}, 95 * GIB, 80 * GIB, 'ActivationOffload(budget="59GiB")'),
+        # the peak is the optimizer step's: no activation knob, the state is what to move
+        ({"before the step": 14 * GIB, "gradients": 14 * GIB, "optimizer state": 56 * GIB,
+          "optimizer step temporaries": 6 * GIB, "activations": 20 * GIB}, 90 * GIB, 80 * GIB,
+         'strategy="superoffload"'),
     ],
 )
 def test_a_predicted_step_sizes_the_knob_for_the_whole_step(parts, peak, capacity, first):

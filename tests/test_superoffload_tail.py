@@ -162,11 +162,15 @@ def test_the_tail_waits_while_another_part_sizes_its_gpu_memory(info_log):
     owner = Budget()
     _gpu_plan.set_sizing(owner, "ActivationOffload", True)
     try:
-        action, _ = _after(opt, 100.0, 8.0, k=4)
-        assert action.kind is K.KEEP and opt.device_numel == 0 and not opt.tail.final
+        for k in range(4, 40):  # held past the policy's last check
+            action, times = _after(opt, 100.0, 8.0, k=k)
+            assert action.kind is K.KEEP and opt.device_numel == 0 and not opt.tail.final
+            assert not times.periods  # the held steps' timings are forgotten
     finally:
         _gpu_plan.set_sizing(owner, "ActivationOffload", False)
-    action, _ = _after(opt, 100.0, 8.0, k=5)
+    action, _ = _after(opt, 100.0, 8.0, k=41)  # the policy counts its steps from the end of the hold
+    assert action.kind is K.KEEP and not opt.tail.final
+    action, _ = _after(opt, 100.0, 8.0, k=39 + tail_mod.FIRST_CHECK)
     assert action.kind is K.GROW and opt.device_numel > 0
     opt.close()
 

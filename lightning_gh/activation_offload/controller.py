@@ -500,7 +500,8 @@ class BudgetController:
             self.state = BudgetState.FAILED
             raise ValueError(f"ActivationOffload budget={self.options.budget!r}: {e} Checked after the {self._issued} "
                              "measuring steps, all at the floor, before any step above it.") from None
-        sampled = [o.act_peak for o in samples.values() if o.act_peak is not None]
+        sampled = [o.act_peak for m, v in self._seen.items() if m.kind is Kind.SAMPLE for o in v
+                   if o.act_peak is not None]  # every sample: the guard takes the most one block added
         self._relax = _Relaxation(bp, list(fc.choices), fmix, measured, max([p - measured for p in sampled] + [0]))
         self.state = BudgetState.RELAX
 

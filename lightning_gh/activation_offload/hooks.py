@@ -147,6 +147,7 @@ class Forward:
         self.offloadable = [0] * n
         self.resident = [0] * n
         self.other = 0
+        self.no_host_room = False  # the pool refused a buffer: nothing more is offloaded in this forward
         self.other_ptrs: set[int] = set()
         self.casts: dict[tuple[Any, ...], tuple[Any, _Entry, Any, int]] = {}
         self.pending: dict[int, list[_Entry]] = {}
@@ -286,8 +287,9 @@ class SavedTensorHooks:
             reason = self._skip_reason(t, ptr, nbytes)
             budget = fwd.plan.budgets[block]
             moved = reason is None and (budget is None or fwd.used[block] + nbytes <= budget)
-            host = self._host_buffer(nbytes) if moved else None
-            moved = host is not None
+            host = self._host_buffer(fwd, nbytes) if moved else None
+            if moved and host is None:  # kept, and not offloadable: the planner plans without it
+                moved, reason = False, "no host room"
             e = _Entry(self, block, nbytes, moved, StorageWeakRef(st), t)
             fwd.by_key[(block, ptr)] = e
             if reason is None:
@@ -383,17 +385,20 @@ class SavedTensorHooks:
     def _count_skip(self, reason: str) -> None:
         self.stats.skipped[reason] = self.stats.skipped.get(reason, 0) + 1
 
-    def _host_buffer(self, nbytes: int) -> _HostBuffer | None:
+    def _host_buffer(self, fwd: Forward, nbytes: int) -> _HostBuffer | None:
         """A pinned buffer for an offload, or ``None`` where the host-memory plan has no room and a budget plans
-        the offloads: the tensor then stays on the device, and the budget's measuring and relaxing steps see it
-        there (another part, SuperOffload say, may hold the host's memory). A fixed policy raises the
-        :class:`~lightning_gh._host.HostMemoryError` instead."""
+        the offloads: the tensor then stays on the device, is not counted as offloadable (so the budget's planner
+        plans to recompute instead), and the rest of the forward offloads nothing (another part, SuperOffload say,
+        may hold the host's memory). A fixed policy raises the :class:`~lightning_gh._host.HostMemoryError`
+        instead."""
+        if fwd.no_host_room:
+            return None
         try:
             return self._pool.acquire(nbytes)
         except HostMemoryError as err:
             if self.options.budget is None:
                 raise
-            self._count_skip("no host room")
+            fwd.no_host_room = True
             warn_once("activation_offload:no-host-room",
                       f"ActivationOffload(budget={self.options.budget!r}): {err} What it would offload stays on the "
                       "device; the budget is reached by recomputing instead (see stats.skipped['no host room']).")

@@ -96,14 +96,21 @@ def step_shortfall(predicted: Mapping[str, int], peak: int | None, capacity: int
     """
     if not predicted or peak is None or capacity is None:
         return None
+    grown = predicted.get("GPU tail grown after the first steps", 0)  # it grows only into room that is there
+    peak -= grown
     usable = int((1 - CAPACITY_MARGIN) * capacity)
     if peak <= usable:
         return None
     before = predicted.get("before the step", 0)
     grads, state = predicted.get("gradients", 0), predicted.get("optimizer state", 0)
-    grown = predicted.get("GPU tail grown after the first steps", 0)
-    owners = {"weights, buffers and the batch": before, "gradients": grads, "optimizer state": state,
-              "activations and temporaries": max(0, peak - before - grads - state - grown)}
+    temp = predicted.get("optimizer step temporaries")
+    owners = {"weights, buffers and the batch": before, "gradients": grads, "optimizer state": state}
+    if temp is not None and before + grads + state + temp >= peak:
+        # The peak is the optimizer step's: fewer activations would not lower it.
+        owners["optimizer step temporaries"] = temp
+        owners["activations and temporaries"] = 0
+    else:
+        owners["activations and temporaries"] = max(0, peak - before - grads - state)
     return owners, Shortfall(requested=peak, free=usable)
 
 

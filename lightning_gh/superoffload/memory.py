@@ -247,15 +247,15 @@ def local_world_size() -> int:
 PLAN_PART = "SuperOffload"
 
 
-#: Host bytes per parameter of the whole model that a ZeRO-1/2 rank's process holds beyond its plan's buffers
+#: Host bytes per trainable parameter of the whole model that a ZeRO-1/2 rank's process holds beyond its plan's buffers
 #: (every rank holds the whole model; measured on GPU hosts, docs/superoffload.md "Host memory per rank").
 ZERO12_PROCESS_BYTES_PER_PARAM = 2.5
 
 
 def rank_process_bytes(model_params: int, ranks: int) -> int:
     """Host bytes a rank's process takes beside the host plan's buffers: none counted on one rank (the plan's
-    headroom covers it); with several ZeRO-1/2 ranks, :data:`ZERO12_PROCESS_BYTES_PER_PARAM` per parameter of the
-    whole model, on every rank.
+    headroom covers it); with several ZeRO-1/2 ranks, :data:`ZERO12_PROCESS_BYTES_PER_PARAM` per trainable
+    parameter of the whole model (``model_params``), on every rank.
 
     >>> rank_process_bytes(1000, 1), rank_process_bytes(1000, 2)
     (0, 2500)

@@ -121,6 +121,7 @@ class TailMover:
         self.all_in_tried = False  # the one trial of moving everything left on the host was made
         self.blocked = False  # no more growth: a move ran out of memory, or the tail was sent home
         self.retries_seen = 0
+        self.held_until = 0  # the last step the tail was held (Note [One part sizes GPU memory at a time])
         self.limit: str | None = None  # what stopped the growth, for the decision's line
 
     @property
@@ -150,17 +151,32 @@ class TailMover:
         """After a step: decide from the window and apply the action (``sync`` waits for every CPU update). Once
         the decision is final, ``spec_budget`` (host parameters -> parameters that may speculate) lets the host
         room the tail freed hold rollback copies for more buckets."""
+        if self._hold(times, steps):
+            return TailAction(TailActionKind.KEEP)
+        steps -= self.held_until  # the policy's step counts start after the hold
         if self.shard is not None:
             self._step_ranks(times, steps, sync)
             return TailAction(TailActionKind.KEEP)
-        if self.stage is TailStage.SEARCHING and _gpu_plan.sizing(exclude="SuperOffload"):
-            return TailAction(TailActionKind.KEEP)  # Note [One part sizes GPU memory at a time]
         w = self.window(times, steps)
         action = tail.decide(w)
         self.apply(action, w, times, sync)
         if self.final and spec_budget is not None:
             self._fit_speculation(spec_budget, sync)
         return action
+
+    def _hold(self, times: StepTimes, steps: int) -> bool:
+        """Whether the tail waits this step because another part is sizing its GPU memory (Note [One part sizes
+        GPU memory at a time]); the timings of the held steps are forgotten, and the policy counts its steps from
+        the end of the hold. Several ranks hold together (any rank's part holds them all)."""
+        if self.final:
+            return False
+        sizing = bool(_gpu_plan.sizing(exclude="SuperOffload"))
+        if self.shard is not None:
+            sizing = not self.shard.all_agree(not sizing)
+        if sizing:
+            self.held_until = steps
+            times.forget()
+        return sizing
 
     def _fit_speculation(self, spec_budget: Callable[[int], float], sync: Callable[[], None]) -> None:
         """Apply the speculation budget for the host's current share (stat ``speculative_params``); one log line when

@@ -297,11 +297,17 @@ class BudgetController:
         return self._seen.get(Measure(Kind.PLAIN), [])
 
     def _ready(self, counted: Kind = Kind.PLAIN) -> bool:
-        """Every measuring step of the schedule observed, a step listed twice twice (two steps past the schedule's
-        end, once is enough: a step whose profile could not be read is not waited for forever)."""
+        """Every measuring step of the schedule observed, a step listed twice twice. Two steps past the schedule's
+        end, once is enough, and a size budget's samples not at all (its plan leaves a mode without a sample out;
+        the steps past the schedule are floor steps, so the floor count is met): a step whose profile could not
+        be read is not waited for forever."""
         need = collections.Counter(m for m in self.schedule if m.kind is not Kind.WARMUP)
         late = self._issued >= len(self.schedule) + 2
-        return all(len(self._seen.get(m, ())) >= (1 if late else k) for m, k in need.items()) \
+
+        def enough(m: Measure, k: int) -> int:
+            return k if not late else (0 if m.kind is Kind.SAMPLE and self.budget.bytes is not None else 1)
+
+        return all(len(self._seen.get(m, ())) >= enough(m, k) for m, k in need.items()) \
             and sum(len(v) for m, v in self._seen.items() if m.kind is counted) >= self.options.profile_steps
 
     def _link(self) -> tuple[float, float, float, int]:

@@ -17,8 +17,9 @@ When the stalls add up to at least :data:`IDLE_BOUND` of the window, the largest
 ``compute-bound`` when GEMM and attention kernels are at least :data:`TENSOR_CORE_BOUND` of kernel time, else
 ``memory-bound``. A trace without GPU activity is ``cpu-only`` (or ``input-bound`` when the data wait is).
 :func:`verdict` adds the evidence and the advice, naming the knob: a stall of at least :data:`SECONDARY_BOUND`
-that is not the verdict gets its advice too, and fp8 casts of at least :data:`FP8_CAST_BOUND` of kernel time add
-"compile the blocks".
+that is not the verdict gets its advice too, SuperOffload's exposed time (CPU-update wait plus its copies alone) of
+at least :data:`OFFLOAD_SECONDARY_BOUND` gets its knobs, and fp8 casts of at least :data:`FP8_CAST_BOUND` of kernel
+time add "compile the blocks".
 
 Example::
 
@@ -35,7 +36,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-__all__ = ["BOUNDS", "DATA_WAIT_BOUND", "FP8_CAST_BOUND", "IDLE_BOUND", "SECONDARY_BOUND", "TENSOR_CORE_BOUND",
+__all__ = ["BOUNDS", "DATA_WAIT_BOUND", "FP8_CAST_BOUND", "IDLE_BOUND", "OFFLOAD_SECONDARY_BOUND", "SECONDARY_BOUND",
+           "TENSOR_CORE_BOUND",
            "BoundFacts", "bound_facts", "data_wait_share", "decide", "is_input_bound", "short_name", "stall_advice",
            "verdict"]
 
@@ -44,6 +46,9 @@ __all__ = ["BOUNDS", "DATA_WAIT_BOUND", "FP8_CAST_BOUND", "IDLE_BOUND", "SECONDA
 IDLE_BOUND = 0.25
 #: A stall that is not the verdict but takes at least this share of the window gets its advice too.
 SECONDARY_BOUND = 0.10
+#: SuperOffload's exposed time (the GPU waiting for its CPU update, plus its copies running alone) at least this share
+#: of the window, under another verdict: its knobs are advised too.
+OFFLOAD_SECONDARY_BOUND = 0.05
 #: fp8 casts, amax and scale kernels at least this share of kernel time: advise compiling the fp8 blocks.
 FP8_CAST_BOUND = 0.10
 #: Every verdict :func:`decide` can give.
@@ -262,6 +267,21 @@ def _cpu_update_advice(s: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _offload_lever(s: Mapping[str, Any], bound: str, stalls: Mapping[str, float]) -> list[str]:
+    """SuperOffload's exposed time as a lever under another verdict, when it reaches
+    :data:`OFFLOAD_SECONDARY_BOUND` of the window and neither of its stalls already got its advice."""
+    if bound in ("cpu-update-bound", "link-bound"):
+        return []
+    cpu = stalls.get("cpu-update-bound", 0.0)
+    link = (((s.get("link") or {}).get("owners") or {}).get("optimizer") or {}).get("alone_share", 0.0)
+    if cpu + link < OFFLOAD_SECONDARY_BOUND or max(cpu, stalls.get("link-bound", 0.0)) >= SECONDARY_BOUND:
+        return []
+    return [f"SuperOffload's offload is exposed {cpu + link:.1%} of the window (the GPU waited for the CPU update "
+            f"{cpu:.1%}, its copies ran alone {link:.1%}): fewer parameters on the host take less of both, a "
+            "larger GPU tail (SuperOffloadStrategy(gpu_fraction=...), or max_gpu_fraction=... with "
+            "gpu_fraction='auto'); with the step's compute cut (fp8), this share grows"]
+
+
 _ADVICE = {
     "cpu-update-bound": _cpu_update_advice,
     "link-bound": _link_advice,
@@ -362,6 +382,7 @@ def verdict(s: Mapping[str, Any], context: Mapping[str, Any] | None = None) -> d
         if other_bound != bound and other_bound in _ADVICE and share >= SECONDARY_BOUND:
             advice += [f"also ({other_bound.removesuffix('-bound')} stalls {share:.1%} of the window): {a}"
                        for a in _ADVICE[other_bound](s)]
+    advice += _offload_lever(s, bound, stalls)
     fp8 = s.get("fp8")
     if fp8 and fp8["cast_share"] >= FP8_CAST_BOUND:
         advice.append(f"fp8 casts, amax and scale kernels take {fp8['cast_share']:.1%} of kernel time: compile the "

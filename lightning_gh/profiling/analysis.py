@@ -44,6 +44,7 @@ Example::
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import re
 import statistics
@@ -77,6 +78,7 @@ _KIND_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
 TENSOR_CORE_KINDS = ("gemm", "attention")
 
 
+@functools.lru_cache(maxsize=8192)  # a trace repeats few names many times; the patterns are the summary's hot path
 def kernel_kind(name: str) -> str:
     """Coarse kind of a GPU kernel from its name: communication, attention, gemm, optimizer, reduction,
     elementwise or other."""

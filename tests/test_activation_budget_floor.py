@@ -88,6 +88,7 @@ def test_size_budget_never_runs_the_plain_step_and_relaxes_up_to_the_budget(monk
     assert b.plain_activation_bytes > b.budget_bytes  # predicted, never measured
     assert not _is_plain(off.plan)  # the relaxation stopped at the budget, short of keeping everything
     assert "planned from the floor, the plain step never run" in off.plan.describe()
+    assert "block 0 measured: plain " in off.plan.describe() and "; full " in off.plan.describe()
 
 
 def test_size_budget_above_need_relaxes_to_keeping_everything(monkeypatch):

@@ -161,6 +161,18 @@ class BudgetProfile:
     def with_overhead(self, overhead_bytes: int) -> BudgetProfile:
         return replace(self, overhead_bytes=int(overhead_bytes))
 
+    def describe_block(self, i: int = 0) -> str:
+        """Block ``i``'s measured options, for the plan's log line: ``"keep 3.64 GiB; full 0.12 GiB +18.0 ms"``
+        (what it keeps on the device, of which what may be offloaded, and the time it adds)."""
+        b = self.step.blocks[i]
+        out = [f"plain {b.forward_ms + b.backward_ms:.1f} ms"]
+        for mode in OPTIONS_MODES:
+            c = self.costs[i].get(mode)
+            if c is not None:
+                out.append(f"{mode or 'keep'} {fmt_bytes(c.kept_bytes)} ({fmt_bytes(c.offloadable_bytes)} "
+                           f"offloadable) +{c.extra_ms:.1f} ms")
+        return "; ".join(out)
+
 
 @dataclass(frozen=True)
 class BudgetForecast:

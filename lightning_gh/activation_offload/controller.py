@@ -555,8 +555,8 @@ class BudgetController:
         note = (f"budget {fmt_bytes(self.budget_bytes)} (a size: planned from the floor, the plain step never run, "
                 f"predicted {fmt_bytes(self.plain_activation_bytes)}); relaxed from the floor in {r.steps} measured "
                 f"step(s), {why}: {fc.describe_choices()}; measured {fmt_bytes(r.measured)}, predicted "
-                f"{fc.step_ms:.1f} ms fwd+bwd ({fc.ratio:.2f}x the plain step's prediction)"
-                + ("; nothing to do" if nothing else ""))
+                f"{fc.step_ms:.1f} ms fwd+bwd ({fc.ratio:.2f}x the plain step's prediction); block 0 measured: "
+                f"{r.bp.describe_block(0)}" + ("; nothing to do" if nothing else ""))
         self.plan = replace(plan, notes=(note,), lean_loss=self.lean)
         self.forecast = replace(fc, activation_bytes=fc.activation_bytes + r.correction)
         self.achieved_bytes = r.measured

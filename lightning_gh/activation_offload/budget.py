@@ -162,8 +162,8 @@ class BudgetProfile:
         return replace(self, overhead_bytes=int(overhead_bytes))
 
     def describe_block(self, i: int = 0) -> str:
-        """Block ``i``'s measured options, for the plan's log line: ``"keep 3.64 GiB; full 0.12 GiB +18.0 ms"``
-        (what it keeps on the device, of which what may be offloaded, and the time it adds)."""
+        """Block ``i``'s measured options, for the plan's log line: its plain forward+backward time, then per mode
+        what it keeps on the device, of that what may be offloaded, and the time it adds."""
         b = self.step.blocks[i]
         out = [f"plain {b.forward_ms + b.backward_ms:.1f} ms"]
         for mode in OPTIONS_MODES:

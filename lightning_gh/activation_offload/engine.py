@@ -544,20 +544,18 @@ class ActivationOffloader(SavedTensorHooks):
         """Hand the measured forwards whose backward has ended to the controller or the ``"auto"`` planner."""
         ctl = self.budget
         if ctl is not None:
-            sizing = ctl.state in (BudgetState.MEASURE, BudgetState.RELAX, BudgetState.CORRECT)
-            _gpu_plan.set_sizing(ctl, "ActivationOffload", sizing)  # Note [One part sizes GPU memory at a time]
-            if not sizing:
-                return
-            for fwd in list(self._measured):
-                if fwd.measure is None or not ("bwd_end" in fwd.marks or fwd.bwd_point <= 0):
-                    continue
-                self._measured.remove(fwd)
-                if fwd.act_peak is None:  # no end_backward(): the peak up to now (the optimizer step included)
-                    fwd.act_peak = ctl.probe.peak(fwd.mem_base)
-                ctl.observe(self._observation(fwd))
-            ctl.after_observations()
-            _gpu_plan.set_sizing(ctl, "ActivationOffload",
-                                 ctl.state in (BudgetState.MEASURE, BudgetState.RELAX, BudgetState.CORRECT))
+            sizing = (BudgetState.MEASURE, BudgetState.RELAX, BudgetState.CORRECT)
+            if ctl.state in sizing:
+                for fwd in list(self._measured):
+                    if fwd.measure is None or not ("bwd_end" in fwd.marks or fwd.bwd_point <= 0):
+                        continue
+                    self._measured.remove(fwd)
+                    if fwd.act_peak is None:  # no end_backward(): the peak up to now (the optimizer step included)
+                        fwd.act_peak = ctl.probe.peak(fwd.mem_base)
+                    ctl.observe(self._observation(fwd))
+                ctl.after_observations()
+            # Note [One part sizes GPU memory at a time]
+            _gpu_plan.set_sizing(ctl, "ActivationOffload", ctl.state in sizing)
             return
         if self.auto is None or not self._measured:
             return

@@ -431,9 +431,10 @@ def main(argv: list[str] | None = None) -> int:
             r.notes["layers"] = layers
             rows.append(r)
             print(f"{v} ({layers} layers): {r.step_ms and round(r.step_ms)} ms, error={r.error}", flush=True)
-            knobs = r.notes.get("oom_knobs") or []
+            ran_out = args.oom_knob and r.error and "OutOfMemoryError" in r.error
+            knobs = (r.notes.get("oom_knobs") or []) if ran_out else []
             again = next((j for j in (apply_knob(job, k) for k in knobs) if j is not None), None)
-            if args.oom_knob and r.error and "OutOfMemoryError" in r.error and again is not None:
+            if again is not None:
                 r2 = run_variant(again, out, args.timeout)
                 r2.variant = f"{v} + {again.knob}"
                 r2.notes["layers"] = layers

@@ -21,6 +21,7 @@ plain      nothing: the base of the ratios
 profiler   ``SelectiveProfiler(steps=--window)``, the window inside the warm-up: the timed steps are outside it
 memory     ``MemoryReport()`` with default options (the plan and its prediction, the out-of-memory report armed)
 history    ``MemoryReport(record_history=True)``: CUDA allocation history recorded on every step
+sizes      ``MemoryReport(record_history=True, history_stacks=False)``: the history without Python stacks
 =========  ================================================================================================
 
 Timing: CUDA events at every batch start, the median period of the timed steps; per variant the median over the
@@ -63,7 +64,7 @@ MODELS = {
                "seq": 2048},
     "smoke": {"hidden": 32, "layers": 2, "ffn": 64, "heads": 2, "kv_heads": 1, "vocab": 128, "batch": 2, "seq": 16},
 }
-VARIANTS = ("plain", "profiler", "memory", "history")
+VARIANTS = ("plain", "profiler", "memory", "history", "sizes")
 
 
 class OwnLossLM(L.LightningModule):
@@ -133,6 +134,8 @@ def fit_once(model_name: str, variant: str, args: argparse.Namespace, work: Path
         callbacks.append(MemoryReport(folder=str(work / "memory")))
     elif variant == "history":
         callbacks.append(MemoryReport(folder=str(work / "memory"), record_history=True))
+    elif variant == "sizes":
+        callbacks.append(MemoryReport(folder=str(work / "memory"), record_history=True, history_stacks=False))
     trainer = L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, max_steps=steps,
                         precision="bf16-mixed" if args.device == "cuda" else "32-true", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -191,10 +191,20 @@ def test_a_host_memory_error_reports_the_host_plan(tmp_path):
 
 @pytest.mark.parametrize(("kw", "exc"), [({"measure_steps": 0}, ValueError), ({"plan": "yes"}, TypeError),
                                          ({"folder": ""}, ValueError), ({"history_entries": 1.5}, TypeError),
-                                         ({"predict": 1}, TypeError)])
+                                         ({"predict": 1}, TypeError), ({"history_stacks": "no"}, TypeError)])
 def test_bad_options_are_refused_with_the_name(kw, exc):
     with pytest.raises(exc, match=next(iter(kw))):
         MemoryReport(**kw)
+
+
+@pytest.mark.parametrize(("stacks", "context"), [(True, "alloc"), (False, None)])
+def test_history_records_python_stacks_of_allocations_or_none(stacks, context):
+    from lightning_gh.memory.callback import history_arguments
+
+    kw = history_arguments(MemoryReportOptions(record_history=True, history_stacks=stacks, history_entries=7))
+    assert kw == {"enabled": "all", "context": context, "stacks": "python", "max_entries": 7}
+    import inspect
+    assert set(kw) <= set(inspect.signature(torch.cuda.memory._record_memory_history_impl).parameters)
 
 
 def test_options_or_keywords_never_both():

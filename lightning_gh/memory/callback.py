@@ -41,7 +41,7 @@ from lightning_gh.memory import forecast
 from lightning_gh.memory.oom import Knob, parse_cuda_oom, report, step_shortfall, suggest
 from lightning_gh.memory.plan import MemoryPlan, attribute
 
-__all__ = ["MemoryReport", "MemoryReportOptions"]
+__all__ = ["MemoryReport", "MemoryReportOptions", "history_arguments"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ class MemoryReportOptions:
     (see docs/benchmarks.md)."""
     history_entries: int = 100_000
     """Allocations the history keeps (the newest)."""
+    history_stacks: bool = True
+    """Record the Python stack of each allocation in the history (the snapshot then says where every live block was
+    allocated). ``False`` records sizes, streams and times only, which costs less in steps of many small
+    allocations."""
     predict: bool = True
     """Predict the step's peak before the first step: its training_step and backward traced once on fake tensors
     (no GPU memory is used; host time grows with the number of ops of the step). The module's ``training_step``
@@ -75,7 +79,7 @@ class MemoryReportOptions:
     """Where the files go; ``None``: the trainer's log dir (``default_root_dir`` without a logger)."""
 
     def __post_init__(self) -> None:
-        for name in ("plan", "oom_report", "record_history", "predict"):
+        for name in ("plan", "oom_report", "record_history", "history_stacks", "predict"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MemoryReport({name}={getattr(self, name)!r}): expected True or False.")
         for name, low in (("history_entries", 1), ("measure_steps", 1)):
@@ -86,6 +90,22 @@ class MemoryReportOptions:
                 raise ValueError(f"MemoryReport({name}={value!r}): expected an int >= {low}.")
         if self.folder is not None and (not isinstance(self.folder, str) or not self.folder):
             raise ValueError(f"MemoryReport(folder={self.folder!r}): expected a non-empty path or None.")
+
+
+def history_arguments(options: MemoryReportOptions) -> dict[str, Any]:
+    """The keyword arguments of ``torch.cuda.memory._record_memory_history`` for ``options``.
+
+    Python stacks of allocations only, never C++ unwinding or a stack for every free: those cost a step of many
+    small allocations a multiple of what the allocations' Python stacks cost, and the snapshot names every live
+    block's Python stack without them.
+
+    Example::
+
+        >>> history_arguments(MemoryReportOptions(record_history=True, history_stacks=False))
+        {'enabled': 'all', 'context': None, 'stacks': 'python', 'max_entries': 100000}
+    """
+    return {"enabled": "all", "context": "alloc" if options.history_stacks else None, "stacks": "python",
+            "max_entries": options.history_entries}
 
 
 class MemoryReport(Callback):
@@ -147,10 +167,7 @@ class MemoryReport(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         cuda = pl_module.device.type == "cuda"
         if self.options.record_history and cuda:
-            # Python stacks of allocations only: C++ unwinding, and a stack for every free, cost a launch-bound
-            # step a multiple of this (the snapshot still names every live allocation's Python stack).
-            torch.cuda.memory._record_memory_history(max_entries=self.options.history_entries, context="alloc",
-                                                     stacks="python")
+            torch.cuda.memory._record_memory_history(**history_arguments(self.options))
             self._recording = True
         elif self.options.record_history:
             warn_once("memory:no-cuda-history", "MemoryReport(record_history=True): no CUDA device, so there is no "

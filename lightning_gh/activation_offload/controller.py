@@ -29,7 +29,7 @@ import collections
 import enum
 import logging
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 from lightning_gh._util import fmt_bytes
@@ -40,9 +40,12 @@ from lightning_gh.activation_offload.measure import (
     Measure,
     MemoryProbe,
     Observation,
+    Relaxation,
+    block0_ms,
     floor_mode,
     floor_schedule,
     measuring_schedule,
+    relax_guard,
 )
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import (
@@ -99,26 +102,6 @@ class BudgetState(enum.Enum):
     FAILED = "failed"  # the budget was refused
 
 
-@dataclass
-class _Relaxation:
-    """A size budget's way from the floor to the plan: the mixes measured so far and the one in flight."""
-
-    bp: _budget.BudgetProfile
-    target: list[tuple[str | None, float]]  # the planner's mix
-    current: list[tuple[str | None, float]]  # the last mix measured within the budget (the floor's at first)
-    measured: int  # its measured activation memory
-    block_bytes: int = 0  # the most one sampled block measured above the floor: what relaxing one block may add
-    correction: int = 0  # measured minus predicted, for the current mix
-    pending: tuple[list[tuple[str | None, float]], OffloadPlan, _budget.BudgetForecast] | None = None
-    steps: int = 0
-
-
-def _block0_ms(obs: Observation) -> float:
-    """Block 0's forward and backward time in a sample step (see :func:`floor_schedule`: the faster sample counts)."""
-    b = obs.profile.blocks[0] if obs.profile is not None else None
-    return float("inf") if b is None else b.forward_ms + b.backward_ms
-
-
 class BudgetController:
     """Budget mode's decisions, from the measuring schedule to the corrected plan (see the module docstring).
 
@@ -160,7 +143,7 @@ class BudgetController:
         self._seen: dict[Measure, list[Observation]] = {}
         self.outside_bytes: int | None = None  # what the warm-up saved outside the blocks: a lower bound of the floor
         self._round = 0
-        self._relax: _Relaxation | None = None
+        self._relax: Relaxation | None = None
         self.knob = CompilerKnob()
         self.plan: OffloadPlan | None = None
         self.profile: _budget.BudgetProfile | None = None
@@ -474,7 +457,7 @@ class BudgetController:
         if not self._ready(Kind.FLOOR):
             return
         floor = [o for m, v in self._seen.items() if m.kind is Kind.FLOOR for o in v]
-        samples = {m.mode: min(v, key=_block0_ms) for m, v in self._seen.items() if m.kind is Kind.SAMPLE}
+        samples = {m.mode: min(v, key=block0_ms) for m, v in self._seen.items() if m.kind is Kind.SAMPLE}
         fm = self.schedule[0].floor_mode
         fprof = median_profile([o.profile for o in floor])
         plain = samples[None].profile.blocks[0] if None in samples else fprof.blocks[0]
@@ -506,9 +489,12 @@ class BudgetController:
             self.state = BudgetState.FAILED
             raise ValueError(f"ActivationOffload budget={self.options.budget!r}: {e} Checked after the {self._issued} "
                              "measuring steps, all at the floor, before any step above it.") from None
-        sampled = [o.act_peak for m, v in self._seen.items() if m.kind is Kind.SAMPLE for o in v
-                   if o.act_peak is not None]  # every sample: the guard takes the most one block added
-        self._relax = _Relaxation(bp, list(fc.choices), fmix, measured, max([p - measured for p in sampled] + [0]))
+        added: dict[str | None, int] = {}  # per sampled mode, the most one of its samples added to the floor
+        for m, v in self._seen.items():
+            for o in v:
+                if m.kind is Kind.SAMPLE and o.act_peak is not None:
+                    added[m.mode] = max(added.get(m.mode, 0), o.act_peak - measured, 0)
+        self._relax = Relaxation(bp, list(fc.choices), fmix, measured, max(added.values(), default=0), added)
         self.state = BudgetState.RELAX
 
     def _relax_next(self) -> tuple[list[tuple[str | None, float]], OffloadPlan, _budget.BudgetForecast] | None:
@@ -522,7 +508,7 @@ class BudgetController:
         for i in [i for i in range(self.n) if r.current[i] != r.target[i]]:
             mix = [r.target[i] if j == i else c for j, c in enumerate(r.current)]
             plan, fc = _budget.evaluate(r.bp, mix, d2h, h2d, margin)
-            if max(fc.activation_bytes + r.correction, r.measured + r.block_bytes) <= self.budget_bytes:
+            if max(fc.activation_bytes + r.correction, r.measured + relax_guard(r, r.target[i])) <= self.budget_bytes:
                 r.pending = (mix, replace(plan, lean_loss=self.lean), fc)
                 return r.pending
         self._finish_relax("the next block's plan would not fit" if any(

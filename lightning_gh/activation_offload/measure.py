@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from lightning_gh import hardware
+from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
-__all__ = ["CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "floor_mode", "floor_schedule",
-           "measuring_schedule"]
+__all__ = ["CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "floor_mode",
+           "floor_schedule", "measuring_schedule", "relax_guard"]
 
 
 class Kind(enum.Enum):
@@ -221,3 +222,39 @@ class CompilerKnob:
             fconfig.activation_memory_budget = self.previous
             torch._dynamo.reset()  # graphs partitioned under our budget must not serve later compiles
         self.previous = None
+
+
+@dataclass
+class Relaxation:
+    """A size budget's way from the floor to the plan: the mixes measured so far and the one in flight."""
+
+    bp: BudgetProfile
+    target: list[tuple[str | None, float]]  # the planner's mix
+    current: list[tuple[str | None, float]]  # the last mix measured within the budget (the floor's at first)
+    measured: int  # its measured activation memory
+    block_bytes: int = 0  # the most one sampled block measured above the floor: what relaxing one block may add
+    mode_bytes: dict[str | None, int] = field(default_factory=dict)  # the same per sampled mode (offloaded in full)
+    correction: int = 0  # measured minus predicted, for the current mix
+    pending: tuple[list[tuple[str | None, float]], OffloadPlan, BudgetForecast] | None = None
+    steps: int = 0
+
+
+def relax_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
+    """What relaxing one block to ``choice`` (its mode, the share of what it saves offloaded) may add to the measured
+    activation memory: the most a sample of that mode added to the floor when the choice offloads in full, as the
+    sample did; otherwise, or for a mode without a sample, the most any sampled block added.
+
+    Example::
+
+        >>> r = Relaxation(None, [], [], 0, block_bytes=9, mode_bytes={"selective": 4, None: 9})
+        >>> relax_guard(r, ("selective", 1.0)), relax_guard(r, ("selective", 0.5)), relax_guard(r, ("norm-act", 1.0))
+        (4, 9, 9)
+    """
+    mode, frac = choice
+    return r.mode_bytes.get(mode, r.block_bytes) if frac >= 1.0 else r.block_bytes
+
+
+def block0_ms(obs: Observation) -> float:
+    """Block 0's forward and backward time in a sample step (see :func:`floor_schedule`: the faster sample counts)."""
+    b = obs.profile.blocks[0] if obs.profile is not None else None
+    return float("inf") if b is None else b.forward_ms + b.backward_ms

@@ -387,6 +387,26 @@ def test_a_real_superoffload_trace_shows_the_cpu_update_and_what_it_cost_the_gpu
     assert len(lever) == 1 and "gpu_fraction" in lever[0]
 
 
+#: A real trace from the GPU machine: one settled step of the one-GPU job at Llama-3.1-8B's shape (vocabulary 128256,
+#: so the logits leave room for a small GPU tail) with SuperOffload's defaults, every step clipped, from
+#: one_gpu_job.py --vocab 128256 --profile-step.
+REAL_8B = DATA / "kineto_superoffload_8b_link_bound.json.gz"
+
+
+def test_a_real_superoffload_trace_where_the_offload_bounds_the_step(tmp_path):
+    """Most of the optimizer state is on the host: the GPU computes nothing for a third of the window, half of it
+    waiting for the CPU update, half while only the host link's copies run. The verdict names the link, the update's
+    stall gets its own advice, and the link's bytes each way are read from the copies."""
+    s = summarize_trace(REAL_8B, tmp_path, plot=False)
+    stalls, cu, link = s["verdict"]["stalls"], s["cpu_update"], s["link"]
+    assert s["verdict"]["bound"] == "link-bound" and sum(stalls.values()) >= 0.25
+    assert stalls["link-bound"] > 0.1 and stalls["cpu-update-bound"] > 0.1
+    assert cu["source"] == "ranges" and cu["under_backward_fraction"] < 0.05 and cu["exposed_share"] > 0.1
+    assert link["HtoD"]["bytes_per_step"] > link["DtoH"]["bytes_per_step"] > 1e10  # weights up in fp32, bf16 grads down
+    advice = " ".join(s["verdict"]["advice"])
+    assert "gpu_fraction" in advice and "cpu_threads" in advice and "speculative=True" in advice
+
+
 #: A real trace from the GPU machine: two steps of a small HF Llama (hidden 256, 4 layers, 4 x 256 tokens,
 #: bf16-mixed, fused AdamW, its own loss) on one H100, recorded by SelectiveProfiler from benchmarks/observe_job.py.
 REAL_SMALL = DATA / "kineto_small_hf_launch_bound.json.gz"

@@ -58,8 +58,9 @@ class MemoryReportOptions:
     record_history: bool = False
     """Record CUDA allocation history (``torch.cuda.memory._record_memory_history``, the Python stack of each
     allocation) from the start of training, so the out-of-memory report comes with a snapshot of the last
-    ``history_entries`` allocations. Off by default: recording costs step time in steps of many small allocations
-    (see docs/benchmarks.md)."""
+    ``history_entries`` allocations. Off by default: recording stacks costs step time in steps of many small
+    allocations (see ``history_stacks``). The history is process-wide: ``SelectiveProfiler``'s ``"memory"`` backend
+    turns it off at the end of its window."""
     history_entries: int = 100_000
     """Allocations the history keeps (the newest)."""
     history_stacks: bool = True

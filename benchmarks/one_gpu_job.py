@@ -294,11 +294,16 @@ def run_variant(job: Job, out: Path, timeout_s: float) -> Outcome:
     out_file = out / f"child-{job.variant}-{job.layers}l-{job.vocab}v.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(asdict(job)), "--child-out",
            str(out_file)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               LGH_DUMP_STACKS_AFTER_S=str(max(1.0, timeout_s - 15.0)))
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:  # keep what it printed (and the stacks it dumped) for the post-mortem
+        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        with open(out / "logs.txt", "a") as log:
+            log.write(f"===== {job.variant} ({job.layers} layers, vocab {job.vocab}): timed out after "
+                      f"{timeout_s:.0f} s\n" + "\n".join(text.splitlines()[-120:]) + "\n")
         return Outcome(job.variant, params=param_count(job), error=f"timed out after {timeout_s:.0f} s")
     with open(out / "logs.txt", "a") as log:  # one file for every variant: the device returns few files
         log.write(f"===== {job.variant} ({job.layers} layers, vocab {job.vocab}): exit code {proc.returncode}\n")
@@ -406,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
+        if os.environ.get("LGH_DUMP_STACKS_AFTER_S"):  # every thread's stack, shortly before the parent's timeout
+            import faulthandler
+
+            faulthandler.dump_traceback_later(float(os.environ["LGH_DUMP_STACKS_AFTER_S"]), exit=False)
         _child(Job(**json.loads(args.child)), Path(args.child_out))
         return 0
     if args.profile_step is not None and not 0 <= args.profile_step < args.offload_warmup:

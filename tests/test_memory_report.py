@@ -51,6 +51,48 @@ def test_suggest_names_the_knob_that_frees_the_missing_bytes(live, short, kw, fi
     assert suggest(live, short, **kw)[0].knob == first
 
 
+@pytest.mark.parametrize(
+    ("kw", "first"),
+    [
+        # the failure's size alone: the budget frees the missing bytes
+        ({}, 'ActivationOffload(budget="36GiB")'),
+        # failed in the forward: the backward holds that tensor's gradient too, so the knobs free its size as well
+        ({"in_forward": True}, 'ActivationOffload(budget="23GiB")'),
+        # HF checkpointing already recomputes every block and the host has no room for their inputs: no budget
+        ({"recomputing": True, "host_room": 0}, "at most 92,758 tokens per step (now 98,304)"),
+        ({"recomputing": True, "host_room": 0, "in_forward": True}, "at most 59,486 tokens per step (now 98,304)"),
+        # ... with room on the host, the budget offloads those inputs
+        ({"recomputing": True, "host_room": 64 * GIB}, 'ActivationOffload(budget="36GiB")'),
+        # blocks that do not recompute yet: a budget recomputes them, host room or not
+        ({"host_room": 0}, 'ActivationOffload(budget="36GiB")'),
+    ],
+)
+def test_the_activation_budget_is_suggested_only_where_it_can_free_memory(kw, first):
+    live = owners(w=14, a=39)
+    assert suggest(live, Shortfall(12 * GIB, 10 * GIB), tokens_per_step=98304, **kw)[0].knob == first
+
+
+@pytest.mark.parametrize("where", ["training_step", "on_before_optimizer_step"])
+def test_the_report_knows_whether_the_step_failed_in_the_forward(tmp_path, monkeypatch, where):
+    """Raised in training_step, the knobs also free the failed tensor's gradient (``in_forward``); raised later in
+    the step, only the missing bytes. HF checkpointing and the host room reach the knobs too."""
+    from lightning_gh.memory import callback as cb_mod
+
+    seen = {}
+    monkeypatch.setattr(cb_mod, "suggest", lambda *a, **kw: seen.update(kw) or [])
+
+    class Late(Tiny):
+        def on_before_optimizer_step(self, optimizer):
+            if where == "on_before_optimizer_step" and self.global_step == 1:
+                raise torch.cuda.OutOfMemoryError(OOM)
+
+    model = Late(fail_at=1 if where == "training_step" else None, error=torch.cuda.OutOfMemoryError(OOM))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fit(tmp_path, model, predict=False)
+    assert seen["in_forward"] is (where == "training_step")
+    assert seen["recomputing"] is False and "host_room" in seen
+
+
 def test_suggest_fewer_tokens_in_proportion_to_the_activations():
     knobs = suggest(owners(w=14, a=40), Shortfall(12 * GIB, 2 * GIB), tokens_per_step=16384)
     fewer = [k for k in knobs if "tokens per step" in k.knob]

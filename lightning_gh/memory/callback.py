@@ -93,6 +93,11 @@ class MemoryReportOptions:
             raise ValueError(f"MemoryReport(folder={self.folder!r}): expected a non-empty path or None.")
 
 
+def _hf_checkpointing(module: Any) -> bool:
+    """Whether a Hugging Face model inside ``module`` has its gradient checkpointing on."""
+    return any(getattr(m, "is_gradient_checkpointing", False) is True for m in module.modules())
+
+
 def history_arguments(options: MemoryReportOptions) -> dict[str, Any]:
     """The keyword arguments of ``torch.cuda.memory._record_memory_history`` for ``options``.
 
@@ -127,6 +132,7 @@ class MemoryReport(Callback):
         self._tokens: int | None = None
         self._recording = False
         self._pending = False  # the plan waits for the first batch's prediction before it is printed
+        self._phase: str | None = None  # where the step is: "forward", "backward" or "optimizer step"
 
     # ------------------------------------------------------------------ where files go
     def folder(self, trainer: Any) -> Path:
@@ -179,7 +185,14 @@ class MemoryReport(Callback):
             self.plan = self.build_plan(trainer, pl_module)
             self._pending = True
 
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._phase = "backward"
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._phase = "optimizer step"
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._phase = "forward"
         if self._tokens is None:
             self._tokens = count_tokens(batch)
         if self._pending and self.plan is not None:
@@ -256,7 +269,9 @@ class MemoryReport(Callback):
         step = self._step_shortfall()
         sized_for = step if step is not None and (shortfall is None or step[1].missing > shortfall.missing) else None
         knobs = suggest(*(sized_for or (owners, shortfall)), tokens_per_step=tokens,
-                        superoffload=getattr(trainer.strategy, "lgh_part", None) == "SuperOffload")
+                        superoffload=getattr(trainer.strategy, "lgh_part", None) == "SuperOffload",
+                        in_forward=sized_for is None and self._phase == "forward",
+                        recomputing=_hf_checkpointing(pl_module), host_room=_host.PLAN.room("ActivationOffload"))
         self.oom_knobs = knobs
         text = report(owners, shortfall, knobs, reserved=torch.cuda.memory_reserved(device) if cuda else None,
                       allocated=allocated if cuda else None, error=str(exception), step=sized_for)

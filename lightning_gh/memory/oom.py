@@ -119,7 +119,8 @@ def _gib_ceil(nbytes: float) -> int:
 
 
 def suggest(owners: Mapping[str, int], shortfall: Shortfall | None, *, tokens_per_step: int | None = None,
-            superoffload: bool = False, activation_budget: int | None = None) -> list[Knob]:
+            superoffload: bool = False, activation_budget: int | None = None, in_forward: bool = False,
+            recomputing: bool = False, host_room: int | None = None) -> list[Knob]:
     """The knobs that free at least the missing bytes (plus :data:`MARGIN`), the most targeted first.
 
     Args:
@@ -129,13 +130,31 @@ def suggest(owners: Mapping[str, int], shortfall: Shortfall | None, *, tokens_pe
         tokens_per_step: tokens per optimizer step, to suggest fewer.
         superoffload: whether the optimizer state is offloaded already.
         activation_budget: the ActivationOffload budget in force, if any.
+        in_forward: the allocation failed in the forward and ``shortfall`` is that allocation's (not a whole
+            step's prediction): the backward will also hold the failed tensor's gradient, so the knobs free its
+            size as well.
+        recomputing: every block already recomputes in the backward (HF gradient checkpointing): what is left of
+            the blocks' activations is their inputs, which only offloading to the host can take.
+        host_room: host bytes ActivationOffload may still take (``None``: unknown). With ``recomputing`` and less
+            room than the missing bytes, no activation budget is suggested.
+
+    Example::
+
+        >>> gib = 2**30
+        >>> live = {"weights": 14 * gib, "activations and temporaries": 39 * gib}
+        >>> [k.knob for k in suggest(live, Shortfall(12 * gib, 10 * gib), tokens_per_step=98304, in_forward=True,
+        ...                          recomputing=True, host_room=0)]
+        ['at most 59,486 tokens per step (now 98,304)']
     """
     acts = owners.get("activations and temporaries", 0)
     state = owners.get("optimizer state", 0)
     need = (shortfall.missing if shortfall and shortfall.missing else 0.25 * max(owners.values(), default=0))
+    if in_forward and shortfall is not None:
+        need += shortfall.requested
     need *= 1 + MARGIN
     knobs: list[Knob] = []
-    if acts > need:
+    budget_helps = not (recomputing and host_room is not None and host_room < need)
+    if acts > need and budget_helps:
         budget = (activation_budget if activation_budget is not None else acts) - need
         budget_gib = max(1, math.floor(budget / _GIB))
         knobs.append(Knob(f'ActivationOffload(budget="{budget_gib}GiB")',

@@ -124,11 +124,47 @@ def test_selective_keeps_the_matmul_outputs_and_fewer_bytes_than_no_recompute():
     assert full < sel < plain
     assert mm_sel == 7 * 3  # q, k, v, o, w1, w3, w2 in each of the 3 blocks
     assert mm_full == 0 and mm_plain < mm_sel  # plain keeps only the mm outputs later ops saved (v, w1, w3)
-    # The engine's own count of the selective caches: the matmul and attention outputs (with logsumexp).
+    # The selective caches (the matmul and attention outputs, with logsumexp) went through the engine's hooks: it
+    # counts them among each block's kept bytes, and nothing is left in the caches behind its back.
     t, kv = cfg.batch_size * cfg.seq_len, cfg.n_kv_heads * cfg.head_dim
     mm_bytes = t * (2 * cfg.dim + 2 * kv + 2 * cfg.ffn_dim + cfg.dim) * 2
     attn_bytes = t * cfg.dim * 2 + cfg.batch_size * cfg.n_heads * cfg.seq_len * 4
-    assert sel_engine.stats.last_recompute_cached_bytes == 3 * (mm_bytes + attn_bytes)
+    assert sel_engine.stats.last_recompute_cached_bytes == 0
+    kept = sel_engine.stats.last_recompute_kept_by_block
+    assert sorted(kept) == [0, 1, 2] and all(k >= mm_bytes + attn_bytes for k in kept.values())
+    # Without the hooks, the same cache is counted where it stays: in torch's cache.
+    rc = BlockRecompute(model.layers, "selective")
+    rc.apply(range(3))
+    tokens, targets = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+    rc.remove()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert rc.cached_bytes == [mm_bytes + attn_bytes] * 3
+
+
+@pytest.mark.parametrize("offload", [(None, None, 0), (None, 4096, 0)])
+def test_selective_blocks_offload_their_cache_and_stay_bitwise(offload):
+    """A budget plan may recompute a block selectively and offload what it still saves: the matmul and attention
+    outputs in its cache go to the host and come back for the recompute; gradients and losses stay bitwise."""
+    from lightning_gh.activation_offload.policy import OffloadPlan
+
+    model, cfg = _llama()
+    batch = _batch(cfg)
+    loss0, grads0 = _step(model, batch)
+    off = offload_activations(model, 0, recompute="selective", **CPU)
+    off._resolve()
+    off._adopt(OffloadPlan("budget", offload, (2, 3, 3), (1, 2, 3), modes=("selective",) * 3))
+    for _ in range(2):
+        loss, grads = _step(model, batch, off)
+        assert torch.equal(loss, loss0) and _equal(grads, grads0)
+    t, kv = cfg.batch_size * cfg.seq_len, cfg.n_kv_heads * cfg.head_dim
+    cache = t * (2 * cfg.dim + 2 * kv + 2 * cfg.ffn_dim + cfg.dim) * 2 + t * cfg.dim * 2
+    moved = off.stats.offloaded_bytes // 2  # two steps
+    assert (2 * cache <= moved) if offload[1] is None else (cache <= moved < 2 * cache)
+    assert off.stats.reloaded_bytes == off.stats.offloaded_bytes
+    assert off.stats.last_recompute_cached_bytes == 0 and off.stats.on_demand_reloads == 0
 
 
 @pytest.mark.parametrize("mode", ["selective", "norm-act"])

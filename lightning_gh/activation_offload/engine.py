@@ -420,7 +420,7 @@ class ActivationOffloader(SavedTensorHooks):
         self._check_hf_checkpointing()
         self._find_lean_loss()
         if opts.recompute is not None:
-            rc = BlockRecompute(self.blocks, opts.recompute)
+            rc = BlockRecompute(self.blocks, opts.recompute, cache_hooks=self._cache_hooks)
             rc.check()  # already checkpointed, compiled or TE blocks: a clear error now, not mid-step
             self._rcs[opts.recompute] = rc
         n = len(self.blocks)
@@ -453,10 +453,16 @@ class ActivationOffloader(SavedTensorHooks):
         g = host_copy_gbps()
         return g, g
 
+    @property
+    def _cache_hooks(self) -> tuple[Any, Any]:
+        """The hooks a selective block's cache goes through (:func:`~lightning_gh.activation_offload.recompute.
+        route_cache`): the plan keeps or offloads it like the block's other saved tensors."""
+        return self._pack, self._unpack
+
     def _rc_for(self, mode: str) -> BlockRecompute:
         rc = self._rcs.get(mode)
         if rc is None:
-            rc = self._rcs[mode] = BlockRecompute(self.blocks, mode)
+            rc = self._rcs[mode] = BlockRecompute(self.blocks, mode, cache_hooks=self._cache_hooks)
         return rc
 
     def _find_lean_loss(self) -> None:
@@ -525,7 +531,7 @@ class ActivationOffloader(SavedTensorHooks):
             return
         modes: list[str] = []
         for mode in ("norm-act", "selective", "full"):
-            rc = BlockRecompute(self.blocks, mode)
+            rc = BlockRecompute(self.blocks, mode, cache_hooks=self._cache_hooks)
             try:
                 rc.check()
             except ValueError as e:  # compiled or TE blocks: the planner weighs offload (and the other modes) only

@@ -25,9 +25,10 @@ takes it away again, so the model is untouched outside the engine's ``with`` (va
 
 How it meets the offload hooks: inside a checkpoint, autograd's saved tensors go to the checkpoint's own
 ``saved_tensors_hooks``, which shadow the engine's, and selective checkpointing keeps the heavy outputs in
-its own cache, not as saved tensors. The engine therefore sees only the block's inputs (the checkpoint
-saves them before entering its hooks): it keeps them on the device and counts them as the block's resident
-bytes. Blocks the plan offloads are not wrapped, so everything they save still reaches the engine.
+its own cache, not as saved tensors. The engine sees the block's inputs (the checkpoint saves them before
+entering its hooks) and, given ``cache_hooks``, the cache: right after the block's forward each cached tensor
+goes through the engine's pack hook (:func:`route_cache`) and the recompute reads it back through the unpack
+hook, so the plan keeps or offloads the cache like any saved tensor of the block.
 
 For ``"norm-act"`` the engine's hooks still see everything the block saves outside those small
 checkpoints (including their inputs), so its block boundaries and backward points are unchanged.
@@ -166,6 +167,55 @@ def _cached_bytes(storage: Any) -> int:
     return total
 
 
+class _RoutedEntry:
+    """A selective-checkpoint cache entry whose tensor went through the engine's pack hook: the recompute reads it
+    back through the unpack hook, which waits for its reload from the host when it was offloaded. Duck-types
+    torch's cache wrapper (``get_val``), including its check that a kept tensor was not modified in place."""
+
+    __slots__ = ("handle", "unpack", "version")
+
+    def __init__(self, handle: Any, unpack: Callable[[Any], torch.Tensor], version: int | None) -> None:
+        self.handle, self.unpack, self.version = handle, unpack, version
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        h, self.handle = self.handle, None  # read once: the cache entry's memory goes with its last reader
+        kept = getattr(h, "tensor", None)
+        if kept is not None and self.version is not None and not allow_cache_entry_mutation \
+                and kept._version != self.version:
+            raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated")
+        return self.unpack(h)
+
+
+def route_cache(storage: Any, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> int:
+    """Send every tensor of a block's selective-checkpoint cache through the engine's ``pack`` hook (which keeps,
+    offloads or deduplicates it as the plan says), replacing its entry by one that reads it back through
+    ``unpack``. Returns the bytes left in the cache untouched (``pack`` handed the tensor back: no engine step).
+
+    The cache's layout differs between torch versions (a list per op, or a dict per op keyed by call index): both
+    are walked, and entries that are not cached tensors (recompute markers, non-tensor outputs) stay as they are.
+    """
+    from torch.utils._pytree import tree_map
+
+    left: list[torch.Tensor] = []
+
+    def route(leaf: Any) -> Any:
+        val = getattr(leaf, "val", None)
+        if not (hasattr(leaf, "get_val") and isinstance(val, torch.Tensor)):
+            return leaf
+        h = pack(val)
+        if h is val:
+            left.append(val)
+            return leaf
+        return _RoutedEntry(h, unpack, getattr(leaf, "version", None))
+
+    for entries in (storage or {}).values():
+        keys = list(entries) if isinstance(entries, dict) else range(len(entries)) \
+            if isinstance(entries, list) else ()
+        for k in keys:
+            entries[k] = tree_map(route, entries[k])
+    return _cached_bytes(left)
+
+
 class BlockRecompute:
     """Wraps chosen blocks' forwards (or, for ``"norm-act"``, their norm and gate modules' forwards) in
     non-reentrant checkpoints, and unwraps them.
@@ -175,6 +225,9 @@ class BlockRecompute:
         mode: ``"selective"`` (keep matmul and attention outputs, recompute the rest), ``"full"``, or
             ``"norm-act"`` (checkpoint each of the block's :func:`is_norm_act_module` submodules).
         preserve_rng_state: restore the RNG in the recompute (dropout gives the same mask).
+        cache_hooks: ``(pack, unpack)``: the engine's saved-tensor hooks, through which ``"selective"`` sends the
+            matmul and attention outputs its cache keeps (:func:`route_cache`), so that the plan may offload them
+            like any saved tensor of the block. ``None``: the cache stays on the device.
 
     Attributes:
         cached_bytes: per block, the bytes the selective cache held after the block's latest wrapped
@@ -183,12 +236,15 @@ class BlockRecompute:
         regions: per block, the submodules ``"norm-act"`` checkpoints (empty for the other modes).
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], mode: str, preserve_rng_state: bool = True) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], mode: str, preserve_rng_state: bool = True,
+                 cache_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None,
+                 ) -> None:
         if mode not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={mode!r} is not valid; use None or one of {RECOMPUTE_MODES}.")
         self.blocks = list(blocks)
         self.mode = mode
         self.preserve_rng_state = preserve_rng_state
+        self.cache_hooks = cache_hooks
         self.cached_bytes: list[int | None] = [None] * len(self.blocks)
         self.regions: list[list[nn.Module]] = [
             [m for m in b.modules() if m is not b and is_norm_act_module(m)] if mode == "norm-act" else []
@@ -262,8 +318,12 @@ class BlockRecompute:
 
                 out = checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
                                  preserve_rng_state=self.preserve_rng_state, **kwargs)
-                # Measure now, and keep no reference: the cache must die with the backward.
-                self.cached_bytes[index] = sum(_cached_bytes(getattr(m, "storage", None)) for m in modes)
+                # Measure now, and keep no reference: the cache must die with the backward. What went through the
+                # engine's hooks is counted there, kept or offloaded, not here.
+                hooks = self.cache_hooks
+                self.cached_bytes[index] = sum(
+                    route_cache(getattr(m, "storage", None), *hooks) if hooks is not None
+                    else _cached_bytes(getattr(m, "storage", None)) for m in modes)
             else:
                 out = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state,
                                  **kwargs)

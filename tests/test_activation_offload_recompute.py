@@ -383,3 +383,35 @@ def test_callback_under_ddp_matches_plain_ddp():
     plain, _ = _fit([], **kw)
     model, _ = _fit(callbacks, **kw)
     assert _equal(list(model.parameters()), list(plain.parameters()))
+
+
+class _MutatingBlock(torch.nn.Module):
+    """Modifies a matmul output in place after computing it: selective checkpointing must refuse its cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        y = x @ self.w
+        y.mul_(2)
+        return torch.sin(y)
+
+
+@pytest.mark.parametrize("budgets", [(0, 0), (None, None)])
+def test_a_cache_entry_modified_in_place_is_still_refused(budgets):
+    """Kept or offloaded, a cached matmul output changed in place inside the block raises as torch's own selective
+    checkpointing does, instead of recomputing from the changed values."""
+    from lightning_gh.activation_offload.policy import OffloadPlan
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([_MutatingBlock(), _MutatingBlock()])
+    off = offload_activations(model, 0, recompute="selective", blocks="layers", **CPU)
+    off._resolve()
+    off._adopt(OffloadPlan("budget", budgets, (1, 2), (1, 2), modes=("selective",) * 2))
+    x = torch.randn(32, 64, requires_grad=True)  # 8 KiB matmul outputs: above the engine's smallest offload
+    with off:
+        out = model.layers[1](model.layers[0](x)).sum()
+    assert off.stats.offloaded_bytes == (0 if budgets[0] == 0 else 2 * 32 * 64 * 4)  # the inputs only: the modified cache stays with torch
+    with pytest.raises(RuntimeError, match="mutated"):
+        out.backward()

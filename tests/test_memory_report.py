@@ -72,25 +72,46 @@ def test_the_activation_budget_is_suggested_only_where_it_can_free_memory(kw, fi
     assert suggest(live, Shortfall(12 * GIB, 10 * GIB), tokens_per_step=98304, **kw)[0].knob == first
 
 
-@pytest.mark.parametrize("where", ["training_step", "on_before_optimizer_step"])
-def test_the_report_knows_whether_the_step_failed_in_the_forward(tmp_path, monkeypatch, where):
+@pytest.mark.parametrize(("where", "phase"), [("training_step", "forward"), ("on_after_backward", "backward"),
+                                           ("on_before_optimizer_step", "optimizer step")])
+def test_the_report_knows_whether_the_step_failed_in_the_forward(tmp_path, monkeypatch, where, phase):
     """Raised in training_step, the knobs also free the failed tensor's gradient (``in_forward``); raised later in
     the step, only the missing bytes. HF checkpointing and the host room reach the knobs too."""
+    from lightning_gh import _host
     from lightning_gh.memory import callback as cb_mod
 
     seen = {}
     monkeypatch.setattr(cb_mod, "suggest", lambda *a, **kw: seen.update(kw) or [])
+    monkeypatch.setattr(_host.PLAN, "room", lambda part, *a, **kw: 123 if part == "ActivationOffload" else None)
 
     class Late(Tiny):
+        def on_after_backward(self):
+            if where == "on_after_backward" and self.global_step == 1:
+                raise torch.cuda.OutOfMemoryError(OOM)
+
         def on_before_optimizer_step(self, optimizer):
             if where == "on_before_optimizer_step" and self.global_step == 1:
                 raise torch.cuda.OutOfMemoryError(OOM)
 
     model = Late(fail_at=1 if where == "training_step" else None, error=torch.cuda.OutOfMemoryError(OOM))
+    cb = MemoryReport(folder=str(tmp_path), predict=False)
+    trainer = L.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        fit(tmp_path, model, predict=False)
-    assert seen["in_forward"] is (where == "training_step")
-    assert seen["recomputing"] is False and "host_room" in seen
+        trainer.fit(model)
+    assert cb._phase == phase
+    assert seen["in_forward"] is (phase == "forward")
+    assert seen["recomputing"] is False and seen["host_room"] == 123
+
+
+def test_hf_gradient_checkpointing_is_seen_inside_the_module():
+    from lightning_gh.memory.callback import _hf_checkpointing
+
+    inner = torch.nn.Linear(2, 2)
+    outer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(inner))
+    assert _hf_checkpointing(outer) is False
+    inner.is_gradient_checkpointing = True
+    assert _hf_checkpointing(outer) is True
 
 
 def test_suggest_fewer_tokens_in_proportion_to_the_activations():

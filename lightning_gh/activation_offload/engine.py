@@ -364,8 +364,8 @@ class ActivationOffloader(SavedTensorHooks):
             log.info("ActivationOffload: first offloaded forward moved %s (%d blocks), %s of saved activations "
                      "stayed in blocks%s", fmt_bytes(sum(fwd.used)), len(fwd.plan.offloaded_blocks),
                      fmt_bytes(sum(fwd.resident)),
-                     f"; {len(applied)} blocks recomputed ({self.options.recompute}), their selective caches held "
-                     f"{fmt_bytes(self.stats.last_recompute_cached_bytes)}" if applied else "")
+                     f"; {len(applied)} blocks recomputed ({self.options.recompute}), keeping "
+                     f"{fmt_bytes(sum(self.stats.last_recompute_kept_by_block.values()))}" if applied else "")
 
     def end_backward(self) -> None:
         """Optional: mark the backward's end (lets ``"auto"`` measure block 0's backward exactly)."""

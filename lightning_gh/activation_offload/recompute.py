@@ -196,24 +196,22 @@ def route_cache(storage: Any, pack: Callable[[torch.Tensor], Any], unpack: Calla
     """
     from torch.utils._pytree import tree_map
 
-    left: list[torch.Tensor] = []
-
     def route(leaf: Any) -> Any:
         val = getattr(leaf, "val", None)
+        version = getattr(leaf, "version", None)
         if not (hasattr(leaf, "get_val") and isinstance(val, torch.Tensor)):
             return leaf
+        if version is not None and val._version != version:
+            return leaf  # modified in place inside the block: torch's own check raises in the recompute
         h = pack(val)
-        if h is val:
-            left.append(val)
-            return leaf
-        return _RoutedEntry(h, unpack, getattr(leaf, "version", None))
+        return leaf if h is val else _RoutedEntry(h, unpack, version)
 
     for entries in (storage or {}).values():
         keys = list(entries) if isinstance(entries, dict) else range(len(entries)) \
             if isinstance(entries, list) else ()
         for k in keys:
             entries[k] = tree_map(route, entries[k])
-    return _cached_bytes(left)
+    return _cached_bytes(storage)  # what is still in the cache: routed entries hold handles, not tensors
 
 
 class BlockRecompute:

@@ -185,6 +185,10 @@ class MemoryReport(Callback):
             self.plan = self.build_plan(trainer, pl_module)
             self._pending = True
 
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self._phase = "validation"
+
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         self._phase = "backward"
 
@@ -229,6 +233,7 @@ class MemoryReport(Callback):
             self._emit(trainer, "memory plan")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._phase = None
         if not self.options.plan or self.plan is None or self._steps >= self.options.measure_steps:
             return
         self._steps = trainer.global_step

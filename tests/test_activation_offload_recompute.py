@@ -415,3 +415,21 @@ def test_a_cache_entry_modified_in_place_is_still_refused(budgets):
     assert off.stats.offloaded_bytes == (0 if budgets[0] == 0 else 2 * 32 * 64 * 4)  # the inputs only: the modified cache stays with torch
     with pytest.raises(RuntimeError, match="mutated"):
         out.backward()
+
+
+@pytest.mark.parametrize(("policy", "mode"), [(0, None), ("all", None), (1, "selective"), (0, "full")])
+def test_a_forward_dropped_without_backward_frees_what_it_saved(policy, mode):
+    """A training_step that returns None (or raises) drops its graph without a backward: the engine's saved bytes
+    and pinned buffers come back (a kept tensor saved by the node that made it would otherwise form a cycle)."""
+    model, cfg = _llama()
+    tokens, targets = _batch(cfg)
+    off = offload_activations(model, policy, recompute=mode, **CPU)
+    for _ in range(3):
+        with off, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+        assert off._saved_bytes > 0 or policy == "all"  # something is held until the graph goes
+        del loss
+        assert off._saved_bytes == 0 and (off._pool is None or off._pool.in_use_bytes == 0)
+    loss0, grads0 = _step(model, (tokens, targets))
+    loss, grads = _step(model, (tokens, targets), off)  # and a step with its backward after it is unchanged
+    assert torch.equal(loss, loss0) and _equal(grads, grads0)

@@ -265,18 +265,18 @@ class SavedTensorHooks:
                         fwd.other += st.nbytes()
                 except (RuntimeError, NotImplementedError):
                     pass
-                return _Handle(fwd, fwd.n if fwd.started else -1, t, None)
+                return _Handle(fwd, fwd.n if fwd.started else -1, t.detach(), None)
             try:
                 st = t.untyped_storage()
                 ptr, nbytes = st.data_ptr(), st.nbytes()
             except (RuntimeError, NotImplementedError):  # no storage (e.g. some subclasses)
                 self._count_skip("no-storage")
-                return _Handle(fwd, block, t, None)
+                return _Handle(fwd, block, t.detach(), None)
             e = fwd.by_key.get((block, ptr))
             if e is not None and e.state != _DEAD and not e.sref.expired() and e.nbytes == nbytes \
                     and (not e.moved or t._version == e.version):
                 self.stats.deduplicated_saves += 1
-                return self._handle(fwd, block, t, e)
+                return self._handle(fwd, block, t.detach(), e)
             ck = self._cast_key(t, block) if self.options.dedupe_casts and not fwd.raw else None
             if ck is not None:
                 hit = fwd.casts.get(ck[0])
@@ -302,9 +302,11 @@ class SavedTensorHooks:
                 fwd.resident[block] += nbytes
                 self._saved_bytes += nbytes
                 self._event("keep", block)
+            # See Note [A kept saved tensor is held detached]
+            held = t.detach()
             if ck is not None and reason is None:
-                fwd.casts[ck[0]] = (ck[1], e, weakref.ref(t), t._version)
-            return self._handle(fwd, block, t, e)
+                fwd.casts[ck[0]] = (ck[1], e, weakref.ref(held), t._version)
+            return self._handle(fwd, block, held, e)
 
     @staticmethod
     def _cast_key(t: torch.Tensor, block: int) -> tuple[tuple[Any, ...], Any] | None:
@@ -375,6 +377,14 @@ class SavedTensorHooks:
             return None
         return param
 
+    # Note [A kept saved tensor is held detached]
+    # A handle that keeps its tensor on the device holds ``t.detach()``: the same storage and version counter, no
+    # ``grad_fn``. Holding ``t`` itself would make a cycle whenever a node saves its own output (``t.grad_fn`` is
+    # that node, which holds the handle, which holds ``t``). A backward breaks such cycles as it frees the saved
+    # tensors; a forward whose graph is dropped without one (a training_step that returns None, an exception)
+    # would otherwise keep all it saved alive, through C++ the garbage collector cannot see. Autograd rebuilds the
+    # saved variable from the unpacked data and its own record of the grad_fn, so nothing is lost. The handles'
+    # version checks read the shared counter. (An offloaded tensor is held as itself only until its release point.)
     def _handle(self, fwd: Forward, block: int, t: torch.Tensor, e: _Entry) -> _Handle:
         if not e.moved:
             return _Handle(fwd, block, t, e)

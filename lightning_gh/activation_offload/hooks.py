@@ -87,6 +87,14 @@ class _Entry:
         return self.dirty or (t is not None and t._version != self.version)
 
 
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """What a handle keeps of a tensor it keeps on the device. See Note [A kept saved tensor is held detached]."""
+    try:
+        return t.detach()
+    except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without detach: the tensor itself
+        return t
+
+
 class _Handle:
     """What autograd stores instead of a tensor saved inside (or after) the blocks."""
 
@@ -265,18 +273,18 @@ class SavedTensorHooks:
                         fwd.other += st.nbytes()
                 except (RuntimeError, NotImplementedError):
                     pass
-                return _Handle(fwd, fwd.n if fwd.started else -1, t.detach(), None)
+                return _Handle(fwd, fwd.n if fwd.started else -1, _held(t), None)
             try:
                 st = t.untyped_storage()
                 ptr, nbytes = st.data_ptr(), st.nbytes()
             except (RuntimeError, NotImplementedError):  # no storage (e.g. some subclasses)
                 self._count_skip("no-storage")
-                return _Handle(fwd, block, t.detach(), None)
+                return _Handle(fwd, block, _held(t), None)
             e = fwd.by_key.get((block, ptr))
             if e is not None and e.state != _DEAD and not e.sref.expired() and e.nbytes == nbytes \
                     and (not e.moved or t._version == e.version):
                 self.stats.deduplicated_saves += 1
-                return self._handle(fwd, block, t.detach(), e)
+                return self._handle(fwd, block, _held(t), e)
             ck = self._cast_key(t, block) if self.options.dedupe_casts and not fwd.raw else None
             if ck is not None:
                 hit = fwd.casts.get(ck[0])
@@ -303,7 +311,7 @@ class SavedTensorHooks:
                 self._saved_bytes += nbytes
                 self._event("keep", block)
             # See Note [A kept saved tensor is held detached]
-            held = t.detach()
+            held = _held(t)
             if ck is not None and reason is None:
                 fwd.casts[ck[0]] = (ck[1], e, weakref.ref(held), t._version)
             return self._handle(fwd, block, held, e)

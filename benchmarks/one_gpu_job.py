@@ -279,6 +279,10 @@ def _child(job: Job, out_file: Path) -> None:
             (Path(job.out) / f"oom_report-{job.variant}{again}.md").write_text(f.read_text())
     if job.knob:
         res.notes["applied_knob"] = job.knob
+    for cb in extra:  # an activation budget's way from the floor: predicted against measured, step by step
+        ctl = getattr(getattr(cb, "engine", None), "budget", None)
+        if ctl is not None and getattr(ctl, "log", None):
+            res.notes["activation_budget_log"] = [dict(e) for e in ctl.log]
     for cb in extra:  # the profiled window's verdict
         for entry in getattr(cb, "written", []):
             summary = entry["files"].get("summary_json")

@@ -114,6 +114,24 @@ def test_hf_gradient_checkpointing_is_seen_inside_the_module():
     assert _hf_checkpointing(outer) is True
 
 
+def test_the_report_gives_the_failures_own_figures_beside_the_unwound_owners():
+    """The owners are read after the exception unwound part of the step; the report says so, with what torch's
+    message gave for the moment of the failure, and takes the allocator's cache from the message too."""
+    from lightning_gh.memory.oom import report
+
+    msg = ("CUDA out of memory. Tried to allocate 11.72 GiB. GPU 0 has a total capacity of 79.18 GiB of which 9.76 GiB "
+           "is free. Including non-PyTorch memory, this process has 69.32 GiB memory in use. Of the allocated memory "
+           "63.96 GiB is allocated by PyTorch, and 4.63 GiB is reserved by PyTorch but unallocated.")
+    short = parse_cuda_oom(msg)
+    assert short.requested == int(11.72 * GIB) and short.cached == int(4.63 * GIB)
+    text = report(owners(w=13, a=39), short, [], reserved=68 * GIB, allocated=52 * GIB, error=msg)
+    assert "At the failure PyTorch had 63.96 GiB allocated" in text and "(52.00 GiB allocated then)" in text
+    assert "fragmentation), at the failure | 4.63 GiB |" in text and "16.00 GiB" not in text
+    # without those figures in the message: the reading after the error, as before
+    text = report(owners(w=13, a=39), Shortfall(2 * GIB, GIB), [], reserved=68 * GIB, allocated=52 * GIB)
+    assert "At the failure" not in text and "| allocator cache (reserved, not allocated: fragmentation) | 16.00 GiB |" in text
+
+
 def test_suggest_fewer_tokens_in_proportion_to_the_activations():
     knobs = suggest(owners(w=14, a=40), Shortfall(12 * GIB, 2 * GIB), tokens_per_step=16384)
     fewer = [k for k in knobs if "tokens per step" in k.knob]

@@ -39,6 +39,10 @@ class Shortfall:
 
     requested: int
     free: int
+    allocated: int | None = None
+    """What PyTorch had allocated at the failure (from its message; ``None`` where it does not say)."""
+    cached: int | None = None
+    """What PyTorch's allocator held reserved but unallocated at the failure (from its message)."""
 
     @property
     def missing(self) -> int:
@@ -64,12 +68,26 @@ def _bytes(number: str, unit: str) -> int:
 
 
 def parse_cuda_oom(message: str) -> Shortfall | None:
-    """The request and the free memory of PyTorch's CUDA out-of-memory message, or ``None`` if it says neither."""
-    req = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", message)
-    free = re.search(r"of which ([\d.]+) (B|KiB|MiB|GiB|TiB) is free", message)
+    """The request and the free memory of PyTorch's CUDA out-of-memory message (and, where it says them, what was
+    allocated and what the allocator held unallocated at the failure), or ``None`` without a request.
+
+    Example::
+
+        >>> s = parse_cuda_oom("Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which 1.00 GiB "
+        ...                    "is free. Of the allocated memory 63.96 GiB is allocated by PyTorch, and 512.00 MiB is "
+        ...                    "reserved by PyTorch but unallocated.")
+        >>> s.missing == 2**30, round(s.allocated / 2**30, 2), s.cached == 2**29
+        (True, 63.96, True)
+    """
+    unit = r"([\d.]+) (B|KiB|MiB|GiB|TiB)"
+    req = re.search(r"Tried to allocate " + unit, message)
+    free = re.search(r"of which " + unit + " is free", message)
+    alloc = re.search(r"Of the allocated memory " + unit + " is allocated by PyTorch", message)
+    cached = re.search(unit + " is reserved by PyTorch but unallocated", message)
     if req is None:
         return None
-    return Shortfall(_bytes(*req.groups()), _bytes(*free.groups()) if free else 0)
+    return Shortfall(_bytes(*req.groups()), _bytes(*free.groups()) if free else 0,
+                     _bytes(*alloc.groups()) if alloc else None, _bytes(*cached.groups()) if cached else None)
 
 
 def step_shortfall(predicted: Mapping[str, int], peak: int | None, capacity: int | None
@@ -190,9 +208,17 @@ def report(owners: Mapping[str, int], shortfall: Shortfall | None, knobs: Sequen
     if shortfall is not None:
         lines.append(f"The failed allocation asked for {fmt_bytes(shortfall.requested)} with "
                      f"{fmt_bytes(shortfall.free)} free: {fmt_bytes(shortfall.missing)} missing.")
+    unwound = shortfall is not None and shortfall.allocated is not None and allocated is not None \
+        and shortfall.allocated > allocated
+    if unwound:
+        lines += ["", f"At the failure PyTorch had {fmt_bytes(shortfall.allocated)} allocated; the owners below are "
+                  f"read after the error unwound part of the step ({fmt_bytes(allocated)} allocated then)."]
     lines += ["", "| owner | live GPU memory |", "| --- | ---: |"]
     lines += [f"| {k} | {fmt_bytes(v)} |" for k, v in sorted(owners.items(), key=lambda kv: -kv[1])]
-    if reserved is not None and allocated is not None:
+    if shortfall is not None and shortfall.cached is not None:
+        lines.append("| allocator cache (reserved, not allocated: fragmentation), at the failure | "
+                     f"{fmt_bytes(shortfall.cached)} |")
+    elif reserved is not None and allocated is not None:
         lines.append(f"| allocator cache (reserved, not allocated: fragmentation) | {fmt_bytes(reserved - allocated)} |")
     if step is not None:
         parts, whole = step

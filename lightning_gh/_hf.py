@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["FAMILIES", "keep_causal_sdpa", "hf_sdpa_decoders"]
+__all__ = ["FAMILIES", "checkpointing_owner", "keep_causal_sdpa", "hf_sdpa_decoders"]
 
 # ``config.model_type`` of the decoders whose mask calls are plain causal or sliding-window causal.
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -61,6 +61,13 @@ class _State:
 
 _STATE = _State()
 _ACCEPTED: set[int] = set()  # id(config) of the accepted decoders' configs (dropped when a config is collected)
+
+
+def checkpointing_owner(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The Hugging Face model inside ``model`` (its qualified name and itself) whose gradient checkpointing is on
+    (``gradient_checkpointing_enable()``), or ``None``."""
+    return next(((n, m) for n, m in model.named_modules() if hasattr(m, "gradient_checkpointing_disable")
+                 and getattr(m, "is_gradient_checkpointing", False) is True), None)
 
 
 def hf_sdpa_decoders(model: nn.Module) -> dict[str, nn.Module]:

@@ -105,13 +105,14 @@ def test_the_report_knows_whether_the_step_failed_in_the_forward(tmp_path, monke
 
 
 def test_hf_gradient_checkpointing_is_seen_inside_the_module():
-    from lightning_gh.memory.callback import _hf_checkpointing
+    from lightning_gh._hf import checkpointing_owner
 
     inner = torch.nn.Linear(2, 2)
+    inner.gradient_checkpointing_disable = lambda: None  # what a Hugging Face model has
     outer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(inner))
-    assert _hf_checkpointing(outer) is False
+    assert checkpointing_owner(outer) is None
     inner.is_gradient_checkpointing = True
-    assert _hf_checkpointing(outer) is True
+    assert checkpointing_owner(outer) == ("1.0", inner)
 
 
 def test_the_report_gives_the_failures_own_figures_beside_the_unwound_owners():

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from lightning_gh import _gpu_plan, hardware
+from lightning_gh._hf import checkpointing_owner
 from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload.auto import AutoPlanner
 from lightning_gh.activation_offload.blocks import compiled_owner, find_blocks
@@ -486,9 +487,7 @@ class ActivationOffloader(SavedTensorHooks):
         on = [i for i, b in enumerate(self.blocks) if getattr(b, "gradient_checkpointing", False) is True]
         if not on:
             return
-        owner = next(((n, m) for n, m in self.model.named_modules()
-                      if hasattr(m, "gradient_checkpointing_disable") and getattr(m, "is_gradient_checkpointing", False)),
-                     None)
+        owner = checkpointing_owner(self.model)
         where = (owner[0] or type(self.model).__name__) if owner else self.blocks_name
         budget, recompute = self.options.budget, self.options.recompute
         if budget is not None:

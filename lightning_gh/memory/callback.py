@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_gh import _host, hardware
+from lightning_gh._hf import checkpointing_owner
 from lightning_gh._options import resolve
 from lightning_gh._util import count_tokens, warn_once
 from lightning_gh.memory import forecast
@@ -91,11 +92,6 @@ class MemoryReportOptions:
                 raise ValueError(f"MemoryReport({name}={value!r}): expected an int >= {low}.")
         if self.folder is not None and (not isinstance(self.folder, str) or not self.folder):
             raise ValueError(f"MemoryReport(folder={self.folder!r}): expected a non-empty path or None.")
-
-
-def _hf_checkpointing(module: Any) -> bool:
-    """Whether a Hugging Face model inside ``module`` has its gradient checkpointing on."""
-    return any(getattr(m, "is_gradient_checkpointing", False) is True for m in module.modules())
 
 
 def history_arguments(options: MemoryReportOptions) -> dict[str, Any]:
@@ -276,7 +272,7 @@ class MemoryReport(Callback):
         knobs = suggest(*(sized_for or (owners, shortfall)), tokens_per_step=tokens,
                         superoffload=getattr(trainer.strategy, "lgh_part", None) == "SuperOffload",
                         in_forward=sized_for is None and self._phase == "forward",
-                        recomputing=_hf_checkpointing(pl_module), host_room=_host.PLAN.room("ActivationOffload"))
+                        recomputing=checkpointing_owner(pl_module) is not None, host_room=_host.PLAN.room("ActivationOffload"))
         self.oom_knobs = knobs
         text = report(owners, shortfall, knobs, reserved=torch.cuda.memory_reserved(device) if cuda else None,
                       allocated=allocated if cuda else None, error=str(exception), step=sized_for)

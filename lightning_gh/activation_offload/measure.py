@@ -232,11 +232,15 @@ class Relaxation:
     target: list[tuple[str | None, float]]  # the planner's mix
     current: list[tuple[str | None, float]]  # the last mix measured within the budget (the floor's at first)
     measured: int  # its measured activation memory
-    block_bytes: int = 0  # the most one sampled block measured above the floor: what relaxing one block may add
-    mode_bytes: dict[str | None, int] = field(default_factory=dict)  # the same per sampled mode (offloaded in full)
+    mode_bytes: dict[str | None, int] = field(default_factory=dict)  # per sampled mode, the most a sample added
     correction: int = 0  # measured minus predicted, for the current mix
     pending: tuple[list[tuple[str | None, float]], OffloadPlan, BudgetForecast] | None = None
     steps: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """The most one sampled block of any mode measured above the floor."""
+        return max(self.mode_bytes.values(), default=0)
 
 
 def relax_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
@@ -246,7 +250,7 @@ def relax_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
 
     Example::
 
-        >>> r = Relaxation(None, [], [], 0, block_bytes=9, mode_bytes={"selective": 4, None: 9})
+        >>> r = Relaxation(None, [], [], 0, mode_bytes={"selective": 4, None: 9})
         >>> relax_guard(r, ("selective", 1.0)), relax_guard(r, ("selective", 0.5)), relax_guard(r, ("norm-act", 1.0))
         (4, 9, 9)
     """

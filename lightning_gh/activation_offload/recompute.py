@@ -189,7 +189,8 @@ class _RoutedEntry:
 def route_cache(storage: Any, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> int:
     """Send every tensor of a block's selective-checkpoint cache through the engine's ``pack`` hook (which keeps,
     offloads or deduplicates it as the plan says), replacing its entry by one that reads it back through
-    ``unpack``. Returns the bytes left in the cache untouched (``pack`` handed the tensor back: no engine step).
+    ``unpack``. Returns the bytes still in the cache: entries ``pack`` handed back (no engine step) and entries
+    modified in place inside the block, which stay with torch's own check.
 
     The cache's layout differs between torch versions (a list per op, or a dict per op keyed by call index): both
     are walked, and entries that are not cached tensors (recompute markers, non-tensor outputs) stay as they are.

@@ -38,6 +38,9 @@ class TrackedProbe:
     def free_bytes(self):
         return self.free
 
+    def activation_room(self):
+        return self.free
+
 
 def _engine(monkeypatch, budget, probe, **kw):
     model = _hf()

@@ -206,3 +206,43 @@ def test_compiled_model_fraction_goes_to_the_compiler_and_is_restored():
     with pytest.raises(ValueError, match="pass a fraction"):
         size.start_compiled("model", on_cuda=False)
     assert size.state is BudgetState.FAILED
+
+
+def _relax_run(budget, room, increments):
+    """A size budget from the floor (100 MiB measured; a kept block sampled at +100 MiB) whose relaxing steps each
+    measure ``increments[k]`` MiB above the last; the probe says the device can hold ``room`` (``None``: unknown)."""
+    ctl, _ = _controller(budget)
+    ctl.probe.activation_room = lambda: room
+    measured, relaxed = 100 * MIB, []
+    for _ in range(20):
+        if ctl.state is BudgetState.DONE:
+            break
+        plan, m = ctl.next_forward()
+        if m is None:
+            break
+        peak = {Kind.FLOOR: 100 * MIB, Kind.SAMPLE: 200 * MIB}.get(m.kind)
+        if m.kind is Kind.RELAX:
+            peak = measured + increments[len(relaxed)] * MIB
+            relaxed.append(peak // MIB)
+            measured = peak if peak <= ctl.budget_bytes else measured
+        ctl.observe(_obs(m, plan, act_peak=peak, kept=100 * MIB))
+        ctl.after_observations()
+    return ctl, relaxed
+
+
+@pytest.mark.parametrize("budget, room, increments, relaxed, why", [
+    # the first relaxing step is guarded by the sample (+100 MiB); the next ones by what relaxing steps added
+    ("210MiB", None, [10, 10, 10, 10], [110, 120, 130, 140], "the plan is reached"),
+    # a step that adds more than the steps before it measures above the budget: the previous mix stays
+    ("210MiB", None, [10, 10, 95, 10], [110, 120, 215], "a relaxing step measured above the budget"),
+    # the device could not hold the sample's bound on top of the measurement: no step above the floor
+    ("210MiB", 150 * MIB, [10, 10, 10, 10], [], "the next block's plan would not fit"),
+    ("210MiB", 225 * MIB, [10, 10, 10, 10], [110, 120, 130], "the next block's plan would not fit"),
+    # below the floor plus one sampled block: never relaxed
+    ("190MiB", None, [10, 10, 10, 10], [], "the next block's plan would not fit"),
+])
+def test_relaxing_is_guarded_by_what_relaxing_steps_added_and_by_the_device(budget, room, increments, relaxed, why):
+    ctl, seen = _relax_run(budget, room, increments)
+    assert ctl.state is BudgetState.DONE and seen == relaxed, seen
+    assert why in ctl.plan.notes[0], ctl.plan.notes[0]
+    assert ctl.achieved_bytes <= ctl.budget_bytes

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from test_activation_budget import HFModule  # the plain LightningModule around an HF causal LM
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -262,3 +264,153 @@ def test_lean_loss_overhead_is_timed_alone_on_cuda_only():
         pytest.skip("the timing needs a CUDA GPU")
     extra = lean_loss_overhead_ms(8192, 32000, torch.bfloat16, torch.device("cuda"))
     assert extra is not None and 0.0 <= extra < 1e3
+
+
+# ------------------------------------------------------------------ a loss of the user's own over the logits
+
+_OWN_LOSSES = {
+    "float-then-flatten": lambda lg, x: F.cross_entropy(lg.float().flatten(0, 1), x.flatten()),
+    "shift-flatten-float": lambda lg, x: F.cross_entropy(lg[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten()),
+    "hf-style-contiguous-view-sum": lambda lg, x: torch.nn.CrossEntropyLoss(reduction="sum")(
+        lg.float()[..., :-1, :].contiguous().view(-1, lg.shape[-1]), x[:, 1:].reshape(-1)),
+    "bf16-view-ignore-index": lambda lg, x: F.cross_entropy(lg.view(-1, lg.shape[-1]), x.view(-1), ignore_index=3),
+    "to-float32": lambda lg, x: F.cross_entropy(torch.flatten(lg.to(torch.float32), 0, 1), x.flatten()),
+}
+
+
+def _own_step(model, x, loss_fn, lean, autocast=False):
+    ctx = LeanLoss(find_causal_lm(model)) if lean else contextlib.nullcontext()
+    with ctx, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = loss_fn(model(input_ids=x).logits, x)
+    loss.backward()
+    return loss, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 5], ids=["one-chunk", "chunks-of-5-rows"])
+@pytest.mark.parametrize("pattern", sorted(_OWN_LOSSES))
+def test_own_loss_over_the_logits_runs_lean_with_equal_gradients(pattern, chunk_rows, monkeypatch):
+    """Note [A loss of the user's own over the logits]: the user's cross-entropy, reached from the logits through
+    shape ops and an upcast, runs as the lean loss; the logits' gradient (hence every parameter's) bitwise, the loss
+    bitwise in one chunk."""
+    if chunk_rows is not None:
+        monkeypatch.setattr(ll, "CHUNK_BYTES", chunk_rows * 4 * 96)
+    plain = _hf("llama").to(torch.bfloat16)
+    lean = copy.deepcopy(plain)
+    x = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
+    autocast = pattern.startswith("bf16")  # low-precision scores: lean under autocast, which computes in fp32
+    a, ga = _own_step(plain, x, _OWN_LOSSES[pattern], False, autocast)
+    b, gb = _own_step(lean, x, _OWN_LOSSES[pattern], True, autocast)
+    assert type(b.grad_fn).__name__ == "_LeanCrossEntropyBackward", b.grad_fn
+    assert type(a.grad_fn).__name__ != "_LeanCrossEntropyBackward"
+    if chunk_rows is None:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    assert all(torch.equal(u, v) for u, v in zip(ga, gb))
+    assert torch._C._len_torch_function_stack() == 0  # the mode went with the LeanLoss
+
+
+_NOT_LEAN = {
+    "label-smoothing": lambda lg, x: F.cross_entropy(lg.float().flatten(0, 1), x.flatten(), label_smoothing=0.1),
+    "class-weights": lambda lg, x: F.cross_entropy(lg.float().flatten(0, 1), x.flatten(), weight=torch.ones(96)),
+    "reduction-none": lambda lg, x: F.cross_entropy(lg.float().flatten(0, 1), x.flatten(), reduction="none").mean(),
+    "3-d-input": lambda lg, x: F.cross_entropy(lg.float().transpose(1, 2), x),
+    "not-a-shape-op": lambda lg, x: F.cross_entropy((lg.float() * 2).flatten(0, 1), x.flatten()),
+    "downcast-in-between": lambda lg, x: F.cross_entropy(lg.float().half().float().flatten(0, 1), x.flatten()),
+    "bf16-without-autocast": lambda lg, x: F.cross_entropy(lg.flatten(0, 1), x.flatten()),
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(_NOT_LEAN))
+def test_own_loss_the_lean_loss_cannot_match_runs_as_written(pattern):
+    plain = _hf("llama").to(torch.bfloat16)
+    lean = copy.deepcopy(plain)
+    x = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
+    a, ga = _own_step(plain, x, _NOT_LEAN[pattern], False)
+    b, gb = _own_step(lean, x, _NOT_LEAN[pattern], True)
+    assert type(b.grad_fn).__name__ == type(a.grad_fn).__name__ != "_LeanCrossEntropyBackward"
+    assert torch.equal(a, b) and all(torch.equal(u, v) for u, v in zip(ga, gb))
+
+
+def test_own_loss_under_no_grad_and_after_exit_runs_as_written():
+    model = _hf("llama").to(torch.bfloat16)
+    x = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    lean = LeanLoss(find_causal_lm(model))
+    with lean, torch.no_grad():
+        loss = F.cross_entropy(model(input_ids=x).logits.float().flatten(0, 1), x.flatten())
+    assert loss.grad_fn is None
+    with lean:
+        logits = model(input_ids=x).logits
+    assert torch._C._len_torch_function_stack() == 0 and not model._forward_hooks
+    loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())  # after the with: as written
+    assert type(loss.grad_fn).__name__ == "NllLossBackward0"
+    with lean:  # a model called with labels= is left to the loss_function hook
+        out = model(input_ids=x, labels=x)
+    assert type(out.loss.grad_fn).__name__ == "_LeanCrossEntropyBackward"
+
+
+@pytest.mark.parametrize("args,kwargs,expected", [
+    ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {}, (-100, "mean")),
+    ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"reduction": "sum", "ignore_index": 0}, (0, "sum")),
+    ((torch.zeros(4, 10),), {"target": torch.zeros(4, dtype=torch.int32)}, (-100, "mean")),
+    ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"reduction": "none"}, None),
+    ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"weight": torch.ones(10)}, None),
+    ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"label_smoothing": 0.2}, None),
+    ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"size_average": False}, None),
+    ((torch.zeros(4, 10), torch.zeros(4, 10)), {}, None),  # probabilities as targets
+    ((torch.zeros(4, 10), torch.zeros(3, dtype=torch.long)), {}, None),
+    ((torch.zeros(2, 4, 10), torch.zeros(2, 10, dtype=torch.long)), {}, None),
+    ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"bogus": 1}, None),
+])
+def test_lean_cross_entropy_args_table(args, kwargs, expected):
+    assert ll.lean_cross_entropy_args(args, kwargs) == expected
+
+
+def test_own_loss_lean_holds_less_at_the_backward(monkeypatch):
+    """The bytes accounting of the labels test, for a loss of the user's own under bf16 autocast. The user's shifted
+    bf16 copy and its fp32 upcast are still made in the forward, where the step's peak now is; the fp32
+    log-softmax saved beside them is gone: the peak drops by about one fp32 copy of the logits."""
+    batch, seq, vocab = 2, 256, 2000
+    fp32_logits = batch * seq * vocab * 4
+    monkeypatch.setattr(ll, "CHUNK_BYTES", fp32_logits // 32)
+    model = _hf("llama", vocab=vocab, hidden=128, layers=4)
+    x = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(2))
+    peaks = {}
+    for lean in (False, True):
+        model.zero_grad(set_to_none=False)
+        with _LiveBytes() as mem:
+            _own_step(model, x, _OWN_LOSSES["shift-flatten-float"], lean, autocast=True)
+        peaks[lean] = mem.peak
+    assert peaks[False] - peaks[True] >= 0.85 * fp32_logits, (peaks, (peaks[False] - peaks[True]) / fp32_logits)
+
+
+class _OwnLossModule(L.LightningModule):
+    def __init__(self, vocab=2000, hidden=64, layers=3):
+        super().__init__()
+        self.model = _hf("llama", vocab=vocab, hidden=hidden, layers=layers)
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(input_ids=batch).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_budget_planner_takes_the_lean_loss_for_a_loss_of_the_users_own():
+    """The planner's test above with a module that computes its own loss from the logits (no labels=): the lean
+    loss reaches it, the plan needs it below the plain head's floor, and the losses equal the plain run's."""
+    opts = dict(backend="host-copy", min_tensor_bytes=1, profile_steps=1, bandwidth_gbps=1000.0)
+    plain = _fit(_OwnLossModule(), [])
+    with pytest.raises(ValueError, match=r"below the floor of full recompute plus offload"):
+        _fit(_OwnLossModule(), [ActivationOffload(budget=0.3, lean_loss=False, **opts)])
+    cb = ActivationOffload(budget=0.3, **opts)
+    ours = _fit(_OwnLossModule(), [cb])
+    e, b = cb.engine, cb.engine.budget
+    assert e.plan.lean_loss and "lean loss" in e.plan.describe(), e.plan.describe()
+    assert b.achieved_bytes <= b.budget_bytes * 1.05
+    assert e._lean.last_logits is not None and e._lean.last_logits[1] == 2000
+    assert torch.equal(plain, ours), (plain - ours).abs().max()

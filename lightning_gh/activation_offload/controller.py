@@ -42,6 +42,8 @@ from lightning_gh.activation_offload.measure import (
     Observation,
     Relaxation,
     block0_ms,
+    choice_kind,
+    device_allows,
     floor_mode,
     floor_schedule,
     measuring_schedule,
@@ -500,15 +502,18 @@ class BudgetController:
     def _relax_next(self) -> tuple[list[tuple[str | None, float]], OffloadPlan, _budget.BudgetForecast] | None:
         """The next mix to measure: the current one with one more block at the plan's choice, if it is predicted to fit
         the budget both ways (the planner's model corrected by the current mix's measurement, and the current
-        measurement plus the most a sampled block added to the floor); ``None``: relaxing is over."""
+        measurement plus what such a block is expected to add, :func:`relax_guard`) and the device could hold the
+        samples' bound on top (:func:`device_allows`); ``None``: relaxing is over."""
         r = self._relax
         if r.pending is not None:
             return r.pending
         d2h, h2d, margin, _ = self._link()
+        room = self.probe.activation_room()
         for i in [i for i in range(self.n) if r.current[i] != r.target[i]]:
             mix = [r.target[i] if j == i else c for j, c in enumerate(r.current)]
             plan, fc = _budget.evaluate(r.bp, mix, d2h, h2d, margin)
-            if max(fc.activation_bytes + r.correction, r.measured + relax_guard(r, r.target[i])) <= self.budget_bytes:
+            if max(fc.activation_bytes + r.correction, r.measured + relax_guard(r, r.target[i])) <= self.budget_bytes \
+                    and device_allows(r, r.target[i], room):
                 r.pending = (mix, replace(plan, lean_loss=self.lean), fc)
                 return r.pending
         self._finish_relax("the next block's plan would not fit" if any(
@@ -529,6 +534,9 @@ class BudgetController:
                         "mix stays", r.steps, fmt_bytes(measured), fmt_bytes(self.budget_bytes))
             self._finish_relax("a relaxing step measured above the budget")
             return
+        i = next(j for j, (a, b) in enumerate(zip(mix, r.current)) if a != b)
+        kind = choice_kind(mix[i])
+        r.step_bytes[kind] = max(r.step_bytes.get(kind, 0), measured - r.measured)
         r.current, r.measured, r.correction = mix, measured, measured - fc.activation_bytes
         if r.current == r.target:
             self._finish_relax("the plan is reached")

@@ -14,9 +14,24 @@ is computed exactly as Hugging Face computes it (softmax rows are independent); 
 its fp32 row losses are summed (bitwise with one chunk). The price is one more log-softmax over the logits in the
 backward.
 
-It is installed through transformers' own hook (``model.loss_function``); the budget planner
-(:mod:`lightning_gh.activation_offload.budget`) turns it on for a step only where its plan needs the memory, and
-``ActivationOffload(lean_loss=True)`` turns it on always.
+It is installed through transformers' own hook (``model.loss_function``) for a model called with ``labels=``, and,
+for a ``LightningModule`` that computes its own loss from the logits, by catching that loss (Note [A loss of the
+user's own over the logits]); the budget planner (:mod:`lightning_gh.activation_offload.budget`) turns it on for a
+step only where its plan needs the memory, and ``ActivationOffload(lean_loss=True)`` turns it on always.
+
+Note [A loss of the user's own over the logits]
+    Most training steps compute the loss themselves: ``F.cross_entropy(logits.float().flatten(0, 1), targets)``,
+    with a shift (``logits[:, :-1]``), a ``view``, a ``contiguous`` or ``torch.nn.CrossEntropyLoss`` on the way. The
+    fp32 log-softmax such a call saves costs what Hugging Face's loss costs. While :class:`LeanLoss` is on, a
+    forward hook on the causal LM marks the logits it returns and pushes a ``TorchFunctionMode`` (only then: the
+    model's own forward runs without it) that follows the logits through shape-only ops and an upcast to fp32,
+    each recorded as a recipe on the low-precision logits. A ``cross_entropy`` whose input came out of that chain,
+    2-D, without class weights or label smoothing, with ``"mean"`` or ``"sum"`` reduction and ``ignore_index``
+    as given, in fp32 (after the upcast, or under autocast, which computes it in fp32), runs as the lean loss on the recipe replayed over the low-precision logits instead: the same loss
+    and, element by element, the same gradient for the logits (the upcast is exact, the gradient's cast back is
+    the one autograd would apply). Anything else, and every call under ``torch.no_grad()``, runs as written. The
+    user's own fp32 copy is still made in the forward; only what the backward keeps changes. The mode is popped
+    when :class:`LeanLoss` exits, at the end of the step's forward.
 
 Example::
 
@@ -28,15 +43,18 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_gh import hardware
 
-__all__ = ["CHUNK_BYTES", "LeanLoss", "find_causal_lm", "lean_causal_lm_loss", "lean_loss_overhead_ms"]
+__all__ = ["CHUNK_BYTES", "LeanLoss", "find_causal_lm", "lean_causal_lm_loss", "lean_cross_entropy_args",
+           "lean_loss_overhead_ms"]
 
 # fp32 bytes of one chunk of logits: the backward holds three such temporaries at once (the chunk's log-softmax, its
 # gradient and the chunk's gradient; the upcast chunk goes once its log-softmax exists); 32 MiB keeps them near a
@@ -138,6 +156,105 @@ def lean_causal_lm_loss(
     return _LeanCrossEntropy.apply(flat, targets, ignore_index, divisor, rows)
 
 
+_CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+                "label_smoothing": 0.0}
+
+
+def lean_cross_entropy_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, str] | None:
+    """``(ignore_index, reduction)`` when a ``F.cross_entropy(*args, **kwargs)`` call is one the lean loss computes
+    alike (Note [A loss of the user's own over the logits]), else ``None``: a 2-D input of class scores with 1-D
+    integer targets, no class weights, no label smoothing, reduction ``"mean"`` or ``"sum"``, no legacy
+    ``size_average``/``reduce``.
+
+    Example::
+
+        >>> x, t = torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)
+        >>> lean_cross_entropy_args((x, t), {}), lean_cross_entropy_args((x, t), {"reduction": "sum"})
+        ((-100, 'mean'), (-100, 'sum'))
+        >>> lean_cross_entropy_args((x, t), {"label_smoothing": 0.1}), lean_cross_entropy_args((x, t, None, None, 7), {})
+        (None, (7, 'mean'))
+    """
+    if len(args) > len(_CE_PARAMS) or any(k not in _CE_PARAMS for k in kwargs):
+        return None
+    bound = dict(_CE_DEFAULTS, **dict(zip(_CE_PARAMS, args)), **kwargs)
+    x, t = bound.get("input"), bound.get("target")
+    if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor) or x.dim() != 2 or t.dim() != 1 \
+            or t.dtype not in (torch.int64, torch.int32) or t.shape[0] != x.shape[0]:
+        return None
+    if bound["weight"] is not None or bound["size_average"] is not None or bound["reduce"] is not None \
+            or bound["label_smoothing"] != 0.0 or bound["reduction"] not in ("mean", "sum"):
+        return None
+    ignore = bound["ignore_index"]
+    return (int(ignore), bound["reduction"]) if isinstance(ignore, int) and not isinstance(ignore, bool) else None
+
+
+#: Ops that only reshape or select (their recipe replays on the low-precision logits); and the upcasts.
+_SHAPE_OPS = frozenset({torch.Tensor.__getitem__, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten,
+                        torch.Tensor.contiguous, torch.Tensor.squeeze, torch.Tensor.unsqueeze, torch.flatten,
+                        torch.reshape, torch.squeeze, torch.unsqueeze})
+_CAST_OPS = frozenset({torch.Tensor.float, torch.Tensor.to})
+_LOW = (torch.bfloat16, torch.float16)
+
+
+class _OwnLossMode(TorchFunctionMode):
+    """Follows the logits :class:`LeanLoss` marked and runs a matching ``cross_entropy`` as the lean loss (Note [A
+    loss of the user's own over the logits])."""
+
+    def __init__(self, lean: LeanLoss) -> None:
+        super().__init__()
+        self.lean = lean
+        # tensor id -> (weak ref to it, the low-precision logits, the recipe: (op, args after the tensor, kwargs))
+        self.derived: dict[int, tuple[weakref.ref, torch.Tensor, tuple[tuple[Callable, tuple, dict], ...]]] = {}
+
+    def mark(self, logits: torch.Tensor) -> None:
+        if logits.dtype in _LOW and logits.requires_grad:
+            self._note(logits, logits, ())
+
+    def _note(self, t: torch.Tensor, root: torch.Tensor, recipe: tuple) -> None:
+        self.derived[id(t)] = (weakref.ref(t), root, recipe)
+
+    def _source(self, t: Any) -> tuple[torch.Tensor, tuple] | None:
+        e = self.derived.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return (e[1], e[2]) if e is not None and e[0]() is t else None
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.cross_entropy and torch.is_grad_enabled():
+            out = self._lean_cross_entropy(args, kwargs)
+            if out is not None:
+                return out
+        out = func(*args, **kwargs)
+        src = self._source(args[0]) if args else None
+        if src is not None and isinstance(out, torch.Tensor) and out is not args[0]:
+            root, recipe = src
+            if func in _SHAPE_OPS:
+                self._note(out, root, recipe + ((func, args[1:], kwargs),))
+            elif func in _CAST_OPS and out.dtype == torch.float32 and args[0].dtype in _LOW \
+                    and out.device == args[0].device and out.shape == args[0].shape:
+                self._note(out, root, recipe)  # the exact upcast: the recipe stays on the low-precision logits
+        return out
+
+    def _lean_cross_entropy(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        how = lean_cross_entropy_args(args, kwargs)
+        x = args[0] if args else kwargs.get("input")
+        src = self._source(x) if how is not None else None
+        if src is None or (x.dtype in _LOW and not torch.is_autocast_enabled(x.device.type)):
+            return None  # low-precision scores outside autocast: cross_entropy computes in their precision
+        root, recipe = src
+        low = root
+        for op, rest, kw in recipe:
+            low = op(low, *rest, **kw)
+        if not isinstance(low, torch.Tensor) or low.shape != x.shape or low.dtype not in _LOW:
+            return None
+        target = args[1] if len(args) > 1 else kwargs["target"]
+        ignore, reduction = how
+        vocab = low.shape[1]
+        self.lean.last_logits = (low.shape[0], vocab, low.dtype, low.device)
+        divisor = None if reduction == "mean" else torch.ones((), dtype=torch.float32, device=low.device)
+        return _LeanCrossEntropy.apply(low, target.to(low.device), ignore, divisor, max(1, CHUNK_BYTES // (4 * vocab)))
+
+
 def lean_loss_overhead_ms(rows: int, vocab: int, dtype: torch.dtype, device: torch.device,
                           reps: int = 3) -> float | None:
     """How much longer the lean loss's forward+backward takes than Hugging Face's (fp32 upcast + ``cross_entropy``)
@@ -212,6 +329,8 @@ class LeanLoss:
                             "find_causal_lm() returned (a transformers *ForCausalLM model).")
         self.causal_lm = causal_lm
         self._on = False
+        self._hook: Any = None  # the forward hook that marks the logits for a loss of the user's own
+        self._mode: _OwnLossMode | None = None  # pushed by that hook, popped on exit
         # (rows, vocab, dtype, device) of the logits the last lean forward saw: the budget planner times the lean
         # loss against Hugging Face's on that shape in isolation (:func:`lean_loss_overhead_ms`)
         self.last_logits: tuple[int, int, torch.dtype, torch.device] | None = None
@@ -224,12 +343,30 @@ class LeanLoss:
     def __enter__(self) -> LeanLoss:
         if not self._on:
             self.causal_lm.loss_function = self.loss
+            self._hook = self.causal_lm.register_forward_hook(self._mark_logits)
             self._on = True
         return self
+
+    def _mark_logits(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After the causal LM's forward: mark its logits and follow them into the user's loss (Note [A loss of the
+        user's own over the logits])."""
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            logits = output[0]
+        if not isinstance(logits, torch.Tensor) or getattr(output, "loss", None) is not None:
+            return  # a loss computed with labels= went through loss_function already
+        if self._mode is None:
+            self._mode = _OwnLossMode(self)
+            self._mode.__enter__()
+        self._mode.mark(logits)
 
     def __exit__(self, *exc: Any) -> bool:
         if self._on:
             # Back to transformers' lookup by loss type: the model had no loss function of its own.
             vars(self.causal_lm).pop("_loss_function", None)
-            self._on = False
+            self._hook.remove()
+            self._hook, self._on = None, False
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
         return False

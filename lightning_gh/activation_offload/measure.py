@@ -25,8 +25,8 @@ from lightning_gh import hardware
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
-__all__ = ["CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "floor_mode",
-           "floor_schedule", "measuring_schedule", "relax_guard"]
+__all__ = ["CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "choice_kind",
+           "device_allows", "floor_mode", "floor_schedule", "measuring_schedule", "relax_guard", "sample_guard"]
 
 
 class Kind(enum.Enum):
@@ -192,6 +192,12 @@ class MemoryProbe:
         return None if room is None else room[0] + torch.cuda.memory_reserved(self.device) \
             - torch.cuda.memory_allocated(self.device)
 
+    def activation_room(self) -> int | None:
+        """The activation memory a step could reach from now, in :meth:`peak`'s terms: what the device could still
+        allocate, less the gradients that do not exist yet (:meth:`start` counts them in the model state)."""
+        free = self.free_bytes()
+        return None if free is None else free - (self._grad_bytes(False) - self._grad_bytes(True))
+
 
 class CompilerKnob:
     """``torch._functorch.config.activation_memory_budget``, set for a compiled model, restored by :meth:`restore`;
@@ -236,6 +242,8 @@ class Relaxation:
     correction: int = 0  # measured minus predicted, for the current mix
     pending: tuple[list[tuple[str | None, float]], OffloadPlan, BudgetForecast] | None = None
     steps: int = 0
+    # per kind of choice (its mode, offloaded in full), the most one relaxing step to it added to the measurement
+    step_bytes: dict[tuple[str | None, bool], int] = field(default_factory=dict)
 
     @property
     def block_bytes(self) -> int:
@@ -243,19 +251,55 @@ class Relaxation:
         return max(self.mode_bytes.values(), default=0)
 
 
-def relax_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
-    """What relaxing one block to ``choice`` (its mode, the share of what it saves offloaded) may add to the measured
-    activation memory: the most a sample of that mode added to the floor when the choice offloads in full, as the
-    sample did; otherwise, or for a mode without a sample, the most any sampled block added.
+def choice_kind(choice: tuple[str | None, float]) -> tuple[str | None, bool]:
+    """A block's choice as the guards count it: its mode, and whether what it saves is offloaded in full."""
+    return choice[0], choice[1] >= 1.0
+
+
+def sample_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
+    """The most relaxing one block to ``choice`` could add to the measured activation memory, from the samples: what
+    a sample of that mode added to the floor when the choice offloads in full, as the sample did; otherwise, or for
+    a mode without a sample, the most any sampled block added. A sample measures block 0 alone above the floor, so
+    this counts, once per block, what the relaxed blocks share (a prefetched block's bytes beside another's
+    recompute), which is why :func:`relax_guard` prefers what relaxing steps measured.
 
     Example::
 
         >>> r = Relaxation(None, [], [], 0, mode_bytes={"selective": 4, None: 9})
-        >>> relax_guard(r, ("selective", 1.0)), relax_guard(r, ("selective", 0.5)), relax_guard(r, ("norm-act", 1.0))
+        >>> sample_guard(r, ("selective", 1.0)), sample_guard(r, ("selective", 0.5)), sample_guard(r, ("norm-act", 1.0))
         (4, 9, 9)
     """
     mode, frac = choice
     return r.mode_bytes.get(mode, r.block_bytes) if frac >= 1.0 else r.block_bytes
+
+
+def relax_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
+    """What relaxing one more block to ``choice`` is expected to add to the measured activation memory: the most one
+    relaxing step of the same kind (:func:`choice_kind`) added, once one was measured; before that the samples'
+    bound (:func:`sample_guard`). A step that adds more than expected measures above the budget and is undone;
+    whether the device could hold it is :func:`device_allows`'s question.
+
+    Example::
+
+        >>> r = Relaxation(None, [], [], 0, mode_bytes={"selective": 4, None: 9}, step_bytes={("selective", True): 1})
+        >>> relax_guard(r, ("selective", 1.0)), relax_guard(r, ("selective", 0.5)), relax_guard(r, (None, 0.0))
+        (1, 9, 9)
+    """
+    return r.step_bytes.get(choice_kind(choice), sample_guard(r, choice))
+
+
+def device_allows(r: Relaxation, choice: tuple[str | None, float], room: int | None) -> bool:
+    """Whether a relaxing step to ``choice`` cannot run the device out of memory: the current measurement plus the
+    samples' bound for one block within ``room``, the activation memory the device can hold (``None``: not
+    readable, as on a CPU, where nothing runs out).
+
+    Example::
+
+        >>> r = Relaxation(None, [], [], 10, mode_bytes={"selective": 4})
+        >>> device_allows(r, ("selective", 1.0), 14), device_allows(r, ("selective", 1.0), 13), device_allows(r, ("x", 1.0), None)
+        (True, False, True)
+    """
+    return room is None or r.measured + sample_guard(r, choice) <= room
 
 
 def block0_ms(obs: Observation) -> float:

@@ -103,10 +103,11 @@ class ActivationOffloadOptions:
             below the floor is a ``ValueError`` naming the floor, raised before any step above the floor. Needs ``policy="auto"`` (the default) and ``recompute=None``:
             the planner chooses both. On a ``torch.compile``'d model it sets the compiler's own
             ``activation_memory_budget`` instead (a fraction is then handed to it as is).
-        lean_loss: the loss of a Hugging Face causal LM (its ``loss_function``) computed without fp32 copies of the
-            logits between forward and backward (:mod:`lightning_gh.activation_offload.lean_loss`: the logits kept
-            as they come, the fp32 cross-entropy run and recomputed in row chunks; gradients bitwise, the loss
-            within the order of an fp32 sum). ``None``: the budget planner weighs it as one more way to save memory
+        lean_loss: the loss of a Hugging Face causal LM (its ``loss_function``, or a ``cross_entropy`` of the
+            user's own over its logits) computed without fp32 copies of the logits between forward and backward
+            (:mod:`lightning_gh.activation_offload.lean_loss`: the logits kept as they come, the fp32
+            cross-entropy run and recomputed in row chunks; gradients bitwise, the loss within the order of an
+            fp32 sum). ``None``: the budget planner weighs it as one more way to save memory
             (measured in one step) and turns it on only where its plan needs it; off without a budget. ``True``:
             on in every training forward (an error when the model holds no Hugging Face causal LM). ``False``:
             never.

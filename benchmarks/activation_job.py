@@ -37,6 +37,7 @@ Usage (on the GPU machine)::
     python benchmarks/activation_job.py                                   # all families, all variants, JSON to $OUT
     python benchmarks/activation_job.py --family qwen2 --variants plain auto --iters 30
     python benchmarks/activation_job.py --device cpu --smoke              # every code path on a tiny model, CPU
+    python benchmarks/activation_job.py --family llama --profile plain budget_0.7   # + two profiled steps each
 
 Output in ``--out`` (default ``$OUT``, else ``bench_out/``): ``activation_job.jsonl``, one JSON object a line, written as
 each row ends (``"kind"``: ``"run"`` for the run and for each family's process, with the machine and the measured link,
@@ -198,9 +199,13 @@ class StepProbe(_ModelStatePeak):
     ``iters`` timed steps once ``warmup`` steps ran and the ActivationOffload plan (if any) settled (:func:`settled`),
     or after ``max_warmup`` untimed steps."""
 
-    def __init__(self, warmup: int, iters: int, max_warmup: int, offload: ActivationOffload | None) -> None:
+    def __init__(self, warmup: int, iters: int, max_warmup: int, offload: ActivationOffload | None,
+                 trace_to: Path | None = None) -> None:
         super().__init__()
         self.warmup, self.iters, self.max_warmup, self.offload = warmup, iters, max(warmup, max_warmup), offload
+        self.trace_to = trace_to  # after the timed steps, profile two more steps into this file (--profile)
+        self._prof: Any = None
+        self.trace_steps = 0
         self.step_ms: list[float] = []
         self.timed_from: int | None = None  # the first timed step's index
         self.was_settled = True
@@ -211,12 +216,28 @@ class StepProbe(_ModelStatePeak):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             torch.cuda.synchronize()
+        if self._timing_done() and self.trace_to is not None and self._prof is None:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pl_module.device.type == "cuda" else [])
+            self._prof = profile(activities=acts)
+            self._prof.__enter__()
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self._t0 = time.perf_counter()
+
+    def _timing_done(self) -> bool:
+        return self.timed_from is not None and len(self.step_ms) - self.timed_from >= self.iters
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize()
+        if self._prof is not None:  # a profiled step after the timed ones: not timed
+            self.trace_steps += 1
+            if self.trace_steps >= 2:
+                self._prof.__exit__(None, None, None)
+                self.trace_to.parent.mkdir(parents=True, exist_ok=True)
+                self._prof.export_chrome_trace(str(self.trace_to))
+                trainer.should_stop = True
+            return
         self.step_ms.append((time.perf_counter() - self._t0) * 1e3)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         done = len(self.step_ms)
@@ -224,7 +245,7 @@ class StepProbe(_ModelStatePeak):
             ok = self._settled()
             if (done >= self.warmup and ok) or done >= self.max_warmup:
                 self.timed_from, self.was_settled = done, ok
-        elif done - self.timed_from >= self.iters:
+        elif self._timing_done() and self.trace_to is None:
             trainer.should_stop = True
 
     def _settled(self) -> bool:
@@ -244,6 +265,21 @@ class StepProbe(_ModelStatePeak):
 
     def timed(self) -> list[float]:
         return self.step_ms[self.timed_from:] if self.timed_from is not None else []
+
+
+def _trace_verdict(trace: Path) -> str:
+    """Summarise a profiled variant's trace (``summary.md`` beside it, the trace gzipped) and return its verdict."""
+    import gzip
+    import shutil
+
+    from lightning_gh.profiling import summarize_trace
+
+    summary = summarize_trace(trace, top=12, plot=False)
+    with open(trace, "rb") as f, gzip.open(str(trace) + ".gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    trace.unlink()
+    v = summary.get("verdict") or {}
+    return f"{v.get('bound')}: " + "; ".join(v.get("evidence", [])[:3])
 
 
 def make_loader(vocab: int, batch: int, seq: int, steps: int, seed: int, pin: bool) -> torch.utils.data.DataLoader:
@@ -290,8 +326,9 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
         offload = offload_callback(variant, ckpt_act_bytes)
         module = OwnLossLM(model)
         model = None
-        probe = StepProbe(args.warmup, args.iters, args.max_warmup, offload)
-        steps = probe.max_warmup + args.iters
+        trace = Path(args.out_dir) / f"trace-{family}-{variant}.json" if variant in args.profile else None
+        probe = StepProbe(args.warmup, args.iters, args.max_warmup, offload, trace)
+        steps = probe.max_warmup + args.iters + (2 if trace is not None else 0)
         loader = make_loader(config["vocab_size"], batch, seq, steps, args.seed, pin=cuda)
         trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed", max_steps=steps,
                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
@@ -314,6 +351,8 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
         row["loss_last"] = row["losses"][-1]
         if offload is not None:
             _engine_extras(_Extras(row), offload)
+        if trace is not None and trace.exists():
+            row["trace_verdict"] = _trace_verdict(trace)
     except Exception as e:  # an out-of-memory error (or any failure) is a row, not the end of the run
         row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
         if not isinstance(e, torch.OutOfMemoryError):
@@ -500,7 +539,8 @@ def family_process(family: str, args: argparse.Namespace, out_dir: Path) -> tupl
     cmd = [sys.executable, str(Path(__file__).resolve()), "--family", family, "--variants", *args.variants,
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--max-warmup", str(args.max_warmup),
            "--kv-heads", str(args.kv_heads), "--seed", str(args.seed), "--device", args.device,
-           "--out", str(out_dir), "--child", name, *(["--smoke"] if args.smoke else [])]
+           "--out", str(out_dir), "--child", name, *(["--smoke"] if args.smoke else []),
+           *(["--profile", *args.profile] if args.profile else [])]
     why = None
     try:
         rc = subprocess.run(cmd, timeout=args.timeout).returncode
@@ -573,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run every family in this process (default: a fresh process per family when there are several)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per family's process")
     ap.add_argument("--out", default=None, help="folder for activation_job.jsonl and .md (default: $OUT or bench_out)")
+    ap.add_argument("--profile", nargs="*", default=[], choices=list(VARIANTS),
+                    help="variants to profile for two steps after their timed ones (trace-<family>-<variant>.json.gz "
+                    "and its .summary.{json,md} in --out; the timed steps are not profiled)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a family's process: its JSON lines file
     args = ap.parse_args(argv)
     if args.iters <= 0 or args.warmup < 0:
@@ -589,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True  # as benchmarks/run.py sets it
         torch.backends.cudnn.allow_tf32 = True
     out_dir = Path(args.out or os.environ.get("OUT") or "bench_out")
+    args.out_dir = out_dir
     out = JsonLines(out_dir / (args.child or "activation_job.jsonl"))
     command = "python benchmarks/activation_job.py " + " ".join(sys.argv[1:] if argv is None else argv)
     head: dict[str, Any] = {"kind": "run", "command": command, **machine_info(), "args": vars(args)}

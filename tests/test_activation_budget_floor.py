@@ -165,6 +165,13 @@ def test_each_mode_is_sampled_twice_and_the_faster_sample_counts(monkeypatch):
     assert times[0] > 150 and times[1] < times[0]  # the slowed sample came first
     plain = b.profile.step.blocks[0]
     assert plain.forward_ms + plain.backward_ms == times[1]
+    # every sample held block 0's copies to the forward's end and reloaded them at the backward's start
+    n = off.plan.n_blocks
+    samples = [o.plan for m, v in b._seen.items() if m.kind is Kind.SAMPLE for o in v]
+    assert samples and all(p.release_at[0] == n + 1 and p.prefetch_at[0] == n and p.budgets[0] is None
+                           for p in samples)
+    floor = [o.plan for m, v in b._seen.items() if m.kind is Kind.FLOOR for o in v]
+    assert floor and all(p.release_at[1:] == s.release_at[1:] for p in floor for s in samples)
 
 
 def test_a_budget_without_host_room_keeps_on_the_device_and_recomputes(monkeypatch):

@@ -48,6 +48,7 @@ from lightning_gh.activation_offload.measure import (
     floor_schedule,
     measuring_schedule,
     relax_guard,
+    sample_copy_points,
 )
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import (
@@ -262,7 +263,8 @@ class BudgetController:
             plan = self._floor_plan(m.floor_mode, label)
             if m.kind is Kind.SAMPLE:  # block 0 in the sampled mode, all it saves offloaded
                 modes = (m.mode,) + (m.floor_mode,) * (self.n - 1)
-                plan = replace(plan, budgets=(None,) + plan.budgets[1:], modes=modes if any(modes) else ())
+                plan = replace(plan, budgets=(None,) + plan.budgets[1:], modes=modes if any(modes) else (),
+                               **sample_copy_points(plan, self.n))
             return replace(plan, lean_loss=m.lean_loss)
         plan = plan_none(self.n, label)
         if m.lean_loss:

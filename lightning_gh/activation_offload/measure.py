@@ -26,7 +26,8 @@ from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
 __all__ = ["CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "choice_kind",
-           "device_allows", "floor_mode", "floor_schedule", "measuring_schedule", "relax_guard", "sample_guard"]
+           "device_allows", "floor_mode", "floor_schedule", "measuring_schedule", "relax_guard", "sample_copy_points",
+           "sample_guard"]
 
 
 class Kind(enum.Enum):
@@ -103,7 +104,8 @@ def floor_schedule(modes: tuple[str, ...], profile_steps: int, weigh_lean_loss: 
 
     A warm-up and ``profile_steps`` steps at the floor (every block in its least-memory mode, what it still saves
     offloaded but in the last ``skip_last_blocks``), then one step per other mode (keeping included) with block 0 in
-    that mode and everything it saves offloaded; the blocks are alike, so block 0's costs stand for every block's.
+    that mode and everything it saves offloaded (waited for at the forward's end, brought back at the backward's
+    start: :func:`sample_copy_points`); the blocks are alike, so block 0's costs stand for every block's.
     Each mode is sampled twice and the faster sample counts: the first step that offloads a whole block grows the
     pinned pool by that block's bytes, host time the block's forward would otherwise be charged with (and a keep
     sample charged so would make every other mode look free beside it). The lean loss, where weighed, runs in every
@@ -120,6 +122,22 @@ def floor_schedule(modes: tuple[str, ...], profile_steps: int, weigh_lean_loss: 
             + (Measure(Kind.FLOOR, lean_loss=lean, floor_mode=fm),) * profile_steps
             + tuple(Measure(Kind.SAMPLE, mode=m, lean_loss=lean, floor_mode=fm)
                     for m in (None,) + tuple(modes) if m != fm) * SAMPLES_PER_MODE)
+
+
+def sample_copy_points(plan: OffloadPlan, n: int) -> dict[str, tuple[int, ...]]:
+    """``release_at`` and ``prefetch_at`` of a sample step: block 0's copies waited for at the forward's end and its
+    reload issued at the backward's start, the others' as ``plan`` has them. A sample times block 0 in a mode; a
+    copy waited for at the usual points (a few blocks later, one block ahead) adds the link's time to the block's
+    own wherever the block saves more than the next blocks' compute can hide, and that time is the plan's link
+    model's to predict, not the mode's. Held that long, block 0's bytes still add at most one block to the floor.
+
+    Example::
+
+        >>> from lightning_gh.activation_offload.policy import plan_all
+        >>> sample_copy_points(plan_all(4), 4)
+        {'release_at': (5, 3, 4, 5), 'prefetch_at': (4, 2, 3, 4)}
+    """
+    return {"release_at": (n + 1,) + plan.release_at[1:], "prefetch_at": (n,) + plan.prefetch_at[1:]}
 
 
 def floor_mode(modes: tuple[str, ...]) -> str | None:

@@ -326,7 +326,8 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
         offload = offload_callback(variant, ckpt_act_bytes)
         module = OwnLossLM(model)
         model = None
-        trace = Path(args.out_dir) / f"trace-{family}-{variant}.json" if variant in args.profile else None
+        profile = getattr(args, "profile", None) or ()
+        trace = Path(args.out_dir) / f"trace-{family}-{variant}.json" if variant in profile else None
         probe = StepProbe(args.warmup, args.iters, args.max_warmup, offload, trace)
         steps = probe.max_warmup + args.iters + (2 if trace is not None else 0)
         loader = make_loader(config["vocab_size"], batch, seq, steps, args.seed, pin=cuda)
@@ -540,7 +541,7 @@ def family_process(family: str, args: argparse.Namespace, out_dir: Path) -> tupl
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--max-warmup", str(args.max_warmup),
            "--kv-heads", str(args.kv_heads), "--seed", str(args.seed), "--device", args.device,
            "--out", str(out_dir), "--child", name, *(["--smoke"] if args.smoke else []),
-           *(["--profile", *args.profile] if args.profile else [])]
+           *(["--profile", *args.profile] if getattr(args, "profile", None) else [])]
     why = None
     try:
         rc = subprocess.run(cmd, timeout=args.timeout).returncode

@@ -89,6 +89,33 @@ def test_plan_fits_and_is_not_slower_than_full_checkpointing(frac):
     assert plan.policy == "budget" and plan.n_blocks == 8
 
 
+def _deep_profile(n=16):
+    """A deep model's blocks at a 7B job's proportions: keeping a block costs more than a step's worth of link time,
+    selective recompute keeps half of it (all offloadable) for a third of full recompute's extra time."""
+    plain = BlockProfile(16.0, 32.0, int(3.07 * GIB), int(0.4 * GIB))
+    costs = {None: ModeCost(int(3.47 * GIB), int(3.07 * GIB), 0.0),
+             "norm-act": ModeCost(int(2.97 * GIB), int(2.57 * GIB), 1.3),
+             "selective": ModeCost(int(1.56 * GIB), int(1.56 * GIB), 4.3),
+             "full": ModeCost(128 * MIB, 128 * MIB, 12.9)}
+    return BudgetProfile(StepProfile((plain,) * n, 20.0, 40.0, 2 * GIB), (costs,) * n)
+
+
+@pytest.mark.parametrize("above_floor_gib", [1.5, 3.0, 5.0])
+def test_a_budget_near_the_floor_is_climbed_to_from_the_floor(above_floor_gib):
+    """Near the floor, descending from keeping everything takes many one-block moves that leave the peak where it
+    was (and may end on the floor's mix); the planner climbs from the floor instead, and from the floor's modes
+    with nothing offloaded, where the link is free for the blocks that then offload more."""
+    bp = _deep_profile()
+    floor = plan_floor(bp, 55.0, 55.0, 0.25)
+    budget = int(floor.activation_bytes + above_floor_gib * GIB)
+    plan, fc = plan_budget(bp, budget, 55.0, 55.0, 0.25)
+    assert fc.activation_bytes <= budget
+    assert fc.step_ms <= floor.step_ms - 8.0, (fc, floor)  # at least one block selective instead of full
+    assert any(m == "selective" for m, _ in fc.choices), fc.describe_choices()
+    wider = plan_budget(bp, budget + GIB, 55.0, 55.0, 0.25)[1]
+    assert wider.step_ms <= fc.step_ms + 1e-9  # more memory never plans slower
+
+
 def test_plan_prefers_offload_on_a_fast_link():
     bp = _profile()
     budget = int(0.6 * _plain(bp).activation_bytes)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload.policy import BlockProfile, OffloadPlan, StepProfile, _schedule, simulate
@@ -335,6 +335,14 @@ def plan_budget(
                     cand = ch[:i] + [opt] + ch[i + 1:]
                     yield cand, _evaluate(bp, cand, d2h_gbps, h2d_gbps, margin)
 
+    if budget_bytes - floor.activation_bytes < act - budget_bytes:
+        # Nearer the floor than the plain step: climb from the floor (few moves) rather than descend from keeping
+        # everything (many, each of which may leave the peak where it was). Also from the floor's modes with
+        # nothing offloaded, where that fits: a climb moves one block at a time, and from the floor the link is
+        # already busy, so a block that would offload more only pays once another stops offloading.
+        starts = [list(floor.choices), [(m, 0.0) for m, _ in floor.choices]]
+        return _climb_from_floor(starts, budget_bytes, neighbours,
+                                 lambda ch: _evaluate(bp, ch, d2h_gbps, h2d_gbps, margin), len(opts) * 4)
     # Each step takes one block to another of its options; a bound on the steps keeps a plateau (moves that only
     # shift the peak) from spinning: every block can walk through each of its options once.
     for _ in range(sum(len(o) for o in opts)):
@@ -368,6 +376,38 @@ def plan_budget(
     if act > budget_bytes:  # the floor said it fits; the greedy path did not get there: take the floor's mix
         floor_choices = list(floor.choices)
         act, ms, plan, fc = _evaluate(bp, floor_choices, d2h_gbps, h2d_gbps, margin)
+    return plan, fc
+
+
+def _climb_from_floor(
+    starts: list[list[tuple[str | None, float]]],
+    budget_bytes: int,
+    neighbours: Callable[[list[tuple[str | None, float]]], Iterator[tuple[list[tuple[str | None, float]], Any]]],
+    evaluate: Callable[[list[tuple[str | None, float]]], tuple[int, float, OffloadPlan, BudgetForecast]],
+    max_moves: int,
+) -> tuple[OffloadPlan, BudgetForecast]:
+    """:func:`plan_budget` from the floor up: from each start that fits, repeatedly take the one-block move that
+    saves the most predicted milliseconds per byte of predicted peak it adds (a move adding nothing first), or in a
+    second climb the most milliseconds, and still fits, until none is faster; the fastest end wins. The first start
+    (the floor) fits, as the caller checked."""
+    results = []
+    for choices, per_byte in [(c, b) for c in starts for b in (True, False)]:
+        act, ms, plan, fc = evaluate(choices)
+        if act > budget_bytes:
+            continue
+        for _ in range(max_moves):
+            best = None
+            for cand, (a, t, p, f) in neighbours(choices):
+                if a > budget_bytes or t >= ms - 1e-6:
+                    continue
+                score = (ms - t) / max(a - act, 1) if per_byte else (ms - t, -a)
+                if best is None or score > best[0]:
+                    best = (score, cand, a, t, p, f)
+            if best is None:
+                break
+            _, choices, act, ms, plan, fc = best
+        results.append((ms, plan, fc))
+    _, plan, fc = min(results, key=lambda r: r[0])
     return plan, fc
 
 

@@ -246,3 +246,22 @@ def test_relaxing_is_guarded_by_what_relaxing_steps_added_and_by_the_device(budg
     assert ctl.state is BudgetState.DONE and seen == relaxed, seen
     assert why in ctl.plan.notes[0], ctl.plan.notes[0]
     assert ctl.achieved_bytes <= ctl.budget_bytes
+
+
+@pytest.mark.parametrize("choice, expected_mib", [
+    (("selective", 1.0), 40),   # offloaded in full: what its sample added
+    (("selective", 0.5), 40),   # half of 60 MiB kept on the device is less than the sample's 40 MiB
+    ((None, 0.0), 100),         # keeping a whole block: its kept bytes
+    (("full", 0.0), 8),         # the floor's mode (no sample) with its input kept: that input
+    (("full", 1.0), 0),         # the floor itself
+    (("norm-act", 1.0), 100),   # a mode without a kept size: the most any sample added
+])
+def test_sample_guard_counts_a_choice_by_its_sample_and_its_kept_share(choice, expected_mib):
+    from lightning_gh.activation_offload.budget import BudgetProfile, ModeCost
+    from lightning_gh.activation_offload.measure import Relaxation, sample_guard
+
+    costs = ({None: ModeCost(100 * MIB, 90 * MIB), "selective": ModeCost(60 * MIB, 60 * MIB, 1.0),
+              "full": ModeCost(8 * MIB, 8 * MIB, 3.0)},) * N
+    r = Relaxation(BudgetProfile(_step(), costs), [], [], 0, mode_bytes={None: 100 * MIB, "selective": 40 * MIB},
+                   floor_mode="full")
+    assert sample_guard(r, choice) == expected_mib * MIB

@@ -498,7 +498,7 @@ class BudgetController:
             for o in v:
                 if m.kind is Kind.SAMPLE and o.act_peak is not None:
                     added[m.mode] = max(added.get(m.mode, 0), o.act_peak - measured, 0)
-        self._relax = Relaxation(bp, list(fc.choices), fmix, measured, added)
+        self._relax = Relaxation(bp, list(fc.choices), fmix, measured, added, floor_mode=fm)
         self.state = BudgetState.RELAX
 
     def _relax_next(self) -> tuple[list[tuple[str | None, float]], OffloadPlan, _budget.BudgetForecast] | None:

@@ -262,6 +262,7 @@ class Relaxation:
     steps: int = 0
     # per kind of choice (its mode, offloaded in full), the most one relaxing step to it added to the measurement
     step_bytes: dict[tuple[str | None, bool], int] = field(default_factory=dict)
+    floor_mode: str | None = None  # the floor's mode: it has no sample, the floor is its fully offloaded form
 
     @property
     def block_bytes(self) -> int:
@@ -275,11 +276,14 @@ def choice_kind(choice: tuple[str | None, float]) -> tuple[str | None, bool]:
 
 
 def sample_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
-    """The most relaxing one block to ``choice`` could add to the measured activation memory, from the samples: what
-    a sample of that mode added to the floor when the choice offloads in full, as the sample did; otherwise, or for
-    a mode without a sample, the most any sampled block added. A sample measures block 0 alone above the floor, so
-    this counts, once per block, what the relaxed blocks share (a prefetched block's bytes beside another's
-    recompute), which is why :func:`relax_guard` prefers what relaxing steps measured.
+    """The most relaxing one block to ``choice`` could add to the measured activation memory, from the samples: the
+    larger of what a sample of that mode added to the floor (nothing for the floor's own mode, which has no sample)
+    and the share of the mode's kept bytes the choice keeps on the device. A sample holds its block's bytes through
+    the forward and the backward (:func:`sample_copy_points`), so what it added counts them wherever the step's
+    peak falls but at the loss, where the kept share counts them. For a mode without a sample or a kept size: the
+    most any sampled block added. A sample measures block 0 alone above the floor, so this counts, once per block, what
+    the relaxed blocks share (a prefetched block's bytes beside another's recompute), which is why
+    :func:`relax_guard` prefers what relaxing steps measured.
 
     Example::
 
@@ -288,7 +292,11 @@ def sample_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
         (4, 9, 9)
     """
     mode, frac = choice
-    return r.mode_bytes.get(mode, r.block_bytes) if frac >= 1.0 else r.block_bytes
+    cost = r.bp.costs[0].get(mode) if r.bp is not None else None
+    added = r.mode_bytes.get(mode, 0 if mode == r.floor_mode and r.mode_bytes else None)
+    if cost is None or added is None:
+        return r.mode_bytes.get(mode, r.block_bytes) if frac >= 1.0 else r.block_bytes
+    return max(added, int((1.0 - frac) * cost.kept_bytes))
 
 
 def relax_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:

@@ -11,6 +11,7 @@ import torch
 from lightning_gh.activation_offload import engine as engine_mod
 from lightning_gh.activation_offload import offload_activations
 from lightning_gh.activation_offload.controller import BudgetState, Kind
+from lightning_gh.activation_offload.measure import MAX_OVERSHOOTS
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,7 +85,9 @@ def test_size_budget_never_runs_the_plain_step_and_relaxes_up_to_the_budget(monk
     b = off.budget
     assert b.state is BudgetState.DONE and off.plan.policy == "budget"
     assert not any(_is_plain(p) for p in plans), [p.policy for p in plans]  # no plain step, not even to warm up
-    assert all(v <= b.budget_bytes for _, v in probe.readings), (probe.readings, b.budget_bytes)
+    # only a relaxing step may measure above the budget (then it is undone), at most MAX_OVERSHOOTS of them
+    assert all(v <= b.budget_bytes for m, v in probe.readings if m.kind is not Kind.RELAX), probe.readings
+    assert sum(v > b.budget_bytes for m, v in probe.readings if m.kind is Kind.RELAX) <= MAX_OVERSHOOTS
     kinds = [m.kind for m, _ in probe.readings]
     assert kinds[:2] == [Kind.WARMUP, Kind.FLOOR] and Kind.RELAX in kinds and Kind.RAW not in kinds
     assert b.achieved_bytes <= b.budget_bytes and b.forecast is not None

@@ -233,13 +233,17 @@ def _relax_run(budget, room, increments):
 @pytest.mark.parametrize("budget, room, increments, relaxed, why", [
     # the first relaxing step is guarded by the sample (+100 MiB); the next ones by what relaxing steps added
     ("210MiB", None, [10, 10, 10, 10], [110, 120, 130, 140], "the plan is reached"),
-    # a step that adds more than the steps before it measures above the budget: the previous mix stays
-    ("210MiB", None, [10, 10, 95, 10], [110, 120, 215], "a relaxing step measured above the budget"),
+    # a step that adds more than the steps before it measures above the budget: undone, its block keeps its
+    # choice; the next block, held back by the guard (now 95 MiB), is tried anyway and fits
+    ("210MiB", None, [10, 10, 95, 10], [110, 120, 215, 130], "relaxing steps measured above the budget"),
+    # two steps above the budget end the relaxation
+    ("210MiB", None, [10, 95, 95, 10], [110, 205, 300, 215], "relaxing steps measured above the budget"),
     # the device could not hold the sample's bound on top of the measurement: no step above the floor
     ("210MiB", 150 * MIB, [10, 10, 10, 10], [], "the next block's plan would not fit"),
     ("210MiB", 225 * MIB, [10, 10, 10, 10], [110, 120, 130], "the next block's plan would not fit"),
-    # below the floor plus one sampled block: never relaxed
-    ("190MiB", None, [10, 10, 10, 10], [], "the next block's plan would not fit"),
+    # below the floor plus one sampled block: the guard holds every block back, the first is tried anyway, and
+    # what it added then guards the rest
+    ("190MiB", None, [10, 10, 10, 10], [110, 120, 130, 140], "the plan is reached"),
 ])
 def test_relaxing_is_guarded_by_what_relaxing_steps_added_and_by_the_device(budget, room, increments, relaxed, why):
     ctl, seen = _relax_run(budget, room, increments)

@@ -35,6 +35,7 @@ from typing import Any, Callable
 from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload import budget as _budget
 from lightning_gh.activation_offload.measure import (
+    MAX_OVERSHOOTS,
     CompilerKnob,
     Kind,
     Measure,
@@ -47,6 +48,7 @@ from lightning_gh.activation_offload.measure import (
     floor_mode,
     floor_schedule,
     measuring_schedule,
+    relax_end,
     relax_guard,
     sample_copy_points,
 )
@@ -505,21 +507,26 @@ class BudgetController:
         """The next mix to measure: the current one with one more block at the plan's choice, if it is predicted to fit
         the budget both ways (the planner's model corrected by the current mix's measurement, and the current
         measurement plus what such a block is expected to add, :func:`relax_guard`) and the device could hold the
-        samples' bound on top (:func:`device_allows`); ``None``: relaxing is over."""
+        samples' bound on top (:func:`device_allows`); one held back by the guard alone is tried anyway while fewer
+        than :data:`MAX_OVERSHOOTS` steps measured above the budget (such a block is not tried again)."""
         r = self._relax
         if r.pending is not None:
             return r.pending
-        d2h, h2d, margin, _ = self._link()
-        room = self.probe.activation_room()
-        for i in [i for i in range(self.n) if r.current[i] != r.target[i]]:
+        (d2h, h2d, margin, _), room, held_back = self._link(), self.probe.activation_room(), None
+        for i in [i for i in range(self.n) if r.current[i] != r.target[i] and i not in r.skipped]:
             mix = [r.target[i] if j == i else c for j, c in enumerate(r.current)]
             plan, fc = _budget.evaluate(r.bp, mix, d2h, h2d, margin)
-            if max(fc.activation_bytes + r.correction, r.measured + relax_guard(r, r.target[i])) <= self.budget_bytes \
-                    and device_allows(r, r.target[i], room):
-                r.pending = (mix, replace(plan, lean_loss=self.lean), fc)
+            if fc.activation_bytes + r.correction > self.budget_bytes or not device_allows(r, r.target[i], room):
+                continue
+            step = (mix, replace(plan, lean_loss=self.lean), fc)
+            if r.measured + relax_guard(r, r.target[i]) <= self.budget_bytes:
+                r.pending, r.past_guard = step, False
                 return r.pending
-        self._finish_relax("the next block's plan would not fit" if any(
-            r.current[i] != r.target[i] for i in range(self.n)) else "the plan is reached")
+            held_back = held_back or step
+        if held_back is not None and len(r.skipped) < MAX_OVERSHOOTS:
+            r.pending, r.past_guard = held_back, True
+            return r.pending
+        self._finish_relax(relax_end(r))
         return None
 
     def _relaxed(self, obs: Observation) -> None:
@@ -531,14 +538,14 @@ class BudgetController:
                          "activation_budget/achieved_gib": measured / 2**30,
                          "activation_budget/predicted_gib": (fc.activation_bytes + r.correction) / 2**30,
                          "activation_budget/target_gib": self.budget_bytes / 2**30})
-        if measured > self.budget_bytes:
-            log.warning("ActivationOffload budget: relaxing step %d measured %s, above the budget of %s; the previous "
-                        "mix stays", r.steps, fmt_bytes(measured), fmt_bytes(self.budget_bytes))
-            self._finish_relax("a relaxing step measured above the budget")
-            return
         i = next(j for j, (a, b) in enumerate(zip(mix, r.current)) if a != b)
-        kind = choice_kind(mix[i])
-        r.step_bytes[kind] = max(r.step_bytes.get(kind, 0), measured - r.measured)
+        r.step_bytes[choice_kind(mix[i])] = max(r.step_bytes.get(choice_kind(mix[i]), 0), measured - r.measured)
+        if measured > self.budget_bytes:  # undone: the block keeps its choice and is not tried again
+            r.skipped.add(i)
+            log.info("ActivationOffload budget: relaxing step %d (block %d%s) measured %s, above the budget of %s; "
+                     "undone", r.steps, i, ", past the guard" if r.past_guard else "", fmt_bytes(measured),
+                     fmt_bytes(self.budget_bytes))
+            return
         r.current, r.measured, r.correction = mix, measured, measured - fc.activation_bytes
         if r.current == r.target:
             self._finish_relax("the plan is reached")

@@ -25,8 +25,8 @@ from lightning_gh import hardware
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
-__all__ = ["CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "choice_kind",
-           "device_allows", "floor_mode", "floor_schedule", "measuring_schedule", "relax_guard", "sample_copy_points",
+__all__ = ["MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "choice_kind",
+           "device_allows", "floor_mode", "floor_schedule", "measuring_schedule", "relax_end", "relax_guard", "sample_copy_points",
            "sample_guard"]
 
 
@@ -263,11 +263,20 @@ class Relaxation:
     # per kind of choice (its mode, offloaded in full), the most one relaxing step to it added to the measurement
     step_bytes: dict[tuple[str | None, bool], int] = field(default_factory=dict)
     floor_mode: str | None = None  # the floor's mode: it has no sample, the floor is its fully offloaded form
+    skipped: set[int] = field(default_factory=set)  # blocks whose relaxing step measured above the budget (undone)
+    past_guard: bool = False  # the pending step was let past :func:`relax_guard` (see MAX_OVERSHOOTS)
 
     @property
     def block_bytes(self) -> int:
         """The most one sampled block of any mode measured above the floor."""
         return max(self.mode_bytes.values(), default=0)
+
+
+#: Relaxing steps of a size budget that may measure above the budget before the relaxation ends. Each such step is
+#: undone (its block keeps its choice); while there are any left, a block that :func:`relax_guard` holds back but
+#: the planner's corrected model and :func:`device_allows` let through is tried, since most relaxing steps add far
+#: less than the most one added.
+MAX_OVERSHOOTS = 2
 
 
 def choice_kind(choice: tuple[str | None, float]) -> tuple[str | None, bool]:
@@ -326,6 +335,25 @@ def device_allows(r: Relaxation, choice: tuple[str | None, float], room: int | N
         (True, False, True)
     """
     return room is None or r.measured + sample_guard(r, choice) <= room
+
+
+def relax_end(r: Relaxation) -> str:
+    """Why relaxing ends when no block is left to try: the plan reached, steps above the budget, or the guards.
+
+    Example::
+
+        >>> r = Relaxation(None, [("full", 0.0), ("selective", 1.0)], [("full", 0.0), ("full", 1.0)], 0)
+        >>> relax_end(r)
+        "the next block's plan would not fit"
+        >>> r.skipped.add(1); relax_end(r)
+        'relaxing steps measured above the budget'
+    """
+    left = [i for i, (c, t) in enumerate(zip(r.current, r.target)) if c != t]
+    if not left:
+        return "the plan is reached"
+    if all(i in r.skipped for i in left) or len(r.skipped) >= MAX_OVERSHOOTS:
+        return "relaxing steps measured above the budget"
+    return "the next block's plan would not fit"
 
 
 def block0_ms(obs: Observation) -> float:

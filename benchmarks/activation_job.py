@@ -348,7 +348,7 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
             row.update(peak_gib=max(probe.peak[w:]) / GIB, max_allocated_gib=max(probe.peak) / GIB,
                        act_bytes=max(probe.act[w:]), static_gib=(probe.peak[-1] - probe.act[-1]) / GIB)
             row["act_gib"] = row["act_bytes"] / GIB
-        row["losses"] = [float(x) for x in module.losses]
+        row["losses"] = [float(x) for x in module.losses[:len(probe.step_ms)]]  # not the profiled steps
         row["loss_last"] = row["losses"][-1]
         if offload is not None:
             _engine_extras(_Extras(row), offload)
@@ -358,6 +358,8 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
         row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
         if not isinstance(e, torch.OutOfMemoryError):
             traceback.print_exc()
+    if probe is not None and probe._prof is not None and probe.trace_steps < 2:
+        probe._prof.__exit__(None, None, None)  # a failure inside the profiled steps: stop the profiler
     model = module = trainer = offload = probe = loader = None  # nothing of the variant outlives it
     reset_memory(device)
     if cuda:

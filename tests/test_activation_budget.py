@@ -116,6 +116,17 @@ def test_a_budget_near_the_floor_is_climbed_to_from_the_floor(above_floor_gib):
     assert wider.step_ms <= fc.step_ms + 1e-9  # more memory never plans slower
 
 
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.4])
+def test_a_budget_below_the_midpoint_plans_faster_than_the_floor(share):
+    """On this profile the descent from keeping everything ends on the floor's mix for budgets below the midpoint
+    between the floor and the plain step; the climb from the floor finds a faster mix that fits."""
+    bp = _profile()
+    floor, plain = plan_floor(bp, 50.0, 50.0), _plain(bp)
+    budget = int(floor.activation_bytes + share * (plain.activation_bytes - floor.activation_bytes))
+    fc = plan_budget(bp, budget, 50.0, 50.0)[1]
+    assert fc.activation_bytes <= budget and fc.step_ms < floor.step_ms - 1.0, (fc.step_ms, floor.step_ms)
+
+
 def test_plan_prefers_offload_on_a_fast_link():
     bp = _profile()
     budget = int(0.6 * _plain(bp).activation_bytes)

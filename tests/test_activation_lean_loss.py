@@ -273,7 +273,8 @@ _OWN_LOSSES = {
     "shift-flatten-float": lambda lg, x: F.cross_entropy(lg[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten()),
     "hf-style-contiguous-view-sum": lambda lg, x: torch.nn.CrossEntropyLoss(reduction="sum")(
         lg.float()[..., :-1, :].contiguous().view(-1, lg.shape[-1]), x[:, 1:].reshape(-1)),
-    "bf16-view-ignore-index": lambda lg, x: F.cross_entropy(lg.view(-1, lg.shape[-1]), x.view(-1), ignore_index=3),
+    "bf16-view-ignore-index": lambda lg, x: F.cross_entropy(lg.view(-1, lg.shape[-1]), x.view(-1),
+                                                            ignore_index=int(x[0, 3])),  # a target that occurs
     "to-float32": lambda lg, x: F.cross_entropy(torch.flatten(lg.to(torch.float32), 0, 1), x.flatten()),
 }
 
@@ -352,7 +353,8 @@ def test_own_loss_under_no_grad_and_after_exit_runs_as_written():
 @pytest.mark.parametrize("args,kwargs,expected", [
     ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {}, (-100, "mean")),
     ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"reduction": "sum", "ignore_index": 0}, (0, "sum")),
-    ((torch.zeros(4, 10),), {"target": torch.zeros(4, dtype=torch.int32)}, (-100, "mean")),
+    ((torch.zeros(4, 10),), {"target": torch.zeros(4, dtype=torch.long)}, (-100, "mean")),
+    ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.int32)), {}, None),  # cross_entropy wants int64 targets
     ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"reduction": "none"}, None),
     ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"weight": torch.ones(10)}, None),
     ((torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)), {"label_smoothing": 0.2}, None),
@@ -414,3 +416,74 @@ def test_budget_planner_takes_the_lean_loss_for_a_loss_of_the_users_own():
     assert b.achieved_bytes <= b.budget_bytes * 1.05
     assert e._lean.last_logits is not None and e._lean.last_logits[1] == 2000
     assert torch.equal(plain, ours), (plain - ours).abs().max()
+
+
+def test_own_loss_modified_in_place_or_built_without_grad_runs_as_written():
+    """An in-place change of the user's copy would not reach the logits the lean loss reads; a copy made under
+    no_grad carries no gradient: both run as written."""
+    cases = {
+        "in-place scale": lambda lg, x: F.cross_entropy(lg.float().flatten(0, 1).div_(2), x.flatten()),
+        "view then clamp_": lambda lg, x: F.cross_entropy(_clamped(lg.float()), x.flatten()),
+        "recipe under no_grad": lambda lg, x: F.cross_entropy(_no_grad_copy(lg), x.flatten()),
+    }
+    for name, fn in cases.items():
+        plain = _hf("llama").to(torch.bfloat16)
+        lean = copy.deepcopy(plain)
+        x = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
+        a, ga = _own_step(plain, x, lambda lg, x, fn=fn: fn(lg, x) + lg.float().mean(), False)
+        b, gb = _own_step(lean, x, lambda lg, x, fn=fn: fn(lg, x) + lg.float().mean(), True)
+        assert "_LeanCrossEntropyBackward" not in str(b.grad_fn.next_functions), name
+        assert torch.equal(a, b) and all(torch.equal(u, v) for u, v in zip(ga, gb)), name
+
+
+def _clamped(f):
+    flat = f.flatten(0, 1)
+    f.clamp_(max=0.0)  # the base changes after the view was taken
+    return flat
+
+
+def _no_grad_copy(lg):
+    with torch.no_grad():
+        return lg.float().flatten(0, 1)
+
+
+def test_own_loss_mode_sits_below_modes_the_step_enters_and_only_where_logits_were_marked():
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    model = _hf("llama").to(torch.bfloat16)
+    x = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    lean = LeanLoss(find_causal_lm(model))
+    with lean:
+        user = Count()
+        with user:  # a mode around the model call that exits before the LeanLoss does
+            logits = model(input_ids=x).logits
+        assert torch._C._len_torch_function_stack() == 1  # the user's mode exited by popping itself
+        assert type(torch._C._get_function_stack_at(0)).__name__ == "_OwnLossMode"
+        calls = user.calls
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+        assert user.calls == calls and type(loss.grad_fn).__name__ == "_LeanCrossEntropyBackward"
+    assert torch._C._len_torch_function_stack() == 0
+    fp32 = _hf("llama")  # fp32 logits: nothing to follow, no mode
+    with LeanLoss(find_causal_lm(fp32)):
+        fp32(input_ids=x)
+        assert torch._C._len_torch_function_stack() == 0
+
+
+def test_own_loss_mode_keeps_no_logits_alive():
+    model = _hf("llama").to(torch.bfloat16)
+    x = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with LeanLoss(find_causal_lm(model)):
+        logits = model(input_ids=x).logits
+        up = logits.float().flatten(0, 1)
+        ref = weakref.ref(logits)
+        del logits, up
+        assert ref() is None

@@ -335,14 +335,19 @@ def plan_budget(
                     cand = ch[:i] + [opt] + ch[i + 1:]
                     yield cand, _evaluate(bp, cand, d2h_gbps, h2d_gbps, margin)
 
+    climbed = None
     if budget_bytes - floor.activation_bytes < act - budget_bytes:
-        # Nearer the floor than the plain step: climb from the floor (few moves) rather than descend from keeping
-        # everything (many, each of which may leave the peak where it was). Also from the floor's modes with
-        # nothing offloaded, where that fits: a climb moves one block at a time, and from the floor the link is
-        # already busy, so a block that would offload more only pays once another stops offloading.
+        # Nearer the floor than the plain step: climb from the floor (few moves); descending from keeping everything
+        # takes many, each of which may leave the peak where it was, and may end on the floor's mix. Also from the
+        # floor's modes with nothing offloaded, where that fits: a climb moves one block at a time, and from the
+        # floor the link is already busy, so a block that would offload more only pays once another stops
+        # offloading. On up to CLIMB_ONLY_ABOVE blocks the descent runs too and the faster plan wins; beyond, its
+        # cost (a pass over every block's options per move, for many moves) is the climb's alone.
         starts = [list(floor.choices), [(m, 0.0) for m, _ in floor.choices]]
-        return _climb_from_floor(starts, budget_bytes, neighbours,
-                                 lambda ch: _evaluate(bp, ch, d2h_gbps, h2d_gbps, margin), len(opts) * 4)
+        climbed = _climb_from_floor(starts, budget_bytes, neighbours,
+                                    lambda ch: _evaluate(bp, ch, d2h_gbps, h2d_gbps, margin), len(opts) * 4)
+        if n > CLIMB_ONLY_ABOVE:
+            return climbed
     # Each step takes one block to another of its options; a bound on the steps keeps a plateau (moves that only
     # shift the peak) from spinning: every block can walk through each of its options once.
     for _ in range(sum(len(o) for o in opts)):
@@ -376,7 +381,13 @@ def plan_budget(
     if act > budget_bytes:  # the floor said it fits; the greedy path did not get there: take the floor's mix
         floor_choices = list(floor.choices)
         act, ms, plan, fc = _evaluate(bp, floor_choices, d2h_gbps, h2d_gbps, margin)
+    if climbed is not None and climbed[1].step_ms < fc.step_ms:
+        return climbed
     return plan, fc
+
+
+#: Blocks above which a budget nearer the floor than the plain step is planned by the climb from the floor alone.
+CLIMB_ONLY_ABOVE = 16
 
 
 def _climb_from_floor(

@@ -43,7 +43,6 @@ from lightning_gh.activation_offload.measure import (
     Observation,
     Relaxation,
     block0_ms,
-    choice_kind,
     device_allows,
     floor_mode,
     floor_schedule,
@@ -539,7 +538,8 @@ class BudgetController:
                          "activation_budget/predicted_gib": (fc.activation_bytes + r.correction) / 2**30,
                          "activation_budget/target_gib": self.budget_bytes / 2**30})
         i = next(j for j, (a, b) in enumerate(zip(mix, r.current)) if a != b)
-        r.step_bytes[choice_kind(mix[i])] = max(r.step_bytes.get(choice_kind(mix[i]), 0), measured - r.measured)
+        if measured > r.measured:  # what such a step adds; one that added nothing leaves the samples' bound
+            r.step_bytes[mix[i]] = max(r.step_bytes.get(mix[i], 0), measured - r.measured)
         if measured > self.budget_bytes:  # undone: the block keeps its choice and is not tried again
             r.skipped.add(i)
             log.info("ActivationOffload budget: relaxing step %d (block %d%s) measured %s, above the budget of %s; "

@@ -23,15 +23,20 @@ Note [A loss of the user's own over the logits]
     Most training steps compute the loss themselves: ``F.cross_entropy(logits.float().flatten(0, 1), targets)``,
     with a shift (``logits[:, :-1]``), a ``view``, a ``contiguous`` or ``torch.nn.CrossEntropyLoss`` on the way. The
     fp32 log-softmax such a call saves costs what Hugging Face's loss costs. While :class:`LeanLoss` is on, a
-    forward hook on the causal LM marks the logits it returns and pushes a ``TorchFunctionMode`` (only then: the
-    model's own forward runs without it) that follows the logits through shape-only ops and an upcast to fp32,
-    each recorded as a recipe on the low-precision logits. A ``cross_entropy`` whose input came out of that chain,
-    2-D, without class weights or label smoothing, with ``"mean"`` or ``"sum"`` reduction and ``ignore_index``
-    as given, in fp32 (after the upcast, or under autocast, which computes it in fp32), runs as the lean loss on the recipe replayed over the low-precision logits instead: the same loss
-    and, element by element, the same gradient for the logits (the upcast is exact, the gradient's cast back is
-    the one autograd would apply). Anything else, and every call under ``torch.no_grad()``, runs as written. The
-    user's own fp32 copy is still made in the forward; only what the backward keeps changes. The mode is popped
-    when :class:`LeanLoss` exits, at the end of the step's forward.
+    forward hook on the causal LM marks the low-precision logits it returns (requiring grad) and, the first time it
+    marks any, puts a ``TorchFunctionMode`` on the mode stack at the depth it had when :class:`LeanLoss` was entered
+    (below any mode the step entered since, so those still exit by popping themselves; the model's forward before
+    the hook runs without it). The mode follows the logits through shape-only ops and an upcast to fp32, each
+    recorded as a recipe on the logits, holding every tensor weakly and with its version counter. A
+    ``cross_entropy`` whose input came out of that chain, still alive and unmodified in place, requiring grad, 2-D,
+    on the targets' device, without class weights or label smoothing, with ``"mean"`` or ``"sum"`` reduction and
+    ``ignore_index`` as given, in fp32 (after the upcast, or under autocast, which computes it in fp32), runs as the
+    lean loss on the recipe replayed over the logits instead: the same loss and, element by element, the same
+    gradient for the logits (the upcast is exact, the gradient's cast back is the one autograd would apply).
+    Anything else runs as written, as does a loss whose logits were already freed (``model(x).logits.float()``
+    keeps no reference to them). The user's own fp32 copy is still made in the forward; only what the backward
+    keeps changes. The mode is taken off the stack, wherever it is, when :class:`LeanLoss` exits, at the end of the
+    step's forward.
 
 Example::
 
@@ -180,7 +185,7 @@ def lean_cross_entropy_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tu
     bound = dict(_CE_DEFAULTS, **dict(zip(_CE_PARAMS, args)), **kwargs)
     x, t = bound.get("input"), bound.get("target")
     if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor) or x.dim() != 2 or t.dim() != 1 \
-            or t.dtype not in (torch.int64, torch.int32) or t.shape[0] != x.shape[0]:
+            or t.dtype != torch.int64 or t.shape[0] != x.shape[0]:
         return None
     if bound["weight"] is not None or bound["size_average"] is not None or bound["reduce"] is not None \
             or bound["label_smoothing"] != 0.0 or bound["reduction"] not in ("mean", "sum"):
@@ -197,6 +202,27 @@ _CAST_OPS = frozenset({torch.Tensor.float, torch.Tensor.to})
 _LOW = (torch.bfloat16, torch.float16)
 
 
+def _insert_mode(mode: TorchFunctionMode, depth: int) -> None:
+    """Put ``mode`` on the torch-function mode stack at ``depth`` (the modes above it stay above it), so that a mode
+    entered later, inside a ``with``, still exits by popping itself."""
+    above = [torch.overrides._pop_mode() for _ in range(max(0, torch._C._len_torch_function_stack() - depth))]
+    torch.overrides._push_mode(mode)
+    for m in reversed(above):
+        torch.overrides._push_mode(m)
+
+
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off the torch-function mode stack wherever it is (nothing if it is not there)."""
+    n = torch._C._len_torch_function_stack()
+    at = next((i for i in range(n) if torch._C._get_function_stack_at(i) is mode), None)
+    if at is None:
+        return
+    above = [torch.overrides._pop_mode() for _ in range(n - 1 - at)]
+    torch.overrides._pop_mode()
+    for m in reversed(above):
+        torch.overrides._push_mode(m)
+
+
 class _OwnLossMode(TorchFunctionMode):
     """Follows the logits :class:`LeanLoss` marked and runs a matching ``cross_entropy`` as the lean loss (Note [A
     loss of the user's own over the logits])."""
@@ -204,19 +230,30 @@ class _OwnLossMode(TorchFunctionMode):
     def __init__(self, lean: LeanLoss) -> None:
         super().__init__()
         self.lean = lean
-        # tensor id -> (weak ref to it, the low-precision logits, the recipe: (op, args after the tensor, kwargs))
-        self.derived: dict[int, tuple[weakref.ref, torch.Tensor, tuple[tuple[Callable, tuple, dict], ...]]] = {}
+        # tensor id -> (weak refs to it and to the low-precision logits, their versions when noted, the recipe:
+        # (op, args after the tensor, kwargs)); weak, so that a noted tensor the user drops is freed as it would be
+        self.derived: dict[int, tuple[weakref.ref, weakref.ref, int, int, tuple[tuple[Callable, tuple, dict], ...]]] = {}
 
-    def mark(self, logits: torch.Tensor) -> None:
-        if logits.dtype in _LOW and logits.requires_grad:
-            self._note(logits, logits, ())
+    def mark(self, logits: torch.Tensor) -> bool:
+        """Follow ``logits`` (low-precision, requiring grad); whether they were."""
+        if logits.dtype not in _LOW or not logits.requires_grad:
+            return False
+        self._note(logits, logits, ())
+        return True
 
     def _note(self, t: torch.Tensor, root: torch.Tensor, recipe: tuple) -> None:
-        self.derived[id(t)] = (weakref.ref(t), root, recipe)
+        self.derived[id(t)] = (weakref.ref(t), weakref.ref(root), t._version, root._version, recipe)
 
     def _source(self, t: Any) -> tuple[torch.Tensor, tuple] | None:
+        """The logits ``t`` came from and the recipe, if ``t`` was noted, both are alive and neither was modified in
+        place since (an in-place change of the user's copy would not reach the logits)."""
         e = self.derived.get(id(t)) if isinstance(t, torch.Tensor) else None
-        return (e[1], e[2]) if e is not None and e[0]() is t else None
+        if e is None or e[0]() is not t:
+            return None
+        root = e[1]()
+        if root is None or t._version != e[2] or root._version != e[3]:
+            return None
+        return root, e[4]
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -238,21 +275,23 @@ class _OwnLossMode(TorchFunctionMode):
     def _lean_cross_entropy(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
         how = lean_cross_entropy_args(args, kwargs)
         x = args[0] if args else kwargs.get("input")
-        src = self._source(x) if how is not None else None
+        src = self._source(x) if how is not None and x.requires_grad else None
         if src is None or (x.dtype in _LOW and not torch.is_autocast_enabled(x.device.type)):
             return None  # low-precision scores outside autocast: cross_entropy computes in their precision
+        target = args[1] if len(args) > 1 else kwargs["target"]
+        if target.device != x.device:
+            return None  # cross_entropy raises here; so should the user's call
         root, recipe = src
         low = root
         for op, rest, kw in recipe:
             low = op(low, *rest, **kw)
         if not isinstance(low, torch.Tensor) or low.shape != x.shape or low.dtype not in _LOW:
             return None
-        target = args[1] if len(args) > 1 else kwargs["target"]
         ignore, reduction = how
         vocab = low.shape[1]
         self.lean.last_logits = (low.shape[0], vocab, low.dtype, low.device)
         divisor = None if reduction == "mean" else torch.ones((), dtype=torch.float32, device=low.device)
-        return _LeanCrossEntropy.apply(low, target.to(low.device), ignore, divisor, max(1, CHUNK_BYTES // (4 * vocab)))
+        return _LeanCrossEntropy.apply(low, target, ignore, divisor, max(1, CHUNK_BYTES // (4 * vocab)))
 
 
 def lean_loss_overhead_ms(rows: int, vocab: int, dtype: torch.dtype, device: torch.device,
@@ -330,7 +369,8 @@ class LeanLoss:
         self.causal_lm = causal_lm
         self._on = False
         self._hook: Any = None  # the forward hook that marks the logits for a loss of the user's own
-        self._mode: _OwnLossMode | None = None  # pushed by that hook, popped on exit
+        self._mode: _OwnLossMode | None = None  # pushed by that hook once it marked logits, removed on exit
+        self._depth = 0  # the torch-function mode stack's depth on entry: where that hook puts the mode
         # (rows, vocab, dtype, device) of the logits the last lean forward saw: the budget planner times the lean
         # loss against Hugging Face's on that shape in isolation (:func:`lean_loss_overhead_ms`)
         self.last_logits: tuple[int, int, torch.dtype, torch.device] | None = None
@@ -344,6 +384,7 @@ class LeanLoss:
         if not self._on:
             self.causal_lm.loss_function = self.loss
             self._hook = self.causal_lm.register_forward_hook(self._mark_logits)
+            self._depth = torch._C._len_torch_function_stack()
             self._on = True
         return self
 
@@ -355,10 +396,10 @@ class LeanLoss:
             logits = output[0]
         if not isinstance(logits, torch.Tensor) or getattr(output, "loss", None) is not None:
             return  # a loss computed with labels= went through loss_function already
-        if self._mode is None:
-            self._mode = _OwnLossMode(self)
-            self._mode.__enter__()
-        self._mode.mark(logits)
+        mode = self._mode or _OwnLossMode(self)
+        if mode.mark(logits) and self._mode is None:
+            self._mode = mode
+            _insert_mode(mode, self._depth)  # below any mode the step entered since: theirs exit first
 
     def __exit__(self, *exc: Any) -> bool:
         if self._on:
@@ -368,5 +409,5 @@ class LeanLoss:
             self._hook, self._on = None, False
         if self._mode is not None:
             mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+            _remove_mode(mode)
         return False

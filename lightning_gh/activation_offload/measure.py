@@ -25,7 +25,7 @@ from lightning_gh import hardware
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
-__all__ = ["MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "choice_kind",
+__all__ = ["MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms",
            "device_allows", "floor_mode", "floor_schedule", "measuring_schedule", "relax_end", "relax_guard", "sample_copy_points",
            "sample_guard"]
 
@@ -260,8 +260,8 @@ class Relaxation:
     correction: int = 0  # measured minus predicted, for the current mix
     pending: tuple[list[tuple[str | None, float]], OffloadPlan, BudgetForecast] | None = None
     steps: int = 0
-    # per kind of choice (its mode, offloaded in full), the most one relaxing step to it added to the measurement
-    step_bytes: dict[tuple[str | None, bool], int] = field(default_factory=dict)
+    # per choice (its mode, the share offloaded), the most one relaxing step to it added to the measurement (> 0)
+    step_bytes: dict[tuple[str | None, float], int] = field(default_factory=dict)
     floor_mode: str | None = None  # the floor's mode: it has no sample, the floor is its fully offloaded form
     skipped: set[int] = field(default_factory=set)  # blocks whose relaxing step measured above the budget (undone)
     past_guard: bool = False  # the pending step was let past :func:`relax_guard` (see MAX_OVERSHOOTS)
@@ -279,18 +279,14 @@ class Relaxation:
 MAX_OVERSHOOTS = 2
 
 
-def choice_kind(choice: tuple[str | None, float]) -> tuple[str | None, bool]:
-    """A block's choice as the guards count it: its mode, and whether what it saves is offloaded in full."""
-    return choice[0], choice[1] >= 1.0
-
-
 def sample_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
     """The most relaxing one block to ``choice`` could add to the measured activation memory, from the samples: the
     larger of what a sample of that mode added to the floor (nothing for the floor's own mode, which has no sample)
-    and the share of the mode's kept bytes the choice keeps on the device. A sample holds its block's bytes through
-    the forward and the backward (:func:`sample_copy_points`), so what it added counts them wherever the step's
-    peak falls but at the loss, where the kept share counts them. For a mode without a sample or a kept size: the
-    most any sampled block added. A sample measures block 0 alone above the floor, so this counts, once per block, what
+    and what the choice keeps on the device (the mode's kept bytes less the offloaded share of what may be
+    offloaded; for the floor's mode, beyond what the floor keeps). A sample holds its block's bytes through the
+    forward and the backward (:func:`sample_copy_points`), so what it added counts them wherever the step's peak
+    falls but at the loss, where the kept bytes count them. For a mode without a sample or a kept size: the most
+    any sampled block added. A sample measures block 0 alone above the floor, so this counts, once per block, what
     the relaxed blocks share (a prefetched block's bytes beside another's recompute), which is why
     :func:`relax_guard` prefers what relaxing steps measured.
 
@@ -305,22 +301,23 @@ def sample_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
     added = r.mode_bytes.get(mode, 0 if mode == r.floor_mode and r.mode_bytes else None)
     if cost is None or added is None:
         return r.mode_bytes.get(mode, r.block_bytes) if frac >= 1.0 else r.block_bytes
-    return max(added, int((1.0 - frac) * cost.kept_bytes))
+    keeps = lambda f: cost.kept_bytes - int(f * min(cost.offloadable_bytes, cost.kept_bytes))  # noqa: E731
+    return max(added, keeps(frac) - (keeps(1.0) if mode == r.floor_mode else 0))
 
 
 def relax_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
     """What relaxing one more block to ``choice`` is expected to add to the measured activation memory: the most one
-    relaxing step of the same kind (:func:`choice_kind`) added, once one was measured; before that the samples'
+    relaxing step to the same choice added, once one added anything; before that the samples'
     bound (:func:`sample_guard`). A step that adds more than expected measures above the budget and is undone;
     whether the device could hold it is :func:`device_allows`'s question.
 
     Example::
 
-        >>> r = Relaxation(None, [], [], 0, mode_bytes={"selective": 4, None: 9}, step_bytes={("selective", True): 1})
+        >>> r = Relaxation(None, [], [], 0, mode_bytes={"selective": 4, None: 9}, step_bytes={("selective", 1.0): 1})
         >>> relax_guard(r, ("selective", 1.0)), relax_guard(r, ("selective", 0.5)), relax_guard(r, (None, 0.0))
         (1, 9, 9)
     """
-    return r.step_bytes.get(choice_kind(choice), sample_guard(r, choice))
+    return r.step_bytes.get(choice, sample_guard(r, choice))
 
 
 def device_allows(r: Relaxation, choice: tuple[str | None, float], room: int | None) -> bool:

@@ -89,7 +89,7 @@ def test_plan_fits_and_is_not_slower_than_full_checkpointing(frac):
     assert plan.policy == "budget" and plan.n_blocks == 8
 
 
-def _deep_profile(n=16):
+def _deep_profile(n=20):
     """A deep model's blocks at a 7B job's proportions: keeping a block costs more than a step's worth of link time,
     selective recompute keeps half of it (all offloadable) for a third of full recompute's extra time."""
     plain = BlockProfile(16.0, 32.0, int(3.07 * GIB), int(0.4 * GIB))

@@ -169,7 +169,7 @@ _CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "red
 def lean_cross_entropy_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, str] | None:
     """``(ignore_index, reduction)`` when a ``F.cross_entropy(*args, **kwargs)`` call is one the lean loss computes
     alike (Note [A loss of the user's own over the logits]), else ``None``: a 2-D input of class scores with 1-D
-    integer targets, no class weights, no label smoothing, reduction ``"mean"`` or ``"sum"``, no legacy
+    int64 targets (what ``cross_entropy`` takes), no class weights, no label smoothing, reduction ``"mean"`` or ``"sum"``, no legacy
     ``size_average``/``reduce``.
 
     Example::

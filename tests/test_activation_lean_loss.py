@@ -403,3 +403,74 @@ class _OwnLossModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_own_loss_modified_in_place_or_built_without_grad_runs_as_written():
+    """An in-place change of the user's copy would not reach the logits the lean loss reads; a copy made under
+    no_grad carries no gradient: both run as written."""
+    cases = {
+        "in-place scale": lambda lg, x: F.cross_entropy(lg.float().flatten(0, 1).div_(2), x.flatten()),
+        "view then clamp_": lambda lg, x: F.cross_entropy(_clamped(lg.float()), x.flatten()),
+        "recipe under no_grad": lambda lg, x: F.cross_entropy(_no_grad_copy(lg), x.flatten()),
+    }
+    for name, fn in cases.items():
+        plain = _hf("llama").to(torch.bfloat16)
+        lean = copy.deepcopy(plain)
+        x = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
+        a, ga = _own_step(plain, x, lambda lg, x, fn=fn: fn(lg, x) + lg.float().mean(), False)
+        b, gb = _own_step(lean, x, lambda lg, x, fn=fn: fn(lg, x) + lg.float().mean(), True)
+        assert "_LeanCrossEntropyBackward" not in str(b.grad_fn.next_functions), name
+        assert torch.equal(a, b) and all(torch.equal(u, v) for u, v in zip(ga, gb)), name
+
+
+def _clamped(f):
+    flat = f.flatten(0, 1)
+    f.clamp_(max=0.0)  # the base changes after the view was taken
+    return flat
+
+
+def _no_grad_copy(lg):
+    with torch.no_grad():
+        return lg.float().flatten(0, 1)
+
+
+def test_own_loss_mode_sits_below_modes_the_step_enters_and_only_where_logits_were_marked():
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    model = _hf("llama").to(torch.bfloat16)
+    x = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    lean = LeanLoss(find_causal_lm(model))
+    with lean:
+        user = Count()
+        with user:  # a mode around the model call that exits before the LeanLoss does
+            logits = model(input_ids=x).logits
+        assert torch._C._len_torch_function_stack() == 1  # the user's mode exited by popping itself
+        assert type(torch._C._get_function_stack_at(0)).__name__ == "_OwnLossMode"
+        calls = user.calls
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+        assert user.calls == calls and type(loss.grad_fn).__name__ == "_LeanCrossEntropyBackward"
+    assert torch._C._len_torch_function_stack() == 0
+    fp32 = _hf("llama")  # fp32 logits: nothing to follow, no mode
+    with LeanLoss(find_causal_lm(fp32)):
+        fp32(input_ids=x)
+        assert torch._C._len_torch_function_stack() == 0
+
+
+def test_own_loss_mode_keeps_no_logits_alive():
+    model = _hf("llama").to(torch.bfloat16)
+    x = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with LeanLoss(find_causal_lm(model)):
+        logits = model(input_ids=x).logits
+        up = logits.float().flatten(0, 1)
+        ref = weakref.ref(logits)
+        del logits, up
+        assert ref() is None

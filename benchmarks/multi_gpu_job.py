@@ -20,6 +20,8 @@ superoffload               ``strategy="superoffload"`` (ZeRO-1/2, AdamW state in
                            defaults, clipping; the model whole on every rank (built on the meta device, materialized)
 superoffload_fsdp          ``strategy="superoffload_fsdp"`` (ZeRO-3 through FSDP2), ``bf16-true``, defaults, clipping
 superoffload_fsdp_lean     the same with ``max_gpu_fraction=--lean-gpu-fraction``: less GPU memory, more CPU work
+superoffload_fsdp_onepass  ``superoffload_fsdp`` with ``weights_first=False`` (each unit's update in one pass);
+                           ``superoffload_fsdp_lean_onepass``: ``superoffload_fsdp_lean`` with it
 fsdp_cpu_offload           as fsdp_clip with ``fully_shard(..., offload_policy=CPUOffloadPolicy())``
 deepspeed_zero3_offload    Lightning ``strategy="deepspeed_stage_3_offload"``, ``bf16-mixed``, ``DeepSpeedCPUAdam``,
                            clipping (the model is built inside DeepSpeed's ``zero.Init``: torch's default init, so
@@ -87,6 +89,8 @@ VARIANTS = {
     "superoffload": Variant("superoffload", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp_lean": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
+    "superoffload_fsdp_onepass": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
+    "superoffload_fsdp_lean_onepass": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "fsdp_cpu_offload": Variant("fsdp", "bf16-mixed", clip=True, offload=True),
     "deepspeed_zero3_offload": Variant("deepspeed_stage_3_offload", "bf16-mixed", clip=True),
 }
@@ -117,7 +121,8 @@ class MJob(Shape):
     steps: int = 8  # timed
     warmup: int = 4  # untimed, before the timed steps
     gpu_cap_gib: float | None = None
-    max_gpu_fraction: float | None = None  # SuperOffload's option, for the *_lean variant
+    max_gpu_fraction: float | None = None  # SuperOffload's option, for the *_lean variants
+    weights_first: bool = True  # SuperOffload's option, False for the *_onepass variants
 
 
 @dataclass
@@ -359,8 +364,9 @@ def _child(job: MJob, out_file: Path) -> None:
         if spec.strategy == "fsdp":
             from lightning.pytorch.strategies import ModelParallelStrategy
             strategy: Any = ModelParallelStrategy(data_parallel_size=job.devices, tensor_parallel_size=1)
-        elif job.max_gpu_fraction is not None:
-            strategy = lightning_gh.SuperOffloadFSDPStrategy(max_gpu_fraction=job.max_gpu_fraction)
+        elif spec.strategy == "superoffload_fsdp" and (job.max_gpu_fraction is not None or not job.weights_first):
+            strategy = lightning_gh.SuperOffloadFSDPStrategy(max_gpu_fraction=job.max_gpu_fraction,
+                                                             weights_first=job.weights_first)
         else:
             strategy = spec.strategy
         trainer = L.Trainer(accelerator=job.accelerator, devices=job.devices, strategy=strategy,
@@ -672,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         job = make_job(v, shape, layers, devices=devices, accelerator=accel, batch=batch, seq=seq, steps=steps,
                        warmup=args.offload_warmup if v == "superoffload" and not args.smoke else warmup,
                        checkpointing=not args.no_checkpointing, gpu_cap_gib=args.gpu_cap_gib,
-                       max_gpu_fraction=args.lean_gpu_fraction if v.endswith("_lean") else None)
+                       max_gpu_fraction=args.lean_gpu_fraction if "_lean" in v else None,
+                       weights_first=not v.endswith("_onepass"))
         left = args.wall_budget - (time.perf_counter() - t_start) if args.wall_budget else args.timeout
         why = None if args.no_fit_check else fsdp_fit_reason(v, params_of(job), devices, gpu_bytes)
         if why is None and left < 30:

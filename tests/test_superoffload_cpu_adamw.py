@@ -143,3 +143,33 @@ def test_rollback_option_is_checked():
         SuperOffloadOptions(rollback="flip")
     with pytest.raises(TypeError, match=r"rollback=1\): expected a string, got int"):
         HeterogeneousAdamW(torch.nn.Linear(2, 2).parameters(), rollback=1)
+
+
+@needs_cc
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start", [0, 3])  # a span that starts off the vector alignment
+def test_weights_only_form_writes_the_steps_weights_and_nothing_else(gdtype, start):
+    """The weights-only form (the first pass of Note [Weights first, state after]) writes the weights the in-place
+    step writes, in fp32 and cast to bf16 as torch casts (infinities included), and leaves its inputs untouched."""
+    k = cpu_adamw.load()
+    gen = torch.Generator().manual_seed(7)
+    n = 70_000 + 5
+    scale = torch.pow(10.0, torch.randint(-6, 3, (n,), generator=gen).float())
+    p = torch.randn(n, generator=gen) * scale
+    p[start + 100] = float("inf")  # stays inf; the cast keeps it
+    m, v = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-4
+    g = (torch.randn(n, generator=gen) * scale.flip(0)).to(gdtype)
+    consts = cpu_adamw.step_constants(4.0, 1e-3, 0.9, 0.95, 0.1, 1e-8, 0.37)
+    src = tuple(t[start:] for t in (p.clone(), m.clone(), v.clone()))
+    before = tuple(t.clone() for t in src)
+    w32, w16 = torch.empty(n - start), torch.empty(n - start, dtype=torch.bfloat16)
+    k.weights(src, g[start:], w32, consts, threads=2)
+    k.weights(src, g[start:], w16, consts, threads=3)
+    assert all(torch.equal(a, b) for a, b in zip(src, before))
+    k.step(src, g[start:], src, consts, threads=2)
+    assert torch.equal(w32, src[0]) and torch.isinf(w32[100])
+    assert torch.equal(w16, src[0].to(torch.bfloat16))
+    with pytest.raises(TypeError, match=r"out.dtype=torch.float16 must be torch.float32 or torch.bfloat16"):
+        k.weights(src, g[start:], w32.half(), consts, threads=1)
+    with pytest.raises(ValueError, match=r"all must be equal"):
+        k.weights(src, g[start:], w32[1:], consts, threads=1)

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from test_superoffload_zero import groups, schedule  # the ZeRO-1/2 tests' param groups and LR schedule
 from torch import nn
 
+from lightning_gh.superoffload import cpu_adamw
 from lightning_gh.superoffload.fsdp import SuperOffloadFSDPStrategy, check_optimizers
 from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
 from lightning_gh.superoffload.fsdp_units import (
@@ -207,9 +208,10 @@ class SpyAdamW(ShardedHostAdamW):
         super().wait_for(unit_index)
 
 
-def _opt(model: nn.Module, cls=ShardedHostAdamW, gpu_fraction: float | str = "auto") -> ShardedHostAdamW:
+def _opt(model: nn.Module, cls=ShardedHostAdamW, gpu_fraction: float | str = "auto",
+         weights_first: bool = True) -> ShardedHostAdamW:
     return cls(groups(model), lr=1e-2, betas=(0.9, 0.95), module=model, max_grad_norm=MAX_NORM, cpu_threads=1,
-               gpu_fraction=gpu_fraction)
+               gpu_fraction=gpu_fraction, weights_first=weights_first)
 
 
 def _full(model: nn.Module) -> list[torch.Tensor]:
@@ -262,7 +264,7 @@ def _report_room_for_half() -> None:
     so_memory.device_memory_room = lambda dev: (2**30 + HALF_ROOM, 2 * 2**30)  # the margin is 1 GiB here
 
 
-def _module_run(rank: int, world: int, tmp: str, fraction: float | str = "auto") -> None:
+def _module_run(rank: int, world: int, tmp: str, fraction: float | str = "auto", weights_first: bool = True) -> None:
     from torch.distributed.tensor import DTensor
 
     _init(rank, world)
@@ -282,7 +284,7 @@ def _module_run(rank: int, world: int, tmp: str, fraction: float | str = "auto")
     model[1].register_forward_pre_hook(lambda m, a: control.append(isinstance(m[0].weight, DTensor)))
     SpyAdamW.test_units = [params for _, params in fsdp_units(model)]
     SpyAdamW.test_sharded_at_wait = []
-    opt = _opt(model, SpyAdamW, fraction)
+    opt = _opt(model, SpyAdamW, fraction, weights_first)
     sched = schedule(opt)
     losses = []
     released = []  # after backward, before step(): no parameter holds a gradient (all moved to the host)
@@ -371,11 +373,15 @@ def _assert_equals_reference(out: dict, ref: dict, rank: int) -> None:
     assert out["losses"] == [ref["losses"][s][rank] for s in range(STEPS)]
     st = out["stats"]
     assert st["steps"] == STEPS and st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
+    if st["weights_first"]:  # the host units' state was written in a second pass (see weights_first)
+        assert st["writeback_ms"] > 0, st
     assert st["last_grad_norm"] is not None and st["last_grad_norm"] > 0
 
 
 def test_two_ranks_equal_one_process_adamw_bitwise(module_runs):
     ref = module_runs["ref"]
+    kernel = cpu_adamw.load() is not None
+    assert [out["stats"]["weights_first"] for out in module_runs["ranks"]] == [kernel] * WORLD  # the default
     for rank, out in enumerate(module_runs["ranks"]):
         _assert_equals_reference(out, ref, rank)
     total = sum(p.numel() for p in ref["params"])
@@ -385,7 +391,7 @@ def test_two_ranks_equal_one_process_adamw_bitwise(module_runs):
 @pytest.fixture(scope="module")
 def share_runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("zero3-share"))
-    run_ranks(_module_run, WORLD, tmp, 0.5)
+    run_ranks(_module_run, WORLD, tmp, 0.5, False)  # and in one pass (weights_first=False)
     return [torch.load(f"{tmp}/module-share0.5-rank{r}.pt") for r in range(WORLD)]
 
 
@@ -396,6 +402,7 @@ def test_gpu_share_equals_one_process_adamw_bitwise_and_resumes(share_runs, modu
     ref = module_runs["ref"]
     for rank, out in enumerate(share_runs):
         assert out["device_units"] == [0, 1] and out["resumed_device_units"] == [0, 1]
+        assert out["stats"]["weights_first"] is False and out["stats"]["writeback_ms"] == 0
         _assert_equals_reference(out, ref, rank)
         assert out["released"] == [False] * STEPS  # the device units' gradients stay in param.grad for step()
         assert out["resumed_losses"] == out["losses"][MID:]
@@ -450,6 +457,48 @@ def test_a_rank_whose_move_runs_out_of_memory_keeps_every_rank_on_the_host(tmp_p
 ])
 def test_device_share_table(order, numels, fraction, expected):
     assert device_share(order, numels, fraction) == expected
+
+
+def _forward_before_writeback(rank: int, world: int, tmp: str) -> None:
+    """Hold every second pass until the next forward has run: it must need the first pass only."""
+    import threading
+
+    from lightning_gh.superoffload import weights_first
+
+    _init(rank, world)
+    gate, real = threading.Event(), weights_first.update_in_place
+
+    def held(*args, **kwargs):
+        if not gate.wait(20):
+            raise RuntimeError("the second pass was held for 20 s: the forward waited for it")
+        return real(*args, **kwargs)
+
+    weights_first.update_in_place = held  # a forked process: the parent's module is untouched
+    model = shard(make_model())
+    opt = _opt(model)
+    local_loss(model, 0, rank).backward()
+    opt.step()
+    opt.zero_grad()
+    loss = local_loss(model, 1, rank)  # the next forward, while every unit's state waits behind the gate
+    pending = [u.index for u in opt._units if not u.done.is_set()]
+    gate.set()
+    loss.backward()  # its gradient copies wait for the second pass of their unit
+    opt.step()
+    opt.synchronize()
+    torch.save({"pending": pending, "units": len(opt._units), "writeback_ms": opt.stats["writeback_ms"]},
+               f"{tmp}/writeback.pt")
+    opt.close()
+    dist.destroy_process_group()
+
+
+def test_the_forward_waits_for_the_weights_not_the_state(tmp_path):
+    """weights_first: the next forward runs while every host unit's master rows and moments are still being
+    written (held here), and the backward after it waits for them."""
+    if cpu_adamw.load() is None:
+        pytest.skip("needs the CPU AdamW kernel (a C compiler)")
+    run_ranks(_forward_before_writeback, 1, str(tmp_path), timeout=120)
+    out = torch.load(tmp_path / "writeback.pt")
+    assert out["pending"] == list(range(out["units"])) and out["writeback_ms"] > 0
 
 
 def test_gradients_leave_the_device_during_backward(module_runs):
@@ -738,7 +787,7 @@ def _errors(rank: int, world: int, tmp: str) -> None:
     opt2 = _opt(other)
     opt2.load_state_dict(sd)
     loaded = {k: st["master"].to_local() for k, st in opt2.state_dict()["state"].items()}
-    torch.save({"masters": masters, "loaded": loaded,
+    torch.save({"masters": masters, "loaded": loaded, "weights_first": opt.stats["weights_first"],
                 "weights": [p.to_local().clone() for g in groups(model) for p in g["params"]]},  # the state's order
                f"{tmp}/bf16.pt")
     opt2.close()
@@ -752,6 +801,7 @@ def test_unsharded_model_errors_and_bf16_masters(tmp_path):
     for k, master in out["masters"].items():
         assert master.dtype == torch.float32 and torch.equal(out["loaded"][k], master)
     assert any(not torch.equal(m.to(torch.bfloat16).float(), m) for m in out["masters"].values())  # finer than bf16
+    assert out["weights_first"] == (cpu_adamw.load() is not None)  # bf16 weights from the kernel's first pass
     for k, master in out["masters"].items():  # the weights are the masters cast (on the host, before the copy)
         assert torch.equal(out["weights"][k], master.to(torch.bfloat16).view(out["weights"][k].shape)), k
     msgs = (tmp_path / "errors.txt").read_text().splitlines()

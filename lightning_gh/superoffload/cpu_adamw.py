@@ -93,6 +93,7 @@ class AdamWKernel:
     path: Path
     sq_mode: int
     _fn: ctypes._CFuncPtr | None = None
+    _wfn: ctypes._CFuncPtr | None = None
 
     def __post_init__(self) -> None:
         lib = ctypes.CDLL(str(self.path))
@@ -101,6 +102,10 @@ class AdamWKernel:
         fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                                ctypes.c_int, ctypes.c_int]
         self._fn = fn
+        wfn = lib.lgh_adamw_weights
+        wfn.restype = ctypes.c_int
+        wfn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int] * 5
+        self._wfn = wfn
 
     def step(self, src: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor,
              dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor], consts: tuple[torch.Tensor, bool],
@@ -120,6 +125,26 @@ class AdamWKernel:
                       self.sq_mode if sq_mode is None else sq_mode, int(threads), int(grad.dtype == torch.bfloat16))
         if rc < 0:
             raise RuntimeError(f"lgh_adamw rejected its arguments (sq_mode={sq_mode}).")
+
+    def weights(self, src: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor, out: torch.Tensor,
+                consts: tuple[torch.Tensor, bool], threads: int, sq_mode: int | None = None) -> None:
+        """The new weights of the step :meth:`step` would take, written to ``out`` (fp32, or bf16 rounded to
+        nearest even as torch casts) and nothing else: ``src`` and ``grad`` are only read. A later :meth:`step` on
+        the same inputs writes the same weights (bitwise) with the moments."""
+        if grad.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"lgh_adamw_weights: grad.dtype={grad.dtype} must be torch.float32 or torch.bfloat16.")
+        if out.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"lgh_adamw_weights: out.dtype={out.dtype} must be torch.float32 or torch.bfloat16.")
+        n = grad.numel()
+        if out.numel() != n or any(t.numel() != n for t in src):
+            raise ValueError(f"lgh_adamw_weights: spans of {[t.numel() for t in src]}, {n} and {out.numel()} "
+                             "elements; all must be equal.")
+        c, small = consts
+        rc = self._wfn(src[0].data_ptr(), src[1].data_ptr(), src[2].data_ptr(), grad.data_ptr(), out.data_ptr(), n,
+                       c.data_ptr(), int(small), self.sq_mode if sq_mode is None else sq_mode, int(threads),
+                       int(grad.dtype == torch.bfloat16), int(out.dtype == torch.bfloat16))
+        if rc < 0:
+            raise RuntimeError(f"lgh_adamw_weights rejected its arguments (sq_mode={sq_mode}).")
 
 
 def _torch_tail(src: tuple[torch.Tensor, ...], grad: torch.Tensor, step: float, hp: dict[str, float],
@@ -207,7 +232,7 @@ def _build() -> Path | None:
 def _matches_torch(kernel: AdamWKernel, sq_mode: int) -> bool:
     """Whether the kernel reproduces ``torch._fused_adamw_`` bitwise on varied data, sizes (with and without
     tails), both forms of the lerp, with and without weight decay and clipping, out of place and in place, with
-    fp32 and bf16 gradients."""
+    fp32 and bf16 gradients; and whether its weights-only form writes those weights, and their bf16 cast."""
     gen = torch.Generator().manual_seed(1234)
     cases = [(1e-3, 0.9, 0.999, 0.1, 1e-8, None, 1.0), (3e-4, 0.9, 0.95, 0.0, 1e-6, 0.37, 7.0),
              (1e-2, 0.3, 0.5, 0.01, 1e-8, None, 1000.0), (5e-4, 0.8, 0.99, 0.05, 1e-8, 2.5, 3.0)]
@@ -224,7 +249,19 @@ def _matches_torch(kernel: AdamWKernel, sq_mode: int) -> bool:
         for in_place, grad in ((False, g), (i % 2 == 1, g.to(torch.bfloat16))):
             src = (p.clone(), m.clone(), v.clone())
             dst = src if in_place else (torch.empty(n), torch.empty(n), torch.empty(n))
+            consts = step_constants(step, lr, b1, b2, wd, eps, coef)
+            weights = {dt: torch.empty(n, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+            for out in weights.values():  # read before the step below, which may update in place
+                kernel.weights(src, grad, out, consts, threads=2, sq_mode=sq_mode)
             update_spans(kernel, src, grad, dst, sizes, step, hp, coef_t, threads=2, sq_mode=sq_mode)
+            body = torch.ones(n, dtype=torch.bool)  # the parameters' tails are torch's (update_spans)
+            off = 0
+            for size in sizes:
+                body[off + size - size % _TAIL:off + size] = False
+                off += size
+            if not (torch.equal(weights[torch.float32][body], dst[0][body])
+                    and torch.equal(weights[torch.bfloat16][body], dst[0][body].to(torch.bfloat16))):
+                return False
             off = 0
             for size in sizes:
                 sl = slice(off, off + size)

@@ -40,7 +40,8 @@ Note [ZeRO-3 step and the forward's wait]
        host behind an event on CUDA) and returns without waiting for the CPU.
     3. The CPU thread updates the units in forward order (the order their forward pre-hooks ran in the last
        forward; the root module first) once the decision is known, then copies each unit's new master rows back
-       into the parameters' local shards, behind an event on CUDA, and marks the unit ready. Rows of bf16
+       into the parameters' local shards, behind an event on CUDA, and marks the unit ready (with the kernel, in
+       two passes: see Note [Weights first, state after] in :mod:`.weights_first`). Rows of bf16
        parameters are cast on the host, into the unit's (pinned) gradient buffer, which the update has just read:
        the next write into that buffer is the next backward's copy, which step 1 queues behind this copy's event.
     4. The next forward: a forward pre-hook on every FSDP module, registered with ``prepend=True`` after
@@ -95,6 +96,7 @@ from torch import nn
 
 from lightning_gh._util import fmt_bytes
 from lightning_gh.superoffload import cpu_adamw
+from lightning_gh.superoffload import weights_first as wf
 from lightning_gh.superoffload.fsdp_grads import UnitGradients
 from lightning_gh.superoffload.fsdp_units import (
     AUTO_SHARE_STEP,
@@ -107,7 +109,6 @@ from lightning_gh.superoffload.fsdp_units import (
     fsdp_units,
     host_dtensor,
     local_rows,
-    positioned_update,
     share_decision,
     unsupported_options,
     update_on_device,
@@ -169,7 +170,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self.module = module
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.stats: dict[str, Any] = {"steps": 0, "skipped_steps": 0, "clipped_steps": 0, "wait_ms": 0.0,
-                                      "cpu_ms": 0.0, "streamed_units": 0, "last_grad_norm": None}
+                                      "cpu_ms": 0.0, "writeback_ms": 0.0, "streamed_units": 0,
+                                      "last_grad_norm": None}
         self._build(module)
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue()
@@ -235,9 +237,14 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._share = 0.0 if gf == "auto" else float(gf)  # None once the units are placed (at the first take)
         sizes = [sum(sum(s.numels) for s in shards) for _, shards in pending]
         provisional = set(device_share(list(range(len(pending))), sizes, self._share))
-        host_bytes = sum(sum(s.numel for s in shards) * (12 + (2 if {s.param.dtype for s in shards} == {torch.bfloat16}
-                                                                else 4))
-                         for ui, (_, shards) in enumerate(pending) if ui not in provisional)
+        local = [sum(s.numel for s in shards) for _, shards in pending]
+        unit_bytes = [n * (2 if {s.param.dtype for s in shards} == {torch.bfloat16} else 4)
+                      for n, (_, shards) in zip(local, pending)]  # each unit's gradient rows (and staged weights)
+        self._kernel = cpu_adamw.load()
+        two = wf.two_pass(self.options.weights_first, self._kernel)
+        self.stats["weights_first"] = two
+        host_bytes = sum(12 * local[ui] + unit_bytes[ui] for ui in range(len(pending)) if ui not in provisional) \
+            + (wf.stage_bytes(unit_bytes) if two else 0)
         check_host_on_every_rank(host_bytes, options=self.options, world=self.world, device=self.device,
                                  group=self._pg, owner=self)
         self._units: list[HostUnit] = []
@@ -248,15 +255,14 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                 unit.view(s, 0).copy_(local_rows(s.param).reshape(-1))
             self._hook(unit)
             self._units.append(unit)
-        self._shards = sorted((s for u in self._units for s in u.shards), key=lambda s: s.index)
-        self._kernel = cpu_adamw.load()
         threads = self.options.cpu_threads
         self.cpu_threads = threads if threads is not None else rank_cpu_threads(
             self.cuda, min(local_world_size(), self.world))
+        self._first = wf.FirstPass(self._kernel, wf.stage_bytes(unit_bytes), self.cpu_threads) if two else None
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self._grads = UnitGradients(self._units, params, pg=self._pg, world=self.world, rank=self.rank,
                                     device=self.device, stream=self._streams[0] if self.cuda else None,
-                                    wait=self._wait, validating=self._validating, stats=self.stats,
+                                    wait=self._wait_state, validating=self._validating, stats=self.stats,
                                     prepare=self._place)
         self._grads.register()
         self._masters_stale = True  # re-derived from the weights at the first step (a model loaded since)
@@ -275,7 +281,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         moved = False
         for u in self._units:
             if u.on_device != (u.index in chosen):
-                self._wait(u)
+                self._wait(u, state=True)
                 u.place(self.device if u.index in chosen else None, pin=torch.cuda.is_available())
                 moved = True
         if moved and self.state:
@@ -374,7 +380,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                 if k != "params":
                     g[k] = v
         unit_of = {s.index: u for u in self._units for s in u.shards}
-        for s in self._shards:
+        for s in sorted((s for u in self._units for s in u.shards), key=lambda s: s.index):
             entry = state_dict["state"].get(key_of[id(s.param)])
             if entry is None:
                 continue
@@ -453,6 +459,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         present = self._grads.finish(order, validate)  # the units backward did not take
         for u in order:
             u.ready.clear()
+            u.done.clear()
         coef = found_inf = None
         if validate:
             coef, found_inf = self._post(ctx, present, hp)
@@ -512,11 +519,14 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         if not u.on_device:  # the GPU share's update was queued on the device in step()
             self._wait(u)
 
-    def _wait(self, u: HostUnit) -> None:
-        if not u.ready.is_set():
+    def _wait(self, u: HostUnit, state: bool = False) -> None:
+        """Block until unit ``u``'s weights are in its parameters; with ``state``, until its host state is final
+        too (see Note [Weights first, state after])."""
+        flag = u.done if state else u.ready
+        if not flag.is_set():
             t0 = time.perf_counter()
             with torch.profiler.record_function(UPDATE_WAIT_RANGE):
-                while not u.ready.wait(0.05):
+                while not flag.wait(0.05):
                     self._raise()
                     if self._thread is None or not self._thread.is_alive():
                         raise RuntimeError("ShardedHostAdamW: the CPU worker stopped with an update pending.")
@@ -527,10 +537,13 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             u.h2d_event.synchronize()
             torch.cuda.current_stream(self.device).wait_event(u.h2d_event)
 
+    def _wait_state(self, u: HostUnit) -> None:
+        self._wait(u, state=True)
+
     def synchronize(self) -> None:
-        """Wait until every unit's update of the last step is in its parameters."""
+        """Wait until every unit's update of the last step is in its parameters and its host state."""
         for u in self._units:
-            self._wait(u)
+            self._wait(u, state=True)
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -557,6 +570,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             if not alive:  # a worker still running (its join timed out) may still touch the buffers: keep them
                 for u in self._units:
                     u.release()
+                if self._first is not None:
+                    self._first.release()
             self._thread = None
 
     # ------------------------------------------------------------------ the CPU thread
@@ -568,6 +583,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
 
     def _run_step(self, ctx: StepCtx, order: list[int]) -> None:
         dec = None
+        later: list[HostUnit] = []  # units whose state is written back after every unit's weights
         for ui in order:
             u = self._units[ui]
             try:
@@ -588,66 +604,52 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                     u.d2h_event.synchronize()
                 if not dec.skip and u.active:
                     with torch.profiler.record_function(CPU_UPDATE_RANGE):
-                        self._update(u, dec.hp, dec.coef)
-                        self._push(u)
+                        if self._first is not None:  # see Note [Weights first, state after]
+                            self._first.run(u, dec.hp, dec.coef, self._push)
+                            later.append(u)
+                        else:
+                            self._update(u, dec.hp, dec.coef)
+                            self._push(u)
                 self.stats["cpu_ms"] += (time.perf_counter() - t0) * 1e3
             except BaseException as e:  # re-raised on the training thread at its next wait
                 self._error = e
             finally:
                 u.ready.set()
+                if not later or later[-1] is not u:
+                    u.done.set()
+        for u in reversed(later):
+            try:
+                t0 = time.perf_counter()
+                with torch.profiler.record_function(wf.WRITEBACK_RANGE):
+                    wf.update_in_place(self._kernel, u, dec.hp, dec.coef, self.cpu_threads)
+                self.stats["writeback_ms"] += (time.perf_counter() - t0) * 1e3
+            except BaseException as e:
+                self._error = e
+            finally:
+                u.done.set()
 
     def _update(self, u: HostUnit, hp: list[dict[str, float]], coef: torch.Tensor | None) -> None:
-        """Update the unit's active rows in place, bitwise as ``torch._fused_adamw_`` updates the full parameters.
-        See Note [A shard's rows, updated as the full tensor's]."""
         if self.cuda and u.h2d_event is not None:
             u.h2d_event.synchronize()  # the last copy back has read the master rows
-        grad = u.grad.tensor
-        span = (u.region(0), u.region(1), u.region(2))
-        c = None if coef is None else float(coef)
-        # the rows in the full tensors' tails, from the inputs (an in-place kernel call overwrites them)
-        tails = [(s, lo, hi, positioned_update(tuple(t[s.offset + lo:s.offset + hi] for t in span),
-                                         grad[s.offset + lo:s.offset + hi], s, lo, hi, hp[s.group], coef))
-                 for s in u.active for lo, hi in [s.tail_rows()] if hi > lo]
-        if self._kernel is not None:
-            for run in cpu_adamw.kernel_runs(u.active):  # consecutive shards of one group and step count
-                lo, hi = run[0].offset, run[-1].offset + run[-1].numel
-                if hi > lo:
-                    h = hp[run[0].group]
-                    consts = cpu_adamw.step_constants(float(run[0].step) + 1.0, h["lr"], h["beta1"], h["beta2"],
-                                                      h["weight_decay"], h["eps"], c)
-                    rows = tuple(t[lo:hi] for t in span)
-                    self._kernel.step(rows, grad[lo:hi], rows, consts, self.cpu_threads)
-        else:  # torch's fused AdamW on each shard's body, padded to whole units so that no row takes its tail path
-            for s in u.active:
-                lo, hi = 0, s.tail_rows()[0]  # the rows before the full tensor's tail
-                if hi > lo:
-                    rows = tuple(t[s.offset + lo:s.offset + hi] for t in span)
-                    out = positioned_update(rows, grad[s.offset + lo:s.offset + hi], s, lo, hi, hp[s.group], coef,
-                                      body=True)
-                    for d, o in zip(rows, out):
-                        d.copy_(o)
-        for s, lo, hi, out in tails:
-            for t, o in zip(span, out):
-                t[s.offset + lo:s.offset + hi].copy_(o)
-        for s in u.active:
-            s.step.add_(1)
+        wf.update_in_place(self._kernel, u, hp, coef, self.cpu_threads)
 
-    def _push(self, u: HostUnit) -> None:
-        """Copy the unit's new master rows into the parameters' local shards, cast to their dtype on the host
-        (:meth:`_staged`), so that 2 bytes a bf16 parameter cross the link; the rounding is the same as a cast on
-        the device."""
-        rows = self._staged(u)
+    def _push(self, u: HostUnit, rows: torch.Tensor | None = None) -> Any:
+        """Copy the unit's new weights (``rows``, else its master rows cast to the parameters' dtype on the host:
+        :meth:`_staged`) into the parameters' local shards, so that 2 bytes a bf16 parameter cross the link; the
+        rounding is the same as a cast on the device. Returns the copy's event (``None`` off CUDA)."""
+        rows = self._staged(u) if rows is None else rows
         if not self.cuda:
             for s in u.active:
                 loc = local_rows(s.param)
                 loc.copy_(rows[s.offset:s.offset + s.numel].view(loc.shape))
-            return
+            return None
         with torch.cuda.stream(self._streams[1]):
             for s in u.active:
                 loc = local_rows(s.param)
                 loc.copy_(rows[s.offset:s.offset + s.numel].view(loc.shape), non_blocking=True)
             u.h2d_event = torch.cuda.Event()
             u.h2d_event.record(self._streams[1])
+        return u.h2d_event
 
     @staticmethod
     def _staged(u: HostUnit) -> torch.Tensor:

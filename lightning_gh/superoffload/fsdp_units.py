@@ -253,8 +253,10 @@ class HostUnit:
         self.state: Any = None
         self.grad: Any = None
         self.place(device, pin)
-        self.ready = threading.Event()
+        self.ready = threading.Event()  # the last step's weights are in the parameters
         self.ready.set()
+        self.done = threading.Event()  # ... and its host state is final (see Note [Weights first, state after])
+        self.done.set()
         self.active: list[LocalShard] = []  # shards with a gradient this step
         self.d2h_event: Any = None
         self.h2d_event: Any = None

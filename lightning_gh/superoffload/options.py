@@ -91,6 +91,13 @@ class SuperOffloadOptions:
             already bound within one node (``numactl``, the cluster's launcher) and a host where some node would
             host no rank (its CPUs and memory would sit idle); ``True``: binds in both cases, within the process's
             mask, and warns where the GPU's node is unknown; ``False``: never binds.
+        weights_first: on the ZeRO-3 path (``strategy="superoffload_fsdp"``, :class:`ShardedHostAdamW`), update each
+            host unit in two passes once the step's decision is known: its new weights first, which the next
+            forward waits for, then its master weights and moments, which nothing waits for until the next
+            backward (see Note [Weights first, state after] in :mod:`.weights_first`). The same results, bitwise;
+            the forward's wait moves less memory, the update as a whole moves more. Needs the CPU AdamW kernel
+            (:mod:`.cpu_adamw`); without it, or with ``False``, one pass. The ZeRO-1/2 path updates each bucket in
+            one pass either way.
     """
 
     gpu_fraction: float | str = "auto"
@@ -103,6 +110,7 @@ class SuperOffloadOptions:
     rollback: str = "auto"
     device_assist: bool | str = False
     bind_numa: bool | str = "auto"
+    weights_first: bool = True
 
     def __post_init__(self) -> None:
         check_types(self)  # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
@@ -114,7 +122,7 @@ class SuperOffloadOptions:
             raise ValueError(f"max_gpu_fraction={mgf!r} must be a float in [0, 1] or None.")
         if not (isinstance(self.speculative, bool) or self.speculative == "auto"):
             raise ValueError(f"speculative={self.speculative!r} must be True, False or 'auto'.")
-        for name in ("skip_nonfinite", "host_memory_check"):
+        for name in ("skip_nonfinite", "host_memory_check", "weights_first"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False.")

@@ -16,6 +16,8 @@ superoffload_fp8    the same with ``plugins=[lgh.precision("fp8-ao-tensorwise")]
 superoffload_assist as superoffload with ``device_assist=True`` (the GPU shares the host buckets' update once the
                     step's decision is known): the A/B of that option
 superoffload_fp8_assist  as superoffload_fp8 with ``device_assist=True``
+superoffload_onepass as superoffload with ``weights_first=False`` (a bucket's update in one pass): the A/B of that
+                    option
 superoffload_rareclip    as superoffload with ``gradient_clip_val=--rare-clip``, a threshold above this job's
                     gradient norm: a fine-tune whose norm stays under the threshold, so the CPU update may run
                     during backward (validated every step; ``clipped_steps`` and ``last_grad_norm`` in the notes)
@@ -63,7 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = ("gpu_bf16_ckpt", "superoffload", "superoffload_fp8", "deepspeed_offload", "torchao_offload",
             "gpu_fp32master", "gpu_bf16_budget", "superoffload_budget", "superoffload_assist",
-            "superoffload_fp8_assist", "superoffload_rareclip", "superoffload_fp8_rareclip")
+            "superoffload_fp8_assist", "superoffload_rareclip", "superoffload_fp8_rareclip", "superoffload_onepass")
 #: Variants that replace HF gradient checkpointing by ``ActivationOffload(budget=...)``.
 BUDGET_VARIANTS = ("gpu_bf16_budget", "superoffload_budget")
 
@@ -222,6 +224,8 @@ def _child(job: Job, out_file: Path) -> None:
         kw = {"precision": "bf16-true", "strategy": "superoffload"}
     elif job.variant in ("superoffload_fp8", "superoffload_fp8_rareclip"):
         kw = {"plugins": [lgh.precision("fp8-ao-tensorwise")], "strategy": "superoffload"}
+    elif job.variant == "superoffload_onepass":
+        kw = {"precision": "bf16-true", "strategy": lgh.SuperOffloadStrategy(weights_first=False)}
     elif job.variant == "superoffload_assist":
         kw = {"precision": "bf16-true", "strategy": lgh.SuperOffloadStrategy(device_assist=True)}
     elif job.variant == "superoffload_fp8_assist":

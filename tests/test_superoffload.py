@@ -156,6 +156,8 @@ def test_matches_torch_adamw_bitwise(speculative, rollback, gpu_fraction):
     assert 0 < clipped < STEPS - 1  # the clip triggered on some steps only
     assert opt.stats["skipped_steps"] == 1  # the injected inf
     assert_same(ref_model, ref_opt, model, opt)
+    # buckets updated once their step's decision was known went weights first (see worker's Note), with the kernel
+    assert (opt.stats["writeback_ms"] > 0) == (opt.layout.kernel is not None)
     # the skipped step did not count: AdamW's bias correction uses the number of real updates
     assert float(next(iter(opt.state_dict()["state"].values()))["step"]) == STEPS - 1
     if speculative:
@@ -165,6 +167,58 @@ def test_matches_torch_adamw_bitwise(speculative, rollback, gpu_fraction):
         assert opt.stats["speculative_buckets"] == 0
     if gpu_fraction:
         assert opt.device_numel > 0 and opt.host_numel > 0
+    opt.close()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="weights first needs the CPU AdamW kernel (a C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_first_equals_one_pass_bitwise(dtype):
+    """weights_first (the default) against weights_first=False, every step clipped or skipped: the same weights,
+    masters and moments; only the first wrote its state in a second pass (bf16 weights staged as bf16)."""
+    runs = [train_ours(steps=8, clip=1e-3, model=make_model(dtype), speculative=False, weights_first=wf)
+            for wf in (True, False)]
+    (a_model, a_opt), (b_model, b_opt) = runs
+    assert a_opt.stats["writeback_ms"] > 0 and b_opt.stats["writeback_ms"] == 0
+    assert a_opt.stats["clipped_steps"] == 7
+    assert_same(a_model, a_opt, b_model, b_opt)
+    for k, st in a_opt.state_dict()["state"].items():
+        if "master" in st:
+            assert torch.equal(st["master"], b_opt.state_dict()["state"][k]["master"])
+    for _, opt in runs:
+        opt.close()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="weights first needs the CPU AdamW kernel (a C compiler)")
+def test_the_next_forward_runs_before_the_state_is_written(monkeypatch):
+    """The next forward needs a bucket's weights only: it runs while every second pass is held, and the backward
+    after it waits for them (a forward that waited would fail the held pass after its timeout)."""
+    import threading
+
+    from lightning_gh.superoffload.worker import CpuUpdater
+
+    gate, real = threading.Event(), CpuUpdater._update
+
+    def held(self, b, hp, coef):
+        if not gate.wait(20):
+            raise RuntimeError("the second pass was held for 20 s: the forward waited for it")
+        return real(self, b, hp, coef)
+
+    monkeypatch.setattr(CpuUpdater, "_update", held)
+    model = make_model()
+    opt = HeterogeneousAdamW(groups(model), lr=1e-2, max_grad_norm=1e-3, module=model, speculative=False,
+                             bucket_size=600)
+    backward_micro_batches(model, opt, 0)
+    opt.step()
+    opt.zero_grad()
+    first, last = batches(1)
+    loss = loss_fn(model, last)  # the forward: every bucket's weights are in, no state is written yet
+    pending = [b.index for b in opt.layout.buckets if not b.done.is_set()]
+    gate.set()
+    loss.backward()
+    opt.step()
+    opt.synchronize()
+    assert pending == [b.index for b in opt.layout.buckets] and len(pending) > 1
+    assert opt.stats["writeback_ms"] > 0
     opt.close()
 
 

@@ -42,7 +42,7 @@ import torch
 from lightning_gh import _native, hardware
 from lightning_gh._util import env
 
-__all__ = ["AdamWKernel", "isa_flags", "kernel_runs", "load", "step_constants", "update_spans"]
+__all__ = ["AdamWKernel", "isa_flags", "kernel_runs", "load", "step_constants", "update_spans", "weights_spans"]
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,23 @@ def update_spans(kernel: AdamWKernel, src: tuple[torch.Tensor, torch.Tensor, tor
     for lo, hi, out in tails:
         for d, o in zip(dst, out):
             d[lo:hi].copy_(o)
+
+
+def weights_spans(kernel: AdamWKernel, src: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor,
+                  out: torch.Tensor, sizes: list[int], step: float, hp: dict[str, float], coef: torch.Tensor | None,
+                  threads: int) -> None:
+    """The weights :func:`update_spans` would write, into ``out`` (fp32 or bf16, cast as torch casts), with the
+    same arguments; nothing else is written."""
+    consts = step_constants(step, hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["eps"],
+                            None if coef is None else float(coef))
+    kernel.weights(src, grad, out, consts, threads)
+    off = 0
+    for n in sizes:
+        r = n % _TAIL
+        if r:
+            lo, hi = off + n - r, off + n
+            out[lo:hi].copy_(_torch_tail(tuple(t[lo:hi] for t in src), grad[lo:hi], step, hp, coef)[0])
+        off += n
 
 
 def _build() -> Path | None:

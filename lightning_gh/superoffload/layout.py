@@ -85,6 +85,8 @@ class Bucket:
     speculated: bool = False  # the worker's last update of this bucket ran before the step's decision was known
     ready_t: float = 0.0  # when the worker last committed this bucket (perf_counter)
     ready: threading.Event = field(default_factory=threading.Event)
+    # set while no second pass of the bucket's update is pending (see Note [Weights first, state after])
+    done: threading.Event = field(default_factory=threading.Event)
     step_id: int = -1
     active: list[Slot] = field(default_factory=list)  # slots with a gradient in step `step_id`
     arrived: int = 0
@@ -102,6 +104,7 @@ class Bucket:
 
     def __post_init__(self) -> None:
         self.ready.set()
+        self.done.set()
 
     def release_host(self) -> None:
         """Unpin and drop the bucket's host buffers (its state has moved to the GPU, or the optimizer closes)."""

@@ -219,12 +219,12 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
                                       "tail_decision": None, "cpu_phases_ms": {}, "last_grad_norm": None,
                                       "loop_phases_ms": {"grad_hooks": 0.0, "forward_hooks": 0.0}}
         threads = opts.cpu_threads or _default_cpu_threads(cuda, None if group is None else group.local_size)
-        self.stats.update(assisted_buckets=0, assisted_numel=0)
+        self.stats.update(assisted_buckets=0, assisted_numel=0, writeback_ms=0.0)
         on = assist_enabled(opts.device_assist, cuda, group is not None, torch.are_deterministic_algorithms_enabled())
         assist = DeviceAssist(layout, self.stats) if on else None
         layout.pin_moments = assist is not None  # the GPU's copies of the moments are then async
         self._updater = CpuUpdater(layout, self._streams[1], threads, opts.speculative is not False, self.stats,
-                                   assist)
+                                   assist, opts.weights_first)
         auto = opts.gpu_fraction == "auto"
         self._tail = TailMover(layout, opts.max_gpu_fraction, self.stats, self._shard) if auto else None
         self._times = StepTimes()
@@ -518,6 +518,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         if b.step_id != ctx.id:
             if self._layout.owns(b):
                 self._wait_ready(b, stall=False)
+                self._updater.wait(b, state=True)  # its last update has read the gradient buffer
                 b.ready.clear()
             b.step_id, b.arrived, b.active, b.pushed = ctx.id, 0, [], False
         b.arrived += 1

@@ -91,13 +91,13 @@ class SuperOffloadOptions:
             already bound within one node (``numactl``, the cluster's launcher) and a host where some node would
             host no rank (its CPUs and memory would sit idle); ``True``: binds in both cases, within the process's
             mask, and warns where the GPU's node is unknown; ``False``: never binds.
-        weights_first: on the ZeRO-3 path (``strategy="superoffload_fsdp"``, :class:`ShardedHostAdamW`), update each
-            host unit in two passes once the step's decision is known: its new weights first, which the next
-            forward waits for, then its master weights and moments, which nothing waits for until the next
-            backward (see Note [Weights first, state after] in :mod:`.weights_first`). The same results, bitwise;
-            the forward's wait moves less memory, the update as a whole moves more. Needs the CPU AdamW kernel
-            (:mod:`.cpu_adamw`); without it, or with ``False``, one pass. The ZeRO-1/2 path updates each bucket in
-            one pass either way.
+        weights_first: once a step's decision is known (every step of a run clipped on each step), update each host
+            bucket (ZeRO-3: each host unit) in two passes: its new weights first, which the next forward waits for,
+            then its master weights and moments, which nothing waits for until the next backward fills its
+            gradient buffer (see Note [Weights first, state after] in :mod:`.weights_first`). The same results,
+            bitwise; the forward's wait moves less host memory, the update as a whole moves more. Needs the CPU AdamW
+            kernel (:mod:`.cpu_adamw`); without it, with ``device_assist`` on, or with ``False``, one pass.
+            Speculative updates (before the decision) are one pass either way.
     """
 
     gpu_fraction: float | str = "auto"

@@ -88,6 +88,7 @@ class StepCtx:
         self.decision: Decision | None = None if needs_validation else Decision(False, None, hp, False)
         self.posted = threading.Event()
         self.spec: list[Bucket] = []  # buckets updated speculatively, in the order the worker updated them
+        self.later: list[Bucket] = []  # buckets whose weights went first, their state to write at the step's end
         self.speculate: bool | None = None  # whether its buckets may speculate (the worker decides at its first)
         self.posted_t = 0.0  # when step() posted its outcome (perf_counter)
         self.arrival: list[int] = []  # slot indices in the order their gradients arrived

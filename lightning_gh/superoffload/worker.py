@@ -22,6 +22,13 @@ Note [Speculative update and exact rollback]
     first bucket, from the recent steps (:func:`~lightning_gh.superoffload.step.should_speculate`): a run clipped
     on almost every step stops speculating, so its CPU does each update once, after the decision, and makes no
     rollback copy. The result is identical to the non-speculative path: the same kernel on the same inputs.
+
+    A bucket updated once its step's decision is known goes weights first where ``weights_first`` is on and our
+    kernel is loaded (and the GPU does not share the update): its new weights are written, in the parameters'
+    dtype, into a staging buffer and copied to the GPU, the bucket is ready, and its state is written in place when
+    the step's end is reached (:meth:`CpuUpdater._work_finish`), in the order the next backward fills the buckets.
+    The next backward's first gradient of a bucket waits for that (``Bucket.done``). See Note [Weights first,
+    state after] in :mod:`.weights_first`.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from lightning_gh.profiling.offload_analysis import CPU_UPDATE_RANGE, UPDATE_WAI
 from lightning_gh.superoffload.assist import DeviceAssist, SharedBuckets
 from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot
 from lightning_gh.superoffload.step import SPECULATION_WINDOW, Decision, StepCtx, should_speculate
+from lightning_gh.superoffload.weights_first import WRITEBACK_RANGE, StageRing
 
 __all__ = ["CPU_UPDATE_RANGE", "UPDATE_WAIT_RANGE", "CpuUpdater", "worker_loop"]
 
@@ -60,11 +68,15 @@ class CpuUpdater:
         stats: the optimizer's ``stats`` dict, where the worker counts what it did.
         assist: the GPU's worker that shares the updates made once a step's decision is known, or ``None`` (see
             Note [Device-assisted update] in :mod:`.assist`).
+        weights_first: a bucket updated once its step's decision is known sends its weights before its state is
+            written (with our kernel and no ``assist``; see the module's Note).
     """
 
     def __init__(self, layout: HostLayout, h2d_stream: Any, cpu_threads: int, speculative: bool,
-                 stats: dict[str, Any], assist: DeviceAssist | None = None) -> None:
+                 stats: dict[str, Any], assist: DeviceAssist | None = None, weights_first: bool = False) -> None:
         self.layout = layout
+        self.weights_first = weights_first
+        self._stage: StageRing | None = None  # made at the first bucket that goes weights first
         self.assist = assist
         self.h2d_stream = h2d_stream
         self.cpu_threads = cpu_threads
@@ -134,13 +146,15 @@ class CpuUpdater:
             err = self._error
             raise RuntimeError(f"HeterogeneousAdamW CPU worker failed: {type(err).__name__}: {err}") from err
 
-    def wait(self, b: Bucket) -> float:
-        """Block until bucket ``b``'s update is committed; returns the milliseconds waited."""
-        if b.ready.is_set():
+    def wait(self, b: Bucket, state: bool = False) -> float:
+        """Block until bucket ``b``'s update is committed (its weights; with ``state``, its host state too);
+        returns the milliseconds waited."""
+        flag = b.done if state else b.ready
+        if flag.is_set():
             return 0.0
         t0 = time.perf_counter()
         with torch.profiler.record_function(UPDATE_WAIT_RANGE):
-            while not b.ready.wait(0.05):
+            while not flag.wait(0.05):
                 self.raise_error()
                 if self._thread is None or not self._thread.is_alive():
                     raise RuntimeError("HeterogeneousAdamW: the CPU worker stopped with a bucket still pending.")
@@ -161,6 +175,9 @@ class CpuUpdater:
             self._thread = None
         if self.assist is not None:
             self.assist.close()
+        if self._stage is not None:
+            self._stage.release()
+            self._stage = None
 
     def __del__(self) -> None:
         if getattr(self, "_thread", None) is not None:
@@ -239,6 +256,7 @@ class CpuUpdater:
         self._error = error
         for bk in self.layout.buckets:
             bk.ready.set()
+            bk.done.set()
 
     def _work_bucket(self, b: Bucket, ctx: StepCtx) -> None:
         t0 = time.perf_counter()
@@ -256,7 +274,7 @@ class CpuUpdater:
         with torch.profiler.record_function(CPU_UPDATE_RANGE):
             if dec is not None:
                 self._resolve_speculation(ctx, dec)
-                self._final_update(b, dec)
+                self._final_update(b, dec, ctx)
             elif b.alt_master is not None:  # speculate into the other copy; the current one is the undo
                 self._update_other(b, ctx.hp, None)
                 self._push(b, b.alt_master.tensor)
@@ -307,6 +325,15 @@ class CpuUpdater:
         # how long after step() posted its decision the step's last bucket was ready: the CPU work the next
         # forward may wait for
         st["last_cpu_after_step_ms"] = (time.perf_counter() - ctx.posted_t) * 1e3
+        later, ctx.later = ctx.later, []
+        for b in sorted(later, key=lambda b: b.index):  # the next backward's order: the first gradients first
+            try:
+                t0 = time.perf_counter()
+                with torch.profiler.record_function(WRITEBACK_RANGE):
+                    self._update(b, dec.hp, dec.coef)
+                st["writeback_ms"] += (time.perf_counter() - t0) * 1e3
+            finally:
+                b.done.set()
 
     def _resolve_speculation(self, ctx: StepCtx, dec: Decision) -> None:
         """Commit, or undo and redo, the step's speculative updates now. See Note [Speculative update and exact
@@ -350,12 +377,45 @@ class CpuUpdater:
         b.ready_t = time.perf_counter()
         b.ready.set()
 
-    def _final_update(self, b: Bucket, dec: Decision) -> None:
-        if not dec.skip:
+    def _final_update(self, b: Bucket, dec: Decision, ctx: StepCtx | None = None) -> None:
+        if not dec.skip and b.active and ctx is not None and self._goes_weights_first():
+            b.done.clear()  # before `ready`: the next backward's wait for the state sees it pending
+            self._send_weights(b, dec)
+            ctx.later.append(b)
+        elif not dec.skip:
             self._update(b, dec.hp, dec.coef)
             self._push(b)
         b.ready_t = time.perf_counter()
         b.ready.set()
+
+    def _goes_weights_first(self) -> bool:
+        return self.weights_first and self.layout.kernel is not None and self.assist is None
+
+    def _send_weights(self, b: Bucket, dec: Decision) -> None:
+        """The first pass (see the module's Note): the bucket's new weights, in its parameters' dtype where they
+        are all bf16 (else fp32), into the next staging buffer, and copied into the parameters."""
+        from lightning_gh.superoffload.cpu_adamw import kernel_runs, weights_spans
+
+        t0 = time.perf_counter()
+        if self._stage is None:
+            numel = max(bk.numel for bk in self.layout.buckets)
+            self._stage = StageRing(4 * numel, pin=self.layout.cuda)
+        bf16 = all(s.param.dtype == torch.bfloat16 for s in b.active)
+        slot, out = self._stage.take(b.numel, torch.bfloat16 if bf16 else torch.float32)
+        self._phase("wait_h2d", t0)
+        t0 = time.perf_counter()
+        n = b.numel
+        cur = (b.master_buf.tensor, b.moments[:n], b.moments[n:])
+        grad = b.grad_buf.tensor
+        active = {s.index for s in b.active}
+        for run in kernel_runs(s for s in b.slots if s.index in active):
+            lo, hi = run[0].offset, run[-1].offset + run[-1].numel
+            weights_spans(self.layout.kernel, tuple(c[lo:hi] for c in cur), grad[lo:hi], out[lo:hi],
+                          [s.numel for s in run], float(run[0].step) + 1.0, dec.hp[run[0].group], dec.coef,
+                          self.cpu_threads)
+        self._phase("update", t0)
+        self._push(b, out)
+        self._stage.copied(slot, b.h2d_event if self.layout.cuda else None)
 
     def _account(self, b: Bucket, t0: float) -> None:
         ms = (time.perf_counter() - t0) * 1e3
@@ -470,7 +530,8 @@ class CpuUpdater:
         self._phase("restore", t0)
 
     def _push(self, b: Bucket, master: torch.Tensor | None = None) -> None:
-        """Copy the bucket's master weights (its current copy, or ``master``) into the model's parameters."""
+        """Copy the bucket's master weights (its current copy, or ``master``: fp32, or the first pass's weights in
+        the parameters' dtype) into the model's parameters."""
         t0 = time.perf_counter()
         src = b.master_buf.tensor if master is None else master
         if self.layout.cuda and b.active:
@@ -481,7 +542,7 @@ class CpuUpdater:
                 # Allocated on the copy stream, so the caching allocator reuses it only after the copies ran.
                 lo = min(s.offset for s in b.active)
                 hi = max(s.offset + s.numel for s in b.active)
-                stage = torch.empty(hi - lo, dtype=torch.float32, device=self.layout.device)
+                stage = torch.empty(hi - lo, dtype=src.dtype, device=self.layout.device)
                 stage.copy_(src[lo:hi], non_blocking=True)
                 torch._foreach_copy_([s.param.data for s in b.active],
                                      [stage[s.offset - lo:s.offset - lo + s.numel].view(s.param.shape)

@@ -269,3 +269,37 @@ def test_sample_guard_counts_a_choice_by_its_sample_and_its_kept_share(choice, e
     r = Relaxation(BudgetProfile(_step(), costs), [], [], 0, mode_bytes={None: 100 * MIB, "selective": 40 * MIB},
                    floor_mode="full")
     assert sample_guard(r, choice) == expected_mib * MIB
+
+
+@pytest.mark.parametrize("measured_mib, correction_mib, planned, expected, why", [
+    # reached 100 MiB of a 200 MiB budget, 30 MiB under its prediction: plan again with 30 MiB more room
+    (100, -30, [("selective", 1.0), (None, 0.0)], True, "a new target"),
+    (195, -30, [("selective", 1.0), (None, 0.0)], False, "within 5% of the budget: not planned again"),
+    (100, -30, [("full", 1.0), ("full", 1.0)], False, "the same mix: nothing left to relax"),
+    (100, -30, ValueError("no plan fits"), False, "no plan fits the corrected model: keep what was reached"),
+])
+def test_retarget_plans_once_more_from_the_measurement(measured_mib, correction_mib, planned, expected, why):
+    from lightning_gh.activation_offload.budget import BudgetProfile, ModeCost
+    from lightning_gh.activation_offload.measure import Relaxation, retarget
+
+    bp = BudgetProfile(_step(), ({None: ModeCost(100 * MIB, 90 * MIB)},) * N, 7 * MIB)
+    floor = [("full", 1.0), ("full", 1.0)]
+    r = Relaxation(bp, list(floor), list(floor), measured_mib * MIB, correction=correction_mib * MIB)
+    seen = []
+
+    def plan(profile):
+        seen.append(profile.overhead_bytes)
+        if isinstance(planned, Exception):
+            raise planned
+        return planned
+
+    assert retarget(r, 200 * MIB, plan) is expected, why
+    if measured_mib < 190:  # planned once, from the overhead moved by the correction
+        assert seen == [(7 + correction_mib) * MIB] and r.retargeted
+    else:
+        assert seen == [] and not r.retargeted
+    if expected:
+        assert r.target == planned and r.correction == 0 and r.bp.overhead_bytes == (7 + correction_mib) * MIB
+        assert retarget(r, 200 * MIB, plan) is False and len(seen) == 1  # at most once
+    else:
+        assert r.target == floor and r.bp is bp

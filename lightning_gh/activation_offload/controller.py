@@ -1,20 +1,18 @@
 """The budget controller: which step budget mode runs next, and what it learns from each step it measured.
 
 :class:`BudgetController` decides; the engine (:class:`~lightning_gh.activation_offload.engine.ActivationOffloader`)
-runs the hooks, pools and copies. The engine makes two calls per training step:
+runs the hooks, pools and copies, and calls :meth:`BudgetController.next_forward` before a forward (the plan it runs
+and, for a step to measure, the :class:`Measure` that says what for) and :meth:`BudgetController.observe` after its
+backward (an :class:`Observation`: per-block times and saved bytes, the activation peak where memory can be read).
 
-* :meth:`BudgetController.next_forward` before a forward: the plan that forward runs and, for a step the controller
-  wants measured, the :class:`Measure` that says what it is for;
-* :meth:`BudgetController.observe` once that step's backward has ended: an :class:`Observation` of what it did
-  (per-block times and saved bytes, the measured activation peak where memory can be read).
-
-The controller moves through :class:`BudgetState`. ``MEASURE`` walks the measuring schedule, a tuple of
-:class:`Measure` records built by :func:`measuring_schedule`: a warm-up step, a step with no engine effect at all (the
-reference of a fraction budget), ``profile_steps`` plain steps, the lean loss's step where it is weighed, and one step
-per recompute mode with every block in that mode. The planner of :mod:`lightning_gh.activation_offload.budget` then
-picks the plan; ``CORRECT`` measures planned steps and corrects the overhead estimate (at most two rounds); ``DONE``
-keeps the plan. On a ``torch.compile``'d model the blocks' boundaries are traced, not run: ``COMPILED_MEASURE``
-measures one compiled step, ``COMPILED`` has handed the budget to the compiler's own ``activation_memory_budget``.
+The controller moves through :class:`BudgetState`. ``MEASURE`` walks the measuring schedule (:func:`measuring_schedule`:
+a warm-up step, a step with no engine effect at all (the reference of a fraction budget), ``profile_steps`` plain
+steps, the lean loss's step where it is weighed, one step per recompute mode with every block in it; a size budget's
+:func:`floor_schedule` starts from the floor instead). The planner of :mod:`lightning_gh.activation_offload.budget`
+then picks the plan; ``RELAX`` walks a size budget from the floor to it block by block (planning once more from the
+measurement where it ends well under the budget: :func:`~.measure.retarget`); ``CORRECT`` measures planned steps and
+corrects the overhead estimate (at most two rounds); ``DONE`` keeps the plan. On a ``torch.compile``'d model
+``COMPILED_MEASURE`` measures one compiled step, ``COMPILED`` has handed the budget to the compiler's own knob.
 
 Example::
 
@@ -49,6 +47,7 @@ from lightning_gh.activation_offload.measure import (
     measuring_schedule,
     relax_end,
     relax_guard,
+    retarget,
     sample_copy_points,
 )
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
@@ -547,8 +546,9 @@ class BudgetController:
                      fmt_bytes(self.budget_bytes))
             return
         r.current, r.measured, r.correction = mix, measured, measured - fc.activation_bytes
-        if r.current == r.target:
-            self._finish_relax("the plan is reached")
+        if r.current == r.target and not retarget(
+                r, self.budget_bytes, lambda bp: _budget.plan_budget(bp, self.budget_bytes, *self._link())[1].choices):
+            self._finish_relax("the plan is reached" + (" (planned once more from the measurement)" * r.retargeted))
 
     def _finish_relax(self, why: str) -> None:
         r = self._relax

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -265,6 +266,7 @@ class Relaxation:
     floor_mode: str | None = None  # the floor's mode: it has no sample, the floor is its fully offloaded form
     skipped: set[int] = field(default_factory=set)  # blocks whose relaxing step measured above the budget (undone)
     past_guard: bool = False  # the pending step was let past :func:`relax_guard` (see MAX_OVERSHOOTS)
+    retargeted: bool = False  # planned again once the first plan was reached (see :func:`retarget`)
 
     @property
     def block_bytes(self) -> int:
@@ -332,6 +334,29 @@ def device_allows(r: Relaxation, choice: tuple[str | None, float], room: int | N
         (True, False, True)
     """
     return room is None or r.measured + sample_guard(r, choice) <= room
+
+
+#: A relaxation that reaches its plan further than this share under the budget plans once more (:func:`retarget`).
+RETARGET_BELOW = 0.95
+
+
+def retarget(r: Relaxation, budget: int, plan: Callable[[BudgetProfile], Sequence[tuple[str | None, float]]]) -> bool:
+    """Once the relaxation has reached its plan more than ``1 - RETARGET_BELOW`` under ``budget``: plan once more,
+    with ``plan`` (the planner for ``budget``), from the planner's model corrected by the last measurement (its
+    overhead moved by what the current mix measured above its prediction), and relax on towards that plan. Returns
+    whether there is a new target (then ``r``'s profile, correction and target are the new ones); at most once."""
+    if r.retargeted or r.measured >= RETARGET_BELOW * budget:
+        return False
+    r.retargeted = True
+    bp = r.bp.with_overhead(r.bp.overhead_bytes + r.correction)
+    try:
+        target = list(plan(bp))
+    except ValueError:  # no plan fits the corrected model: keep what was reached
+        return False
+    if target == r.current:
+        return False
+    r.bp, r.correction, r.target = bp, 0, target
+    return True
 
 
 def relax_end(r: Relaxation) -> str:

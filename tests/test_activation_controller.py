@@ -280,7 +280,7 @@ def test_sample_guard_counts_a_choice_by_its_sample_and_its_kept_share(choice, e
 ])
 def test_retarget_plans_once_more_from_the_measurement(measured_mib, correction_mib, planned, expected, why):
     from lightning_gh.activation_offload.budget import BudgetProfile, ModeCost
-    from lightning_gh.activation_offload.measure import Relaxation, retarget
+    from lightning_gh.activation_offload.measure import MAX_RETARGETS, Relaxation, retarget
 
     bp = BudgetProfile(_step(), ({None: ModeCost(100 * MIB, 90 * MIB)},) * N, 7 * MIB)
     floor = [("full", 1.0), ("full", 1.0)]
@@ -295,11 +295,18 @@ def test_retarget_plans_once_more_from_the_measurement(measured_mib, correction_
 
     assert retarget(r, 200 * MIB, plan) is expected, why
     if measured_mib < 190:  # planned once, from the overhead moved by the correction
-        assert seen == [(7 + correction_mib) * MIB] and r.retargeted
+        assert seen == [(7 + correction_mib) * MIB] and r.retargets == 1
     else:
-        assert seen == [] and not r.retargeted
+        assert seen == [] and r.retargets == 0
     if expected:
         assert r.target == planned and r.correction == 0 and r.bp.overhead_bytes == (7 + correction_mib) * MIB
-        assert retarget(r, 200 * MIB, plan) is False and len(seen) == 1  # at most once
+        r.current = list(planned)  # reached again, as far under the budget: planned again, up to MAX_RETARGETS
+        def alternate(profile):
+            seen.append(profile.overhead_bytes)
+            return [("full", 0.0), ("full", 0.0)] if len(seen) % 2 == 0 else planned
+
+        while retarget(r, 200 * MIB, alternate):
+            r.current = list(r.target)
+        assert r.retargets == MAX_RETARGETS and len(seen) == MAX_RETARGETS
     else:
         assert r.target == floor and r.bp is bp

@@ -9,7 +9,7 @@ The controller moves through :class:`BudgetState`. ``MEASURE`` walks the measuri
 a warm-up step, a step with no engine effect at all (the reference of a fraction budget), ``profile_steps`` plain
 steps, the lean loss's step where it is weighed, one step per recompute mode with every block in it; a size budget's
 :func:`floor_schedule` starts from the floor instead). The planner of :mod:`lightning_gh.activation_offload.budget`
-then picks the plan; ``RELAX`` walks a size budget from the floor to it block by block (planning once more from the
+then picks the plan; ``RELAX`` walks a size budget from the floor to it block by block (planning again from the
 measurement where it ends well under the budget: :func:`~.measure.retarget`); ``CORRECT`` measures planned steps and
 corrects the overhead estimate (at most two rounds); ``DONE`` keeps the plan. On a ``torch.compile``'d model
 ``COMPILED_MEASURE`` measures one compiled step, ``COMPILED`` has handed the budget to the compiler's own knob.
@@ -548,7 +548,7 @@ class BudgetController:
         r.current, r.measured, r.correction = mix, measured, measured - fc.activation_bytes
         if r.current == r.target and not retarget(
                 r, self.budget_bytes, lambda bp: _budget.plan_budget(bp, self.budget_bytes, *self._link())[1].choices):
-            self._finish_relax("the plan is reached" + (" (planned once more from the measurement)" * r.retargeted))
+            self._finish_relax(relax_end(r))
 
     def _finish_relax(self, why: str) -> None:
         r = self._relax

@@ -266,7 +266,7 @@ class Relaxation:
     floor_mode: str | None = None  # the floor's mode: it has no sample, the floor is its fully offloaded form
     skipped: set[int] = field(default_factory=set)  # blocks whose relaxing step measured above the budget (undone)
     past_guard: bool = False  # the pending step was let past :func:`relax_guard` (see MAX_OVERSHOOTS)
-    retargeted: bool = False  # planned again once the first plan was reached (see :func:`retarget`)
+    retargets: int = 0  # times planned again on reaching a plan (see :func:`retarget`)
 
     @property
     def block_bytes(self) -> int:
@@ -338,16 +338,19 @@ def device_allows(r: Relaxation, choice: tuple[str | None, float], room: int | N
 
 #: A relaxation that reaches its plan further than this share under the budget plans once more (:func:`retarget`).
 RETARGET_BELOW = 0.95
+#: At most this many times.
+MAX_RETARGETS = 3
 
 
 def retarget(r: Relaxation, budget: int, plan: Callable[[BudgetProfile], Sequence[tuple[str | None, float]]]) -> bool:
     """Once the relaxation has reached its plan more than ``1 - RETARGET_BELOW`` under ``budget``: plan once more,
     with ``plan`` (the planner for ``budget``), from the planner's model corrected by the last measurement (its
     overhead moved by what the current mix measured above its prediction), and relax on towards that plan. Returns
-    whether there is a new target (then ``r``'s profile, correction and target are the new ones); at most once."""
-    if r.retargeted or r.measured >= RETARGET_BELOW * budget:
+    whether there is a new target (then ``r``'s profile, correction and target are the new ones); at most
+    :data:`MAX_RETARGETS` times."""
+    if r.retargets >= MAX_RETARGETS or r.measured >= RETARGET_BELOW * budget:
         return False
-    r.retargeted = True
+    r.retargets += 1
     bp = r.bp.with_overhead(r.bp.overhead_bytes + r.correction)
     try:
         target = list(plan(bp))
@@ -372,7 +375,7 @@ def relax_end(r: Relaxation) -> str:
     """
     left = [i for i, (c, t) in enumerate(zip(r.current, r.target)) if c != t]
     if not left:
-        return "the plan is reached"
+        return "the plan is reached" + f" (planned {r.retargets} more time(s) from the measurement)" * (r.retargets > 0)
     if all(i in r.skipped for i in left) or len(r.skipped) >= MAX_OVERSHOOTS:
         return "relaxing steps measured above the budget"
     return "the next block's plan would not fit"

@@ -384,6 +384,8 @@ def _child(job: MJob, out_file: Path) -> None:
              if isinstance(v, (int, float)) and not isinstance(v, bool)}
     opt = trainer.optimizers[0] if trainer is not None and trainer.optimizers else None
     local = getattr(opt, "host_numel", None)  # ZeRO-1/2: the parameters whose state this rank updates on the CPU
+    if not isinstance(local, int) and hasattr(opt, "_units"):  # ZeRO-3: the elements of its host units
+        local = sum(u.numel for u in opt._units if not u.on_device)
     if not isinstance(local, int):
         local = sum((p.to_local().numel() if hasattr(p, "to_local") else p.numel()) for p in lm.parameters())
     mine["optimizer"] = {"type": type(opt).__name__ if opt is not None else None, "timed_steps": len(timed) - 1,
@@ -497,12 +499,13 @@ def per_step(opt: dict[str, Any], total: str, last: str) -> float | None:
 
 
 def cpu_ns_per_param(row: Row) -> float | None:
-    """The slowest rank's CPU AdamW time per parameter and per thread over the timed steps (ns), or ``None`` when
-    the row has no CPU update figures."""
+    """The slowest rank's CPU AdamW time (both passes where the update went weights first) per host parameter and
+    per thread over the timed steps (ns), or ``None`` when the row has no CPU update figures."""
     rates = []
     for r in row.notes.get("ranks", []):
         o = r.get("optimizer") or {}
         ms, local, threads = per_step(o, "cpu_ms", "cpu_ms_per_step"), o.get("local_params"), o.get("cpu_threads")
+        ms = ms and ms + (per_step(o, "writeback_ms", "writeback_ms") or 0.0)  # both passes of weights first
         if ms and local and threads:
             rates.append(ms * 1e6 / local * threads)
     return max(rates) if rates else None
@@ -549,8 +552,10 @@ def gh200_forecast(ns_per_param_thread: float, mfu: float, *, params: int, ranks
 
 
 def forecast_text(rows: list[Row], batch: int, seq: int) -> str:
-    """The forecast paragraph, from the ZeRO-3 row (else the ZeRO-1/2 row), or why there is none."""
+    """The forecast paragraph, from the ZeRO-3 row (else another ZeRO-3 variant's, else the ZeRO-1/2 row), or why
+    there is none."""
     ours = next((r for r in rows if r.variant == "superoffload_fsdp" and r.step_ms), None) or \
+        next((r for r in rows if r.variant.startswith("superoffload_fsdp") and r.step_ms), None) or \
         next((r for r in rows if r.variant == "superoffload" and r.step_ms), None)
     rate = cpu_ns_per_param(ours) if ours else None
     if ours is None or rate is None:

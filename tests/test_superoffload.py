@@ -222,6 +222,46 @@ def test_the_next_forward_runs_before_the_state_is_written(monkeypatch):
     opt.close()
 
 
+@pytest.mark.skipif(not HAVE_CC, reason="weights first needs the CPU AdamW kernel (a C compiler)")
+def test_the_next_backward_waits_for_the_state_and_an_unvalidated_step_takes_one_pass(monkeypatch):
+    """A bucket's next gradient copy waits for its second pass (held here: the backward does not finish and the
+    bucket's host gradients stay those the pass reads); a step with neither clipping nor the non-finite check
+    updates during backward in one pass."""
+    import threading
+
+    from lightning_gh.superoffload.worker import CpuUpdater
+
+    gate, real = threading.Event(), CpuUpdater._update
+
+    def held(self, b, hp, coef):
+        if not gate.wait(20):
+            raise RuntimeError("the second pass was held for 20 s")
+        return real(self, b, hp, coef)
+
+    monkeypatch.setattr(CpuUpdater, "_update", held)
+    model = make_model()
+    opt = HeterogeneousAdamW(groups(model), lr=1e-2, max_grad_norm=1e-3, module=model, speculative=False,
+                             bucket_size=600)
+    backward_micro_batches(model, opt, 0)
+    opt.step()
+    opt.zero_grad()
+    grads = [b.grad_buf.tensor.clone() for b in opt.layout.buckets]
+    loss = loss_fn(model, batches(1)[1])
+    done = threading.Event()
+    backward = threading.Thread(target=lambda: (loss.backward(), done.set()), daemon=True)
+    backward.start()
+    assert not done.wait(0.5)  # blocked at the first bucket's gradient: its state is not written yet
+    assert all(torch.equal(g, b.grad_buf.tensor) for g, b in zip(grads, opt.layout.buckets))
+    gate.set()
+    assert done.wait(20)
+    opt.step()
+    opt.close()
+    monkeypatch.setattr(CpuUpdater, "_update", real)
+    _, plain = train_ours(steps=3, clip=None, skip_nonfinite=False)
+    assert plain.stats["writeback_ms"] == 0
+    plain.close()
+
+
 def test_speculative_equals_non_speculative_and_no_clip_path():
     a_model, a_opt = train_ours(speculative=True, force_speculation=True)
     b_model, b_opt = train_ours(speculative=False)

@@ -173,3 +173,18 @@ def test_weights_only_form_writes_the_steps_weights_and_nothing_else(gdtype, sta
         k.weights(src, g[start:], w32.half(), consts, threads=1)
     with pytest.raises(ValueError, match=r"all must be equal"):
         k.weights(src, g[start:], w32[1:], consts, threads=1)
+
+
+def test_stage_ring_grows_for_a_larger_bucket():
+    """The staging ring is made anew, larger, when a bucket no longer fits (one made larger since)."""
+    from lightning_gh.superoffload.weights_first import StageRing
+
+    ring = StageRing(64, pin=False)
+    slot, out = ring.take(16, torch.float32)
+    assert slot == 0 and out.numel() == 16 and out.dtype == torch.float32
+    ring.copied(slot, None)
+    slot, out = ring.take(100, torch.bfloat16)  # 200 bytes: the buffers grow
+    assert slot == 1 and out.numel() == 100 and all(b.numel == 200 for b in ring.buffers)
+    slot, out = ring.take(50, torch.float32)
+    assert slot == 0 and out.numel() == 50
+    ring.release()

@@ -481,24 +481,29 @@ def _forward_before_writeback(rank: int, world: int, tmp: str) -> None:
     opt.zero_grad()
     loss = local_loss(model, 1, rank)  # the next forward, while every unit's state waits behind the gate
     pending = [u.index for u in opt._units if not u.done.is_set()]
+    finished = threading.Event()
+    backward = threading.Thread(target=lambda: (loss.backward(), finished.set()), daemon=True)
+    backward.start()
+    blocked = not finished.wait(0.5)  # its first unit's gradient copy waits for that unit's second pass
     gate.set()
-    loss.backward()  # its gradient copies wait for the second pass of their unit
+    assert finished.wait(20)
     opt.step()
     opt.synchronize()
-    torch.save({"pending": pending, "units": len(opt._units), "writeback_ms": opt.stats["writeback_ms"]},
-               f"{tmp}/writeback.pt")
+    torch.save({"pending": pending, "units": len(opt._units), "writeback_ms": opt.stats["writeback_ms"],
+                "blocked": blocked}, f"{tmp}/writeback.pt")
     opt.close()
     dist.destroy_process_group()
 
 
 def test_the_forward_waits_for_the_weights_not_the_state(tmp_path):
     """weights_first: the next forward runs while every host unit's master rows and moments are still being
-    written (held here), and the backward after it waits for them."""
+    written (held here), and the backward after it waits for them (it does not finish while they are held)."""
     if cpu_adamw.load() is None:
         pytest.skip("needs the CPU AdamW kernel (a C compiler)")
     run_ranks(_forward_before_writeback, 1, str(tmp_path), timeout=120)
     out = torch.load(tmp_path / "writeback.pt")
     assert out["pending"] == list(range(out["units"])) and out["writeback_ms"] > 0
+    assert out["blocked"]  # the backward after it waited for the held second pass
 
 
 def test_gradients_leave_the_device_during_backward(module_runs):

@@ -346,11 +346,10 @@ def retarget(r: Relaxation, budget: int, plan: Callable[[BudgetProfile], Sequenc
     """Once the relaxation has reached its plan more than ``1 - RETARGET_BELOW`` under ``budget``: plan once more,
     with ``plan`` (the planner for ``budget``), from the planner's model corrected by the last measurement (its
     overhead moved by what the current mix measured above its prediction), and relax on towards that plan. Returns
-    whether there is a new target (then ``r``'s profile, correction and target are the new ones); at most
-    :data:`MAX_RETARGETS` times."""
+    whether there is a new target (then ``r``'s profile, correction and target are the new ones, and
+    ``r.retargets`` counts it); at most :data:`MAX_RETARGETS` new targets."""
     if r.retargets >= MAX_RETARGETS or r.measured >= RETARGET_BELOW * budget:
         return False
-    r.retargets += 1
     bp = r.bp.with_overhead(r.bp.overhead_bytes + r.correction)
     try:
         target = list(plan(bp))
@@ -358,7 +357,7 @@ def retarget(r: Relaxation, budget: int, plan: Callable[[BudgetProfile], Sequenc
         return False
     if target == r.current:
         return False
-    r.bp, r.correction, r.target = bp, 0, target
+    r.bp, r.correction, r.target, r.retargets = bp, 0, target, r.retargets + 1
     return True
 
 

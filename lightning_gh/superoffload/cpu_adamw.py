@@ -129,8 +129,9 @@ class AdamWKernel:
     def weights(self, src: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor, out: torch.Tensor,
                 consts: tuple[torch.Tensor, bool], threads: int, sq_mode: int | None = None) -> None:
         """The new weights of the step :meth:`step` would take, written to ``out`` (fp32, or bf16 rounded to
-        nearest even as torch casts) and nothing else: ``src`` and ``grad`` are only read. A later :meth:`step` on
-        the same inputs writes the same weights (bitwise) with the moments."""
+        nearest even as torch casts; a NaN becomes a NaN whose bits may differ from torch's) and nothing else:
+        ``src`` and ``grad`` are only read. A later :meth:`step` on the same inputs writes the same weights
+        (bitwise) with the moments."""
         if grad.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"lgh_adamw_weights: grad.dtype={grad.dtype} must be torch.float32 or torch.bfloat16.")
         if out.dtype not in (torch.float32, torch.bfloat16):

@@ -258,7 +258,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         threads = self.options.cpu_threads
         self.cpu_threads = threads if threads is not None else rank_cpu_threads(
             self.cuda, min(local_world_size(), self.world))
-        self._first = wf.FirstPass(self._kernel, wf.stage_bytes(unit_bytes), self.cpu_threads) if two else None
+        self._first = wf.FirstPass(self._kernel, max(unit_bytes, default=0), self.cpu_threads) if two else None
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self._grads = UnitGradients(self._units, params, pg=self._pg, world=self.world, rank=self.rank,
                                     device=self.device, stream=self._streams[0] if self.cuda else None,

@@ -518,7 +518,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         if b.step_id != ctx.id:
             if self._layout.owns(b):
                 self._wait_ready(b, stall=False)
-                self._updater.wait(b, state=True)  # its last update has read the gradient buffer
+                self._times.stall_ms += self._updater.wait(b, state=True)  # its state written, gradient read
                 b.ready.clear()
             b.step_id, b.arrived, b.active, b.pushed = ctx.id, 0, [], False
         b.arrived += 1

@@ -89,22 +89,30 @@ class StageRing:
     """
 
     def __init__(self, nbytes: int, pin: bool) -> None:
+        self.pin = pin
         self.buffers = [HostBuffer(nbytes, pin=pin, zero=False, dtype=torch.uint8) for _ in range(STAGE_SLOTS)]
         self.events: list[Any] = [None] * STAGE_SLOTS
         self.turn = 0
 
     def take(self, numel: int, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
-        """The next buffer as ``numel`` elements of ``dtype``, once its last copy has read it; returns its slot."""
+        """The next buffer as ``numel`` elements of ``dtype``, once its last copy has read it; returns its slot.
+        Every buffer is made anew, larger, once every copy from the ring has finished, when they are too small
+        (a bucket made larger since, e.g. a parameter that came back from the GPU tail)."""
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.buffers[0].numel:
+            for slot, event in enumerate(self.events):
+                if event is not None:
+                    event.synchronize()
+                    self.events[slot] = None
+            pin = self.pin
+            self.release()
+            self.buffers = [HostBuffer(nbytes, pin=pin, zero=False, dtype=torch.uint8) for _ in range(STAGE_SLOTS)]
         slot = self.turn
         self.turn = (self.turn + 1) % STAGE_SLOTS
         if self.events[slot] is not None:
             self.events[slot].synchronize()
             self.events[slot] = None
-        raw = self.buffers[slot].tensor
-        nbytes = numel * dtype.itemsize
-        if nbytes > raw.numel():
-            raise ValueError(f"StageRing: a unit of {nbytes} bytes does not fit a {raw.numel()}-byte buffer.")
-        return slot, raw[:nbytes].view(dtype)
+        return slot, self.buffers[slot].tensor[:nbytes].view(dtype)
 
     def copied(self, slot: int, event: Any) -> None:
         """``event`` completes once the device has read the buffer of ``slot`` (``None``: already read)."""

@@ -169,13 +169,16 @@ class CpuUpdater:
 
     def close(self) -> None:
         """Stop the thread (after the tasks already queued), then the GPU's worker."""
+        alive = False
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)
-            self._thread = None
+            alive, self._thread = self._thread.is_alive(), None
         if self.assist is not None:
             self.assist.close()
-        if self._stage is not None:
+        if self._stage is not None and not alive:  # a worker still running may still write the ring: keep it
+            if self.h2d_stream is not None:
+                self.h2d_stream.synchronize()  # the last copies from the ring have read it
             self._stage.release()
             self._stage = None
 
@@ -302,7 +305,7 @@ class CpuUpdater:
             return False
         try:
             for b in list(self.layout.buckets):
-                if (b.speculated and b.speculative and not b.backup.fresh and b.ready.is_set()
+                if (b.speculated and b.speculative and not b.backup.fresh and b.done.is_set() and b.ready.is_set()
                         and b.master_buf is not None and b.alt_master is None):
                     self._backup(b, "backup_idle")
                     self.stats["prefetched_backups"] += 1
@@ -331,7 +334,9 @@ class CpuUpdater:
                 t0 = time.perf_counter()
                 with torch.profiler.record_function(WRITEBACK_RANGE):
                     self._update(b, dec.hp, dec.coef)
-                st["writeback_ms"] += (time.perf_counter() - t0) * 1e3
+                ms = (time.perf_counter() - t0) * 1e3
+                st["writeback_ms"] += ms
+                b.cpu_ms += 0.3 * ms  # the step's share of the bucket's average (see _account), both passes
             finally:
                 b.done.set()
 
@@ -378,7 +383,8 @@ class CpuUpdater:
         b.ready.set()
 
     def _final_update(self, b: Bucket, dec: Decision, ctx: StepCtx | None = None) -> None:
-        if not dec.skip and b.active and ctx is not None and self._goes_weights_first():
+        # only a step validated after backward: without validation the one pass overlaps the backward
+        if not dec.skip and b.active and ctx is not None and ctx.needs_validation and self._goes_weights_first():
             b.done.clear()  # before `ready`: the next backward's wait for the state sees it pending
             self._send_weights(b, dec)
             ctx.later.append(b)
@@ -397,10 +403,9 @@ class CpuUpdater:
         from lightning_gh.superoffload.cpu_adamw import kernel_runs, weights_spans
 
         t0 = time.perf_counter()
-        if self._stage is None:
-            numel = max(bk.numel for bk in self.layout.buckets)
-            self._stage = StageRing(4 * numel, pin=self.layout.cuda)
         bf16 = all(s.param.dtype == torch.bfloat16 for s in b.active)
+        if self._stage is None:  # sized for the largest bucket now (it grows if a larger one comes)
+            self._stage = StageRing((2 if bf16 else 4) * max(bk.numel for bk in self.layout.buckets), self.layout.cuda)
         slot, out = self._stage.take(b.numel, torch.bfloat16 if bf16 else torch.float32)
         self._phase("wait_h2d", t0)
         t0 = time.perf_counter()

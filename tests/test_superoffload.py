@@ -818,11 +818,14 @@ def test_tail_budget_holds_back_one_cast_chunk(monkeypatch):
     opt.close()
 
 
-def _host_with_room(monkeypatch, backup_params: int) -> None:
+def _host_with_room(monkeypatch, backup_params: int, stage_bucket: int = 0) -> None:
     """A host whose available memory holds the test model's state (16 B/param, fp32 gradients) and exact-rollback
-    copies of ``backup_params`` parameters, within the 90% the optimizer may take."""
-    n = sum(p.numel() for p in make_model().parameters())
-    need = 16 * n + 12 * backup_params
+    copies of ``backup_params`` parameters, within the 90% the optimizer may take; with ``stage_bucket``, also the
+    weights-first staging ring for buckets of that size (two fp32 buffers of the largest bucket)."""
+    params = list(make_model().parameters())
+    n = sum(p.numel() for p in params)
+    ring = 2 * 4 * max(stage_bucket, max(p.numel() for p in params)) if stage_bucket else 0
+    need = 16 * n + 12 * backup_params + ring
     monkeypatch.setattr(hardware, "available_host_bytes", lambda: int(need / 0.9) + 8)
 
 
@@ -833,6 +836,8 @@ def test_a_host_too_small_for_backups_trains_without_speculation_bitwise(monkeyp
     model, opt = train_ours(force_speculation=True, rollback=rollback)  # speculative="auto", the default
     plan = opt.layout.plan
     assert plan.backup_params == 0 and "no host RAM left for a backup" in plan.reason
+    # no room for the weights-first staging ring either: every update takes one pass (none needs it here)
+    assert opt.layout.staging == (opt.layout.kernel is None) and opt.stats["writeback_ms"] == 0
     assert "no host RAM left" in opt.stats["host_plan"]
     assert not any(b.speculative for b in opt.layout.buckets) and not opt.layout.two_copies
     assert all(b.alt_master is None and b.backup.tensor is None for b in opt.layout.buckets)
@@ -848,9 +853,11 @@ def test_room_for_a_few_backups_speculates_on_exactly_those_buckets(monkeypatch,
     sizes = [b.numel for b in probe.layout.buckets]  # in gradient-arrival order
     probe.close()
     assert len(sizes) >= 4
-    _host_with_room(monkeypatch, backup_params=sizes[0] + sizes[1])
+    _host_with_room(monkeypatch, backup_params=sizes[0] + sizes[1],
+                    stage_bucket=100 if rollback == "auto" and HAVE_CC else 0)
     ref_model, ref_opt, _ = train_reference()
     model, opt = train_ours(force_speculation=True, rollback=rollback, bucket_size=100)
+    assert opt.layout.staging and (opt.stats["writeback_ms"] > 0) == (opt.layout.kernel is not None)
     assert [b.speculative for b in opt.layout.buckets] == [True, True] + [False] * (len(sizes) - 2)
     assert f"room for backups of {sizes[0] + sizes[1]:,} of {sum(sizes):,} parameters" in opt.layout.plan.reason
     two = opt.layout.two_copies
@@ -886,7 +893,7 @@ def test_host_room_the_tail_frees_holds_rollback_copies_for_more_buckets(monkeyp
     freed = (sizes[-1] + sizes[-2]) * 16 // 12  # copies the tail's two buckets make room for
     room = sizes[0] + sizes[1] - freed // 2  # a copy of the first bucket fits; of the second, only with that room
     assert sizes[0] <= room < sizes[0] + sizes[1] <= room + freed
-    _host_with_room(monkeypatch, backup_params=room)
+    _host_with_room(monkeypatch, backup_params=room, stage_bucket=100 if rollback == "auto" and HAVE_CC else 0)
     ref_model, ref_opt, _ = train_reference()
     model = make_model()
     opt = HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=CLIP, module=model,

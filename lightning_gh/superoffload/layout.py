@@ -11,6 +11,7 @@ parameter's state between a bucket and the GPU tail, and writes loaded state int
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterable
@@ -19,12 +20,15 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_gh._util import fmt_bytes
 from lightning_gh.superoffload import memory
 from lightning_gh.superoffload.memory import HostBuffer
 
 __all__ = ["Bucket", "HostLayout", "RollbackCopy", "Slot", "WaitBeforeCompiledCall", "chunk_by_size",
            "compiled_regions", "forward_hook_sites",
            "is_compiled_region"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -241,6 +245,7 @@ class HostLayout:
         self.pending: dict[int, dict[str, torch.Tensor]] = {}  # loaded state for slots not laid out yet
         self.lock = threading.Lock()
         self.kernel: Any = None  # .cpu_adamw.AdamWKernel, when every CPU update runs our kernel
+        self.staging = True  # the host plan had room for the weights-first staging buffers (see .worker)
         self.two_copies = False  # host buckets keep two copies of their state (see Note [Speculative update ...])
         self.pin_moments = False  # page-lock the host buckets' moments (the GPU copies them; see .assist)
         self.plan: memory.HostMemoryPlan | None = None
@@ -346,14 +351,37 @@ class HostLayout:
         gpu_per_param = max((8 + (0 if s.param.dtype == torch.float32 else 4) + s.param.element_size()
                              for s in trainable), default=14)  # moments, master, gradient (see .tail_mover)
         auto = options.gpu_fraction == "auto"
-        self.plan = memory.check_host_memory(
-            self.trainable_numel(), owner=self, local_ranks=None if shard is None else shard.group.local_size,
-            speculative=options.speculative, enforce=options.host_memory_check, validation=validation,
-            grad_bytes=self.grad_bytes(self.kernel, shard is not None), gpu_share=None if auto else options.gpu_fraction,
-            gpu_room_bytes=gpu_room if auto else 0, gpu_bytes_per_param=gpu_per_param,
-            shards=1 if shard is None else shard.group.size,
-            process_bytes=memory.rank_process_bytes(self.trainable_numel(), 1 if shard is None else shard.group.size))
+
+        def check(stage: int) -> memory.HostMemoryPlan:
+            return memory.check_host_memory(
+                self.trainable_numel(), owner=self, local_ranks=None if shard is None else shard.group.local_size,
+                speculative=options.speculative, enforce=options.host_memory_check, validation=validation,
+                grad_bytes=self.grad_bytes(self.kernel, shard is not None),
+                gpu_share=None if auto else options.gpu_fraction, gpu_room_bytes=gpu_room if auto else 0,
+                gpu_bytes_per_param=gpu_per_param, shards=1 if shard is None else shard.group.size,
+                process_bytes=memory.rank_process_bytes(self.trainable_numel(), 1 if shard is None else
+                                                        shard.group.size), stage_bytes=stage)
+
+        stage = self._stage_bytes(options, trainable)
+        try:
+            self.plan = check(stage)
+        except memory.HostMemoryError:
+            if not stage:
+                raise
+            self.plan, self.staging = check(0), False  # weights first is what does not fit: one pass
+            log.info("SuperOffload: no host room for the weights-first staging buffers (%s); every update takes "
+                     "one pass.", fmt_bytes(stage))
         return self.plan
+
+    def _stage_bytes(self, options: Any, trainable: list[Slot]) -> int:
+        """The weights-first staging ring's host bytes (see .worker): two buffers of the largest bucket's weights
+        (a parameter larger than ``bucket_size`` is a bucket of its own), in bf16 where every parameter is."""
+        from lightning_gh.superoffload.weights_first import stage_bytes
+
+        if not (options.weights_first and self.kernel is not None and trainable):
+            return 0
+        size = 2 if all(s.param.dtype == torch.bfloat16 for s in trainable) else 4
+        return stage_bytes([size * max(options.bucket_size, max(s.numel for s in trainable))])
 
     def _speculative_runs(self, numels: list[int], used: int = 0) -> list[bool]:
         """Which of the next owned buckets (``numels``, in arrival order) fit in the speculation budget, after

@@ -266,7 +266,7 @@ def rank_process_bytes(model_params: int, ranks: int) -> int:
 def check_host_memory(params: int, speculative_backup: bool = True, headroom: float = 0.9,
                       local_ranks: int | None = None, *, speculative: bool | str | None = None,
                       enforce: bool = True, owner: object | None = None, process_bytes: int = 0,
-                      **sizes: Any) -> HostMemoryPlan:
+                      stage_bytes: int = 0, **sizes: Any) -> HostMemoryPlan:
     """Plan this rank's host state from the host memory available now (:func:`plan_host_memory`) and raise
     :class:`~lightning_gh._host.HostMemoryError` (a ``MemoryError``) naming the numbers, and the largest model that
     would fit, when no configuration fits.
@@ -287,6 +287,7 @@ def check_host_memory(params: int, speculative_backup: bool = True, headroom: fl
             plan] in :mod:`lightning_gh._host`); ``None``: the plan is checked, not recorded.
         process_bytes: host bytes this rank's process takes beyond the plan's buffers (see
             :func:`rank_process_bytes`): the room shrinks by them and the claim counts them.
+        stage_bytes: the weights-first staging buffers' host bytes (see :mod:`.weights_first`), counted the same way.
         **sizes: the other arguments of :func:`plan_host_memory` (``validation``, ``grad_bytes``, ``gpu_share``,
             ``gpu_room_bytes``, ``gpu_bytes_per_param``, ``shards``).
 
@@ -308,7 +309,7 @@ def check_host_memory(params: int, speculative_backup: bool = True, headroom: fl
     room = _host.PLAN.room(PLAN_PART, headroom=headroom / ranks) if enforce and available_host_bytes() is not None \
         else None
     if room is not None:
-        room = max(0, room - process_bytes)
+        room = max(0, room - process_bytes - stage_bytes)
     plan = plan_host_memory(params, available_bytes=room, speculative=speculative, local_ranks=1, headroom=1.0,
                             **sizes)
     if room is not None:  # the plan says what the host has; the room it was made for is in the claim's message
@@ -328,7 +329,10 @@ def check_host_memory(params: int, speculative_backup: bool = True, headroom: fl
         share += f", plus {fmt_bytes(process_bytes)} the rank's process takes beside them"
         tips.append('strategy="superoffload_fsdp" (ZeRO-3: the parameters sharded too, less host memory per rank '
                     "beside the state)")
-    _host.check_host_room(plan.needed_bytes + process_bytes, what=f"HeterogeneousAdamW ({plan.describe()}{share})",
+    if stage_bytes:
+        share += f", plus {fmt_bytes(stage_bytes)} of staging buffers (weights first)"
+    _host.check_host_room(plan.needed_bytes + process_bytes + stage_bytes,
+                          what=f"HeterogeneousAdamW ({plan.describe()}{share})",
                           headroom=headroom / ranks, tips=tips, opt_out="host_memory_check=False", part=PLAN_PART,
                           owner=owner, record=owner is not None)
     return plan

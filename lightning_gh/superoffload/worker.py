@@ -394,7 +394,7 @@ class CpuUpdater:
         b.ready.set()
 
     def _goes_weights_first(self) -> bool:
-        return self.weights_first and self.layout.kernel is not None and self.assist is None
+        return self.weights_first and self.layout.kernel is not None and self.layout.staging and self.assist is None
 
     def _send_weights(self, b: Bucket, dec: Decision) -> None:
         """The first pass (see the module's Note): the bucket's new weights, in its parameters' dtype where they

@@ -1,12 +1,19 @@
-import torch, torch.nn as nn, json, os
+import json
+import os
+
+import torch
+import torch.nn as nn
+
 from lightning_gh.superoffload import HeterogeneousAdamW
+
+
 def run(wf, dtype):
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]).to("cuda", dtype)
     opt = HeterogeneousAdamW(m.parameters(), lr=1e-3, max_grad_norm=1e-3, module=m, speculative=False,
                              bucket_size=300_000, gpu_fraction=0.0, weights_first=wf)
     g = torch.Generator(device="cuda").manual_seed(1)
-    for step in range(12):
+    for _ in range(12):
         x = torch.randn(64, 512, device="cuda", dtype=dtype, generator=g)
         m(x).float().square().mean().backward()
         opt.step(); opt.zero_grad()

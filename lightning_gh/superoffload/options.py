@@ -96,8 +96,9 @@ class SuperOffloadOptions:
             then its master weights and moments, which nothing waits for until the next backward fills its
             gradient buffer (see Note [Weights first, state after] in :mod:`.weights_first`). The same results,
             bitwise; the forward's wait moves less host memory, the update as a whole moves more. Needs the CPU AdamW
-            kernel (:mod:`.cpu_adamw`); without it, with ``device_assist`` on, or with ``False``, one pass.
-            Speculative updates (before the decision) are one pass either way.
+            kernel (:mod:`.cpu_adamw`) and host room for two page-locked staging buffers of the largest bucket;
+            without them, with ``device_assist`` on, or with ``False``, one pass. Speculative updates (before the
+            decision) and steps without clipping or the non-finite check are one pass either way.
     """
 
     gpu_fraction: float | str = "auto"

@@ -41,6 +41,7 @@ Usage (on the GPU machine)::
     python benchmarks/one_gpu_job.py --variants gpu_bf16_ckpt superoffload --layers 32 --steps 12 --out $OUT
     python benchmarks/one_gpu_job.py --variants superoffload --vocab 128256        # Llama-3.1-8B's shape
     python benchmarks/one_gpu_job.py --check-loss --layers 4 --steps 50              # losses vs an fp32-master run
+    python benchmarks/one_gpu_job.py --variants gpu_bf16_budget gpu_bf16_ckpt --budget 9.4GiB --losses
     python benchmarks/one_gpu_job.py --variants superoffload --no-checkpointing --oom-knob   # OOM, then its knob
 
 A GH200 forecast is printed beside the measured figures, marked as a forecast (its assumptions are printed with
@@ -374,6 +375,24 @@ def apply_knob(job: Job, knob: str) -> Job | None:
     return None
 
 
+def loss_gaps(rows: list[Outcome], anchor: str) -> dict[str, tuple[int, float]]:
+    """Per row with recorded losses (the anchor aside): the steps it shares with the anchor's and the largest
+    relative difference of its loss from the anchor's over them. Every variant starts from the same weights and
+    data, so the gap is what its arithmetic changes (bf16 noise, recompute order).
+
+    >>> a, b = Outcome("a", losses=[2.0, 1.0]), Outcome("b", losses=[2.2, 1.0, 0.5])
+    >>> loss_gaps([a, b], "a")
+    {'b': (2, 0.1...)}
+    """
+    ref = next((r.losses for r in rows if r.variant == anchor), [])
+    gaps = {}
+    for r in rows:
+        n = min(len(ref), len(r.losses))
+        if r.variant != anchor and n:
+            gaps[r.variant] = (n, max(abs(a - b) / abs(a) for a, b in zip(ref[:n], r.losses[:n])))
+    return gaps
+
+
 def table(rows: list[Outcome], anchor: str | None) -> str:
     base = next((r for r in rows if r.variant == anchor and r.step_ms), None)
     head = ("| variant | params (B) | step ms | tokens/s | MFU | vs anchor | peak GPU GiB | host used GiB | "
@@ -403,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps of the SuperOffload variants (its GPU tail settles over the first pipelined steps)")
     ap.add_argument("--offload-warmup", type=int, default=35, help="untimed steps of the SuperOffload variants")
     ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
+    ap.add_argument("--losses", action="store_true",
+                    help="record every variant's loss per step and print each one's largest relative difference "
+                         "from the anchor's (the same initial weights and data)")
     ap.add_argument("--budget", default="8GiB", help="ActivationOffload's budget in the *_budget variants")
     ap.add_argument("--profile-step", type=int, help="profile this optimizer step of the superoffload* variants "
                     "(SelectiveProfiler: trace, summary and verdict under --out)")
@@ -441,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             job = Job(v, layers=layers, hidden=args.hidden, ffn=args.ffn, vocab=args.vocab, batch=args.batch,
                       seq=args.seq, steps=args.offload_steps if ours else args.steps,
                       warmup=args.offload_warmup if ours else args.warmup,
-                      checkpointing=not args.no_checkpointing, record_losses=args.check_loss, budget=args.budget,
+                      checkpointing=not args.no_checkpointing, record_losses=args.check_loss or args.losses,
+                      budget=args.budget,
                       clip=args.rare_clip if v.endswith("_rareclip") else 1.0, profile_step=args.profile_step,
                       out=str(out))
             r = run_variant(job, out, args.timeout)
@@ -470,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
             rel = [abs(a - b) / abs(a) for a, b in zip(ref[:n], ours[:n])]
             report += (f"\n\nlosses over {n} steps: max relative difference {max(rel):.2e}, mean {statistics.mean(rel):.2e}"
                        f"; first {ref[0]:.4f} / {ours[0]:.4f}, last {ref[n - 1]:.4f} / {ours[n - 1]:.4f}")
+    if args.losses:
+        for v, (n, gap) in loss_gaps(rows, anchor).items():
+            report += f"\nloss gap of {v} from {anchor}: largest relative difference {gap:.2e} over {n} steps"
     ours = next((r for r in rows if r.variant == "superoffload" and r.step_ms), None)
     gpu_only = next((r for r in rows if r.variant == "gpu_bf16_ckpt" and r.step_ms), None)
     if ours is not None:

@@ -68,3 +68,15 @@ def test_the_oom_reports_knob_is_applied_to_the_job(knob, want):
         assert got is None
     else:
         assert {k: getattr(got, k) for k in want} == want and got.knob == knob
+
+
+@pytest.mark.parametrize(("rows", "gaps"), [
+    ([("gpu_bf16_ckpt", [2.0, 1.0]), ("gpu_bf16_budget", [2.0, 1.1, 0.9])], {"gpu_bf16_budget": (2, 0.1)}),
+    ([("gpu_bf16_ckpt", [2.0]), ("gpu_bf16_budget", [])], {}),  # no losses recorded: no gap
+    ([("gpu_bf16_budget", [2.0])], {}),  # no anchor row
+])
+def test_loss_gaps_against_the_anchor(rows, gaps):
+    out = job.loss_gaps([job.Outcome(v, losses=losses) for v, losses in rows], "gpu_bf16_ckpt")
+    assert out.keys() == gaps.keys()
+    for v, (n, gap) in gaps.items():
+        assert out[v][0] == n and out[v][1] == pytest.approx(gap)

@@ -129,7 +129,7 @@ class FirstPass:
 
     Args:
         kernel: the CPU AdamW kernel.
-        nbytes: bytes per staging buffer (:func:`stage_bytes` of the units).
+        nbytes: bytes per staging buffer (the largest host unit's weights; the ring grows if one is larger).
         threads: the kernel's threads.
     """
 

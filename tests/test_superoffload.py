@@ -188,10 +188,9 @@ def test_weights_first_equals_one_pass_bitwise(dtype):
         opt.close()
 
 
-@pytest.mark.skipif(not HAVE_CC, reason="weights first needs the CPU AdamW kernel (a C compiler)")
-def test_the_next_forward_runs_before_the_state_is_written(monkeypatch):
-    """The next forward needs a bucket's weights only: it runs while every second pass is held, and the backward
-    after it waits for them (a forward that waited would fail the held pass after its timeout)."""
+def _after_a_step_with_the_second_pass_held(monkeypatch):
+    """An optimizer clipped on every step, one step taken, whose second passes (see worker's Note) wait for the
+    returned gate (failing after 20 s)."""
     import threading
 
     from lightning_gh.superoffload.worker import CpuUpdater
@@ -200,7 +199,7 @@ def test_the_next_forward_runs_before_the_state_is_written(monkeypatch):
 
     def held(self, b, hp, coef):
         if not gate.wait(20):
-            raise RuntimeError("the second pass was held for 20 s: the forward waited for it")
+            raise RuntimeError("the second pass was held for 20 s")
         return real(self, b, hp, coef)
 
     monkeypatch.setattr(CpuUpdater, "_update", held)
@@ -210,6 +209,14 @@ def test_the_next_forward_runs_before_the_state_is_written(monkeypatch):
     backward_micro_batches(model, opt, 0)
     opt.step()
     opt.zero_grad()
+    return gate, model, opt
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="weights first needs the CPU AdamW kernel (a C compiler)")
+def test_the_next_forward_runs_before_the_state_is_written(monkeypatch):
+    """The next forward needs a bucket's weights only: it runs while every second pass is held, and the backward
+    after it waits for them (a forward that waited would fail the held pass after its timeout)."""
+    gate, model, opt = _after_a_step_with_the_second_pass_held(monkeypatch)
     first, last = batches(1)
     loss = loss_fn(model, last)  # the forward: every bucket's weights are in, no state is written yet
     pending = [b.index for b in opt.layout.buckets if not b.done.is_set()]
@@ -229,22 +236,7 @@ def test_the_next_backward_waits_for_the_state_and_an_unvalidated_step_takes_one
     updates during backward in one pass."""
     import threading
 
-    from lightning_gh.superoffload.worker import CpuUpdater
-
-    gate, real = threading.Event(), CpuUpdater._update
-
-    def held(self, b, hp, coef):
-        if not gate.wait(20):
-            raise RuntimeError("the second pass was held for 20 s")
-        return real(self, b, hp, coef)
-
-    monkeypatch.setattr(CpuUpdater, "_update", held)
-    model = make_model()
-    opt = HeterogeneousAdamW(groups(model), lr=1e-2, max_grad_norm=1e-3, module=model, speculative=False,
-                             bucket_size=600)
-    backward_micro_batches(model, opt, 0)
-    opt.step()
-    opt.zero_grad()
+    gate, model, opt = _after_a_step_with_the_second_pass_held(monkeypatch)
     grads = [b.grad_buf.tensor.clone() for b in opt.layout.buckets]
     loss = loss_fn(model, batches(1)[1])
     done = threading.Event()
@@ -256,7 +248,7 @@ def test_the_next_backward_waits_for_the_state_and_an_unvalidated_step_takes_one
     assert done.wait(20)
     opt.step()
     opt.close()
-    monkeypatch.setattr(CpuUpdater, "_update", real)
+    monkeypatch.undo()  # the second pass no longer held
     _, plain = train_ours(steps=3, clip=None, skip_nonfinite=False)
     assert plain.stats["writeback_ms"] == 0
     plain.close()

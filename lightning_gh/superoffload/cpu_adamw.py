@@ -185,6 +185,17 @@ def kernel_runs(slots: Iterable[Any]) -> list[list[Any]]:
     return runs
 
 
+def _tail_spans(sizes: list[int]) -> list[tuple[int, int]]:
+    """The last ``numel % 16`` elements of each parameter laid out back to back (``sizes``), which torch's own
+    scalar loop updates (see ``_TAIL``)."""
+    spans, off = [], 0
+    for n in sizes:
+        if n % _TAIL:
+            spans.append((off + n - n % _TAIL, off + n))
+        off += n
+    return spans
+
+
 def update_spans(kernel: AdamWKernel, src: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: torch.Tensor,
                  dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sizes: list[int], step: float,
                  hp: dict[str, float], coef: torch.Tensor | None, threads: int, sq_mode: int | None = None) -> None:
@@ -206,14 +217,8 @@ def update_spans(kernel: AdamWKernel, src: tuple[torch.Tensor, torch.Tensor, tor
     consts = step_constants(step, hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["eps"],
                             None if coef is None else float(coef))
     # the tails are computed first, from the inputs, since an in-place kernel call overwrites them
-    tails = []
-    off = 0
-    for n in sizes:
-        r = n % _TAIL
-        if r:
-            lo, hi = off + n - r, off + n
-            tails.append((lo, hi, _torch_tail(tuple(t[lo:hi] for t in src), grad[lo:hi], step, hp, coef)))
-        off += n
+    tails = [(lo, hi, _torch_tail(tuple(t[lo:hi] for t in src), grad[lo:hi], step, hp, coef))
+             for lo, hi in _tail_spans(sizes)]
     kernel.step(src, grad, dst, consts, threads, sq_mode)
     for lo, hi, out in tails:
         for d, o in zip(dst, out):
@@ -228,13 +233,8 @@ def weights_spans(kernel: AdamWKernel, src: tuple[torch.Tensor, torch.Tensor, to
     consts = step_constants(step, hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["eps"],
                             None if coef is None else float(coef))
     kernel.weights(src, grad, out, consts, threads)
-    off = 0
-    for n in sizes:
-        r = n % _TAIL
-        if r:
-            lo, hi = off + n - r, off + n
-            out[lo:hi].copy_(_torch_tail(tuple(t[lo:hi] for t in src), grad[lo:hi], step, hp, coef)[0])
-        off += n
+    for lo, hi in _tail_spans(sizes):
+        out[lo:hi].copy_(_torch_tail(tuple(t[lo:hi] for t in src), grad[lo:hi], step, hp, coef)[0])
 
 
 def _build() -> Path | None:

@@ -30,7 +30,7 @@ Note [Weights first, state after]
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -152,6 +152,19 @@ class FirstPass:
             self.ring.release()
 
 
+def _kernel_spans(u: HostUnit, hp: list[dict[str, float]],
+                  coef: torch.Tensor | None) -> Iterator[tuple[int, int, tuple[torch.Tensor, bool]]]:
+    """The unit's spans one kernel call updates (consecutive active shards of one group and step count) with the
+    kernel's constants for them: the same for both passes, so they compute the same weights."""
+    c = None if coef is None else float(coef)
+    for run in cpu_adamw.kernel_runs(u.active):
+        lo, hi = run[0].offset, run[-1].offset + run[-1].numel
+        if hi > lo:
+            h = hp[run[0].group]
+            yield lo, hi, cpu_adamw.step_constants(float(run[0].step) + 1.0, h["lr"], h["beta1"], h["beta2"],
+                                                   h["weight_decay"], h["eps"], c)
+
+
 def write_weights(kernel: AdamWKernel, u: HostUnit, hp: list[dict[str, float]], coef: torch.Tensor | None,
                   out: torch.Tensor, threads: int) -> None:
     """The first pass for unit ``u``: the new weights of its active rows written to ``out`` (the unit's rows, in
@@ -167,14 +180,8 @@ def write_weights(kernel: AdamWKernel, u: HostUnit, hp: list[dict[str, float]], 
     """
     grad = u.grad.tensor
     span = (u.region(0), u.region(1), u.region(2))
-    c = None if coef is None else float(coef)
-    for run in cpu_adamw.kernel_runs(u.active):  # consecutive shards of one group and step count
-        lo, hi = run[0].offset, run[-1].offset + run[-1].numel
-        if hi > lo:
-            h = hp[run[0].group]
-            consts = cpu_adamw.step_constants(float(run[0].step) + 1.0, h["lr"], h["beta1"], h["beta2"],
-                                              h["weight_decay"], h["eps"], c)
-            kernel.weights(tuple(t[lo:hi] for t in span), grad[lo:hi], out[lo:hi], consts, threads)
+    for lo, hi, consts in _kernel_spans(u, hp, coef):
+        kernel.weights(tuple(t[lo:hi] for t in span), grad[lo:hi], out[lo:hi], consts, threads)
     for s in u.active:  # the rows in a full tensor's tail: torch's update, as in the in-place pass
         lo, hi = s.tail_rows()
         if hi > lo:
@@ -194,20 +201,14 @@ def update_in_place(kernel: AdamWKernel | None, u: HostUnit, hp: list[dict[str, 
     """
     grad = u.grad.tensor
     span = (u.region(0), u.region(1), u.region(2))
-    c = None if coef is None else float(coef)
     # the rows in the full tensors' tails, from the inputs (an in-place kernel call overwrites them)
     tails = [(s, lo, hi, positioned_update(tuple(t[s.offset + lo:s.offset + hi] for t in span),
                                            grad[s.offset + lo:s.offset + hi], s, lo, hi, hp[s.group], coef))
              for s in u.active for lo, hi in [s.tail_rows()] if hi > lo]
     if kernel is not None:
-        for run in cpu_adamw.kernel_runs(u.active):  # consecutive shards of one group and step count
-            lo, hi = run[0].offset, run[-1].offset + run[-1].numel
-            if hi > lo:
-                h = hp[run[0].group]
-                consts = cpu_adamw.step_constants(float(run[0].step) + 1.0, h["lr"], h["beta1"], h["beta2"],
-                                                  h["weight_decay"], h["eps"], c)
-                rows = tuple(t[lo:hi] for t in span)
-                kernel.step(rows, grad[lo:hi], rows, consts, threads)
+        for lo, hi, consts in _kernel_spans(u, hp, coef):
+            rows = tuple(t[lo:hi] for t in span)
+            kernel.step(rows, grad[lo:hi], rows, consts, threads)
     else:  # torch's fused AdamW on each shard's body, padded to whole units so that no row takes its tail path
         for s in u.active:
             lo, hi = 0, s.tail_rows()[0]  # the rows before the full tensor's tail

@@ -18,6 +18,8 @@ fsdp_clip                  the same with ``gradient_clip_val=1.0`` (Lightning's 
                            fused optimizer with clipping: this row takes ``foreach=True``, the same math, and says so)
 superoffload               ``strategy="superoffload"`` (ZeRO-1/2, AdamW state in host memory), ``bf16-true``,
                            defaults, clipping; the model whole on every rank (built on the meta device, materialized)
+superoffload_lean          the same with ``max_gpu_fraction=--lean-gpu-fraction``: the share of each rank's state its
+                           GPU may hold (the sharded GPU tail)
 superoffload_fsdp          ``strategy="superoffload_fsdp"`` (ZeRO-3 through FSDP2), ``bf16-true``, defaults, clipping
 superoffload_fsdp_lean     the same with ``max_gpu_fraction=--lean-gpu-fraction``: less GPU memory, more CPU work
 superoffload_fsdp_onepass  ``superoffload_fsdp`` with ``weights_first=False`` (each unit's update in one pass);
@@ -87,6 +89,7 @@ VARIANTS = {
     "fsdp_noclip": Variant("fsdp", "bf16-mixed", clip=False, cpu=True),
     "fsdp_clip": Variant("fsdp", "bf16-mixed", clip=True),
     "superoffload": Variant("superoffload", "bf16-true", clip=True, cpu=True),
+    "superoffload_lean": Variant("superoffload", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp_lean": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp_onepass": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
@@ -367,6 +370,8 @@ def _child(job: MJob, out_file: Path) -> None:
         elif spec.strategy == "superoffload_fsdp" and (job.max_gpu_fraction is not None or not job.weights_first):
             strategy = lightning_gh.SuperOffloadFSDPStrategy(max_gpu_fraction=job.max_gpu_fraction,
                                                              weights_first=job.weights_first)
+        elif spec.strategy == "superoffload" and job.max_gpu_fraction is not None:
+            strategy = lightning_gh.SuperOffloadStrategy(max_gpu_fraction=job.max_gpu_fraction)
         else:
             strategy = spec.strategy
         trainer = L.Trainer(accelerator=job.accelerator, devices=job.devices, strategy=strategy,
@@ -640,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
     ap.add_argument("--gpu-cap-gib", type=float, help="torch.cuda.set_per_process_memory_fraction on every rank")
     ap.add_argument("--lean-gpu-fraction", type=float, default=0.35,
-                    help="max_gpu_fraction of the superoffload_fsdp_lean variant")
+                    help="max_gpu_fraction of the *_lean variants")
     ap.add_argument("--anchor", help="the row the ratios are taken against (default: fsdp_noclip if run)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per variant")
     ap.add_argument("--wall-budget", type=float, help="seconds for the whole run: later variants get what is left")
@@ -681,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for v in variants:
         job = make_job(v, shape, layers, devices=devices, accelerator=accel, batch=batch, seq=seq, steps=steps,
-                       warmup=args.offload_warmup if v == "superoffload" and not args.smoke else warmup,
+                       warmup=args.offload_warmup if v in ("superoffload", "superoffload_lean") and not args.smoke else warmup,
                        checkpointing=not args.no_checkpointing, gpu_cap_gib=args.gpu_cap_gib,
                        max_gpu_fraction=args.lean_gpu_fraction if "_lean" in v else None,
                        weights_first=not v.endswith("_onepass"))

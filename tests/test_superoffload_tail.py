@@ -296,3 +296,40 @@ def test_trial_moves_keep_the_math_bitwise(monkeypatch, all_in):
         offload_step(model, opt, sched, step)
     assert_same(ref_model, ref_opt, model, opt)
     opt.close()
+
+
+# ---------------------------------------------------------------------------------------------------- sharded tail
+def _candidates(owners: list[int], numel: int = 10, own: int = 140, remote: int = 20) -> list:
+    from lightning_gh.superoffload.tail import ShardCandidate
+
+    return [ShardCandidate(i, o, numel, own, remote) for i, o in enumerate(owners)]
+
+
+@pytest.mark.parametrize("owners, ranks, room, max_share, chosen", [
+    # each rank's first-needed buckets (the highest indices) first, the rank with the smallest share taking next
+    ([0, 0, 1, 1], 2, 10_000, None, [0, 1, 2, 3]),
+    ([0, 0, 1, 1], 2, 300, None, [0, 1, 3]),  # rank 1's second bucket would put it at 320
+    ([0, 0, 1, 1], 2, 180, None, [1, 3]),  # one bucket each: 140 own + 20 of the other's
+    ([0, 0, 1, 1], 2, 139, None, []),  # no rank's own bucket fits
+    ([0, 0, 1, 1], 2, 10_000, 0.5, [1, 3]),  # half of each rank's own parameters at most
+    ([0, 0, 1, 1], 2, 10_000, 0.0, []),
+    ([0, 0, 0, 1], 2, 10_000, 0.7, [1, 2]),  # rank 0 may move 2 of its 3 buckets; rank 1's one is all its share
+    ([0, 1, 2], 3, 180, None, [0, 1, 2]),  # three ranks: each bucket costs the other two 20 each
+    ([0, 1, 2], 3, 179, None, [0, 1]),
+    ([], 2, 10_000, None, []),
+])
+def test_sharded_tail_table(owners, ranks, room, max_share, chosen):
+    from lightning_gh.superoffload.tail import sharded_tail
+
+    assert sharded_tail(_candidates(owners), ranks, room, max_share) == chosen
+
+
+def test_sharded_tail_never_exceeds_any_ranks_room():
+    from lightning_gh.superoffload.tail import ShardCandidate, sharded_tail
+
+    cands = [ShardCandidate(i, i % 3, 5 + i, 14 * (5 + i), 2 * (5 + i)) for i in range(12)]
+    for room in range(0, 2000, 37):
+        picked = sharded_tail(cands, 3, room, None)
+        for r in range(3):
+            used = sum(c.own_bytes if c.owner == r else c.remote_bytes for c in cands if c.index in picked)
+            assert used <= room

@@ -30,7 +30,11 @@ STEPS = 20
 INF_STEP = 7  # rank 1's loss is scaled by inf at this step: every rank must skip it
 MAX_NORM = 0.7  # about half of the steps are clipped
 WORLD = 2
-FRACTIONS = (0.0, 0.4, "auto")
+FRACTIONS = (0.0, 0.4, "auto", "auto-sharded", "auto-part")
+#: GPU room each "auto" run reports (bytes beyond the margin): everything fits replicated; the whole state fits only
+#: sharded (12 B per fp32 parameter of its owner's, 4 B of the other's: 8.7 + 1.2 KB on rank 0); only rank 1's share
+#: fits (3.5 KB beside rank 0's 1.2 KB; rank 0's own would take 8.7 KB)
+ROOM = {"auto": 1 << 40, "auto-sharded": 10_000, "auto-part": 5_000}
 
 
 def make_model() -> nn.Module:
@@ -112,8 +116,9 @@ def _worker(rank: int, tmp: str, gpu_fraction: float) -> None:
     try:
         out = {}
         model = make_model()
+        frac = "auto" if str(gpu_fraction).startswith("auto") else gpu_fraction
         opt = HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=MAX_NORM,
-                                 gpu_fraction=gpu_fraction, bucket_size=300, module=model)
+                                 gpu_fraction=frac, bucket_size=300, module=model)
         sched = schedule(opt)
         for step in range(STEPS):
             local_loss(model, step, rank).backward()
@@ -130,13 +135,14 @@ def _worker(rank: int, tmp: str, gpu_fraction: float) -> None:
         out["stats"] = dict(opt.stats)
         out["host_numel"] = opt.host_numel
         out["owners"] = sorted({b.owner for b in opt.layout.buckets})
+        out["tail_owned"] = sum(s.numel for s in opt.layout.slots if s.residency == "device" and s.step is not None)
         opt.close()
 
         # Resume on 2 ranks from the state saved at step 10 (unsharded), and run the last 10 steps again.
         model = make_model()
         model.load_state_dict(out["mid"]["model"])
         opt = HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=MAX_NORM,
-                                 gpu_fraction=gpu_fraction, bucket_size=300, module=model)
+                                 gpu_fraction=frac, bucket_size=300, module=model)
         sched = schedule(opt)  # first, as Lightning does: building a scheduler sets the LR the state then restores
         opt.load_state_dict(out["mid"]["opt"])
         sched.load_state_dict(out["mid"]["sched"])
@@ -167,8 +173,8 @@ def sharded_runs(tmp_path_factory):
     for frac in FRACTIONS:
         # fork: a spawned child would import this module, pytest and Lightning again (tens of seconds on 2 cores)
         room = superoffload_memory.device_memory_room
-        if frac == "auto":  # a "GPU" with room for everything: the auto tail's several-rank decision moves it all
-            superoffload_memory.device_memory_room = lambda device: (1 << 40, 1 << 40)
+        if frac in ROOM:  # a "GPU" with this room beyond a 1 GiB margin: the auto tail's several-rank decision
+            superoffload_memory.device_memory_room = lambda device, _r=ROOM[frac]: ((1 << 30) + _r, 1 << 30)
         try:
             mp.start_processes(_worker, args=(tmp, frac), nprocs=WORLD, start_method="fork", join=True)
         finally:
@@ -189,10 +195,19 @@ def test_two_ranks_equal_one_process_adamw_bitwise(sharded_runs, gpu_fraction):
         assert st["skipped_steps"] == 1 and 0 < st["clipped_steps"] < STEPS - 1, st
     owners = sharded_runs[gpu_fraction][0]["owners"]
     host = [out["host_numel"] for out in sharded_runs[gpu_fraction]]
+    tail_owned = [out["tail_owned"] for out in sharded_runs[gpu_fraction]]
+    decisions = [out["stats"].get("tail_decision", "") for out in sharded_runs[gpu_fraction]]
     if gpu_fraction == "auto":  # the whole state moved to every rank's "GPU" after the first steps, same numbers
-        assert owners == [] and host == [0, 0]
-        for out in sharded_runs[gpu_fraction]:
-            assert "kept there on every rank" in out["stats"]["tail_decision"], out["stats"]["tail_decision"]
+        assert owners == [] and host == [0, 0] and tail_owned == [1012, 1012]
+        assert all("kept there on every rank" in d for d in decisions), decisions
+        return
+    if gpu_fraction == "auto-sharded":  # each rank's share of the state on its own "GPU", none replicated
+        assert owners == [] and host == [0, 0] and tail_owned == [724, 288]
+        assert all("sharded" in d for d in decisions), decisions
+        return
+    if gpu_fraction == "auto-part":  # only rank 1's share fits: rank 0 keeps its share on the host
+        assert owners == [0] and host == [724, 0] and tail_owned == [0, 288]
+        assert all("sharded" in d for d in decisions), decisions
         return
     assert owners == [0, 1]  # both ranks own buckets
     assert all(h > 0 for h in host) and sum(host) <= sum(p.numel() for p in ref_model.parameters())

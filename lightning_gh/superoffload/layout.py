@@ -50,6 +50,7 @@ class Slot:
     grad: torch.Tensor | None = None
     # device residency (GPU tail): fp32 master copy only when the parameter itself is not fp32
     dev_master: torch.Tensor | None = None
+    owner: int | None = None  # the sharded GPU tail of several ranks: the rank holding the state (see .zero)
     step_id: int = -1  # the step in which this slot's gradient last arrived
     normed_step: int = -1  # the step whose gradient norm was last written for this slot
 

@@ -639,6 +639,8 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
         coef, found_inf = ctx.decide(self._norms, hp_now, self._max_grad_norm, self.options.skip_nonfinite,
                                      self._layout.cuda, self.device)
         update_device_tail([s for s in tail if s.param.grad is not None], hp_now, coef, found_inf)
+        if self._shard is not None:
+            self._shard.broadcast_tail(tail)  # the sharded tail's weights, from each owner
         self._ctx = None
         self._posted_step = ctx.id
         if any(b.step_id == ctx.id and lay.owns(b) for b in lay.buckets):

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StepTimes", "TailAction", "TailActionKind", "TailStage", "TailWindow", "Trial", "allocator_retries",
-           "decide"]
+__all__ = ["ShardCandidate", "StepTimes", "TailAction", "TailActionKind", "TailStage", "TailWindow", "Trial",
+           "allocator_retries", "decide", "sharded_tail"]
 
 #: Start deciding after this many pipelined steps (counted from the step that built the layout): the first steps
 #: pay one-time costs (allocator growth, cuDNN/cuBLAS heuristics, pinning).
@@ -312,3 +312,57 @@ class StepTimes:
         self.stalls.clear()
         self.slacks.clear()
         self.last_step_t = None
+
+
+@dataclass(frozen=True)
+class ShardCandidate:
+    """A host bucket that may move to the sharded GPU tail of a run over several ranks.
+
+    Attributes:
+        index: the bucket's index (the same on every rank).
+        owner: the rank holding its state.
+        numel: its parameters.
+        own_bytes: GPU bytes it costs its owner in the tail (state and gradient).
+        remote_bytes: GPU bytes it costs every other rank (the gradient, held until ``step()``).
+    """
+
+    index: int
+    owner: int
+    numel: int
+    own_bytes: int
+    remote_bytes: int
+
+
+def sharded_tail(candidates: list[ShardCandidate], ranks: int, room: int, max_share: float | None) -> list[int]:
+    """The buckets of a sharded GPU tail: each rank's own buckets, those the forward needs first (the highest
+    indices: buckets are laid out in reverse parameter order) before the rest, taken one at a time from the rank
+    whose own share on the GPU is the smallest so far, while every rank's GPU bytes stay within ``room`` (the least
+    any rank has) and no rank moves more than ``max_share`` of its own parameters (``None``: no cap). A pure
+    function of values every rank holds, so every rank decides the same. Returns the chosen indices, sorted.
+
+    Example::
+
+        >>> c = [ShardCandidate(i, i // 2, 10, 140, 20) for i in range(4)]  # rank 0 owns buckets 0-1, rank 1 owns 2-3
+        >>> sharded_tail(c, 2, 300, None), sharded_tail(c, 2, 1000, 0.5), sharded_tail(c, 2, 100, None)
+        ([0, 1, 3], [1, 3], [])
+    """
+    owned = [0] * ranks
+    queues: list[list[ShardCandidate]] = [[] for _ in range(ranks)]
+    for c in sorted(candidates, key=lambda c: -c.index):
+        owned[c.owner] += c.numel
+        queues[c.owner].append(c)
+    used, taken, chosen = [0] * ranks, [0] * ranks, []
+    open_ranks = {r for r in range(ranks) if queues[r]}
+    while open_ranks:
+        r = min(open_ranks, key=lambda q: (taken[q] / owned[q], q))
+        c = queues[r][0]
+        after = [u + (c.own_bytes if q == r else c.remote_bytes) for q, u in enumerate(used)]
+        if max(after) > room or (max_share is not None and taken[r] + c.numel > max_share * owned[r]):
+            open_ranks.discard(r)
+            continue
+        used, taken[r] = after, taken[r] + c.numel
+        chosen.append(c.index)
+        queues[r].pop(0)
+        if not queues[r]:
+            open_ranks.discard(r)
+    return sorted(chosen)

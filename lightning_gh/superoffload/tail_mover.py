@@ -353,7 +353,9 @@ class TailMover:
         whole optimizer state fits on every GPU beside a step's peak; if so every bucket's state is sent from its
         owner to every rank and kept on the GPUs, replicated, the way DDP keeps it (the host-side update of the
         whole state runs at the host's memory bandwidth whatever the number of ranks; see
-        docs/superoffload.md). Otherwise each rank keeps its share on the host.
+        docs/superoffload.md). Otherwise each rank moves the state of its own first-needed buckets to its GPU, as
+        much as the GPU with the least room holds (:func:`~lightning_gh.superoffload.tail.sharded_tail`): the
+        sharded tail, updated by its owner in ``step()`` and broadcast from there; the rest stays on the hosts.
         """
         if self.final or steps < tail.FIRST_CHECK:
             return
@@ -364,17 +366,35 @@ class TailMover:
         need = sum(tail_bytes(b.slots) for b in lay.buckets)
         fits = (budget is not None and need <= budget[0] and bool(lay.buckets)
                 and (self.max_gpu_fraction is None or self.max_gpu_fraction >= 1.0))
-        if not self.shard.all_agree(fits):
-            if budget is None:
-                why = "no GPU memory reading on some rank (no CUDA device): each rank keeps its share on the host"
-            else:
-                why = (f"the whole state does not fit beside a step's peak on every GPU ({fmt_bytes(need)} "
-                       f"needed here; {budget[1]}): each rank keeps its share on the host")
-            self._finish(why, cpu_ms, compute_ms)
+        if self.shard.all_agree(fits):
+            sync()  # also sends the last step's weights to every rank (a collective on every rank)
+            with lay.lock:
+                self.shard.replicate_to_devices()
+            self.stats["tail_moves"] += 1
+            self._finish(f"the whole state fits beside a step's peak on every GPU ({fmt_bytes(need)}; "
+                         f"{budget[1]}): kept there on every rank, as DDP keeps it", cpu_ms, compute_ms)
             return
-        sync()  # also sends the last step's weights to every rank (a collective on every rank)
-        with lay.lock:
-            self.shard.replicate_to_devices()
-        self.stats["tail_moves"] += 1
-        self._finish(f"the whole state fits beside a step's peak on every GPU ({fmt_bytes(need)}; "
-                     f"{budget[1]}): kept there on every rank, as DDP keeps it", cpu_ms, compute_ms)
+        room = self.shard.least(-1 if budget is None else budget[0])
+        if room < 0:
+            self._finish("no GPU memory reading on some rank (no CUDA device): each rank keeps its share on the "
+                         "host", cpu_ms, compute_ms)
+            return
+        candidates = [tail.ShardCandidate(b.index, b.owner, b.numel, tail_bytes(b.slots),
+                                          sum(s.numel * s.param.element_size() for s in b.slots))
+                      for b in lay.buckets]
+        chosen = set(tail.sharded_tail(candidates, self.shard.group.size, room, self.max_gpu_fraction))
+        why = (f"the whole state does not fit beside a step's peak on every GPU ({fmt_bytes(need)} needed here; "
+               f"{budget[1]})")
+        if chosen:
+            sync()
+            with lay.lock:
+                moved = self.shard.shard_to_devices(chosen)
+            if moved:
+                self.stats["tail_moves"] += 1
+                share = sum(c.numel for c in candidates if c.index in chosen) / max(sum(c.numel for c in candidates), 1)
+                self._finish(f"{why}: each rank keeps the state of its own first-needed buckets on its GPU "
+                             f"({share:.1%} of all parameters, sharded; {fmt_bytes(room)} of room on the GPU with "
+                             "the least), the rest on the hosts", cpu_ms, compute_ms)
+                return
+            why += "; moving a sharded share ran out of GPU memory"
+        self._finish(f"{why}: each rank keeps its share on the host", cpu_ms, compute_ms)

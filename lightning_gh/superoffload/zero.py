@@ -44,6 +44,7 @@ from lightning_gh import hardware
 from lightning_gh.superoffload import numa
 from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot, chunk_by_size
 from lightning_gh.superoffload.step import GradNorms, StepCtx
+from lightning_gh.superoffload.tail_mover import TAIL_UPDATE_CHUNK
 
 __all__ = ["RankGroup", "RankShard", "current_group", "partition", "rank_cpu_threads"]
 
@@ -141,7 +142,7 @@ class _Slice:
 
 class RankShard:
     """This rank's share of the host state, and the collectives: gradient reduce onto the owner, norm sum,
-    replicated-tail all-reduce, weight broadcast, and the gather of the unsharded state dict.
+    GPU-tail gradient reduce (replicated or sharded), weight broadcast, and the gather of the unsharded state dict.
 
     Args:
         group: the ranks.
@@ -254,14 +255,31 @@ class RankShard:
 
     # ------------------------------------------------------------------ step: tail and norms
     def reduce_tail(self, ctx: StepCtx, max_grad_value: float | None) -> None:
-        """All-reduce the replicated GPU tail's gradients (average over the ranks) and take their norms."""
-        slots = [self.layout.slots[i] for i in ctx.arrival
-                 if self.layout.slots[i].residency == "device" and self.layout.slots[i].param.grad is not None]
-        if not slots:
-            return
+        """Average the GPU tail's gradients over the ranks and take their norms: a replicated parameter's on every
+        rank (all-reduce; rank 0 writes its norm), a sharded one's onto its owner (reduce; the owner writes its norm
+        and the other ranks free the gradient). A chunk of parameters at a time, so the fp32 copies cost one chunk
+        of GPU memory."""
+        by_owner: dict[int, list[Slot]] = {}
+        for i in ctx.arrival:
+            s = self.layout.slots[i]
+            if s.residency == "device" and s.param.grad is not None:
+                by_owner.setdefault(-1 if s.owner is None else s.owner, []).append(s)
+        for owner in sorted(by_owner):
+            for chunk in chunk_by_size(by_owner[owner], TAIL_UPDATE_CHUNK):
+                self._reduce_tail_chunk(chunk, None if owner < 0 else owner, ctx, max_grad_value)
+
+    def _reduce_tail_chunk(self, slots: list[Slot], owner: int | None, ctx: StepCtx,
+                           max_grad_value: float | None) -> None:
         grads = [s.param.grad for s in slots]
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        if owner is None:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        else:
+            dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM)
+            if owner != self.group.rank:  # another rank updates these parameters and sends their weights
+                for s in slots:
+                    s.param.grad = None
+                return
         flat.div_(self.group.size)
         if max_grad_value is not None:
             flat.clamp_(-max_grad_value, max_grad_value)
@@ -272,8 +290,27 @@ class RankShard:
             g.copy_(v)
             views.append(v)
             off += s.numel
-        if ctx.needs_validation and self.group.rank == 0:  # one rank contributes, the sum over ranks adds zeros
+        # one rank contributes each norm, the sum over ranks adds zeros
+        if ctx.needs_validation and (owner is not None or self.group.rank == 0):
             self.norms.write(slots, views)
+
+    def broadcast_tail(self, slots: list[Slot]) -> None:
+        """Send the new weights of the sharded GPU tail's ``slots`` (the same list on every rank) from each owner to
+        every rank, after the owners' update in ``step()``: per owner and dtype, a chunk of parameters at a time."""
+        by_key: dict[tuple[int, str], list[Slot]] = {}
+        for s in slots:
+            if s.owner is not None:
+                by_key.setdefault((s.owner, str(s.param.dtype)), []).append(s)
+        with torch.no_grad():
+            for (owner, _), group in sorted(by_key.items()):
+                for chunk in chunk_by_size(group, TAIL_UPDATE_CHUNK):
+                    params = [s.param.detach() for s in chunk]
+                    mine = owner == self.group.rank
+                    flat = torch.cat([p.reshape(-1) for p in params]) if mine else \
+                        torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                    dist.broadcast(flat, src=owner)
+                    if not mine:
+                        torch._foreach_copy_(params, [f.view(p.shape) for f, p in zip(flat.split([p.numel() for p in params]), params)])
 
     def sum_norms(self) -> None:
         """Every rank gets every parameter's norm (written by its owner, zero elsewhere: the sum is exact)."""
@@ -331,11 +368,30 @@ class RankShard:
         return out
 
     def gather_host_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every host-resident parameter's state, from whichever rank owns it (a collective; CPU tensors)."""
+        """Every parameter's state that lives on one rank only (host buckets, the sharded GPU tail), from whichever
+        rank owns it (a collective; CPU tensors)."""
         out: dict[int, dict[str, torch.Tensor]] = {}
         for b in self.layout.buckets:
             out.update(self.bucket_slot_states(b))
+        for s in self.layout.slots:
+            if s.residency == "device" and s.owner is not None:
+                out[s.index] = self._tail_slot_state(s)
         return out
+
+    def _tail_slot_state(self, s: Slot) -> dict[str, torch.Tensor]:
+        """A sharded GPU-tail parameter's ``step``, ``master``, ``exp_avg``, ``exp_avg_sq``, sent by its owner."""
+        n = s.numel
+        dev = self._device if self.group.tensors_on_gpu else torch.device("cpu")
+        packed = torch.empty(3 * n + 1, dtype=torch.float32, device=dev)
+        if s.step is not None:  # this rank holds it
+            master = s.param.detach() if s.dev_master is None else s.dev_master
+            for k, t in enumerate((master, s.exp_avg, s.exp_avg_sq)):
+                packed[k * n:(k + 1) * n].copy_(t.reshape(-1))
+            packed[3 * n:].copy_(s.step.reshape(1))
+        dist.broadcast(packed, src=s.owner)
+        packed = packed.cpu()
+        return {"step": packed[3 * n].clone(), "master": packed[:n], "exp_avg": packed[n:2 * n],
+                "exp_avg_sq": packed[2 * n:3 * n]}
 
     def all_agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (a collective)."""
@@ -343,6 +399,41 @@ class RankShard:
                          device=self._device if self.group.tensors_on_gpu else torch.device("cpu"))
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return float(t) >= 1.0
+
+    def least(self, value: int) -> int:
+        """The least of ``value`` over the ranks (a collective)."""
+        t = torch.tensor([value], dtype=torch.int64,
+                         device=self._device if self.group.tensors_on_gpu else torch.device("cpu"))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t)
+
+    def shard_to_devices(self, chosen: set[int]) -> bool:
+        """Move the host buckets whose index is in ``chosen`` (the same on every rank) to the sharded GPU tail: each
+        owner puts its buckets' state on its GPU and updates them there in ``step()``; the other ranks keep no state
+        for them and receive their weights after each update (:meth:`broadcast_tail`). A collective (the caller
+        holds the layout's lock and has synchronized). Returns ``False``, with nothing moved on any rank, when some
+        rank's GPU ran out of memory on the way."""
+        lay = self.layout
+        moving = [b for b in lay.buckets if b.index in chosen]
+        staged: list[tuple[Slot, dict[str, torch.Tensor | None]]] = []
+        ok = True
+        try:
+            for b in moving:
+                if lay.owns(b):
+                    staged += [(s, lay.device_state(s, {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq,
+                                                        "step": s.step, "master": s.master})) for s in b.slots]
+        except torch.cuda.OutOfMemoryError:
+            ok = False
+        if not self.all_agree(ok):
+            return False  # what was allocated is dropped; the host state was only read
+        for s, st in staged:
+            lay.install_device_state(s, st)
+        for b in moving:
+            for s in b.slots:
+                s.residency, s.bucket, s.owner = "device", None, b.owner
+            lay.buckets.remove(b)
+            b.release_host()  # an owner's buffers are slices of its host block, released with it
+        return True
 
     def replicate_to_devices(self) -> None:
         """Send every bucket's state from its owner to every rank's GPU tail and drop the host buckets (a

@@ -433,6 +433,8 @@ class RankShard:
                 s.residency, s.bucket, s.owner = "device", None, b.owner
             lay.buckets.remove(b)
             b.release_host()  # an owner's buffers are slices of its host block, released with it
+        if not any(lay.owns(b) for b in lay.buckets):
+            self.release()  # the rank's page-locked host block held only the buckets that moved
         return True
 
     def replicate_to_devices(self) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_gh.superoffload import HeterogeneousAdamW
 from lightning_gh.superoffload import memory as superoffload_memory
-from lightning_gh.superoffload.zero import partition
+from lightning_gh.superoffload.zero import deal
 
 STEPS = 20
 INF_STEP = 7  # rank 1's loss is scaled by inf at this step: every rank must skip it
@@ -32,8 +32,8 @@ MAX_NORM = 0.7  # about half of the steps are clipped
 WORLD = 2
 FRACTIONS = (0.0, 0.4, "auto", "auto-sharded", "auto-part")
 #: GPU room each "auto" run reports (bytes beyond the margin): everything fits replicated; the whole state fits only
-#: sharded (12 B per fp32 parameter of its owner's, 4 B of the other's: 8.7 + 1.2 KB on rank 0); only rank 1's share
-#: fits (3.5 KB beside rank 0's 1.2 KB; rank 0's own would take 8.7 KB)
+#: sharded (12 B per fp32 parameter of its owner's, 4 B of the other's: 8.7 + 1.2 KB on rank 1); only rank 0's share
+#: fits (3.5 KB there, 1.2 KB of its gradients on rank 1, whose own share would take 8.7 KB)
 ROOM = {"auto": 1 << 40, "auto-sharded": 10_000, "auto-part": 5_000}
 
 
@@ -202,11 +202,11 @@ def test_two_ranks_equal_one_process_adamw_bitwise(sharded_runs, gpu_fraction):
         assert all("kept there on every rank" in d for d in decisions), decisions
         return
     if gpu_fraction == "auto-sharded":  # each rank's share of the state on its own "GPU", none replicated
-        assert owners == [] and host == [0, 0] and tail_owned == [724, 288]
+        assert owners == [] and host == [0, 0] and tail_owned == [288, 724]
         assert all("sharded" in d for d in decisions), decisions
         return
-    if gpu_fraction == "auto-part":  # only rank 1's share fits: rank 0 keeps its share on the host
-        assert owners == [0] and host == [724, 0] and tail_owned == [0, 288]
+    if gpu_fraction == "auto-part":  # only rank 0's share fits: rank 1 keeps its share on the host
+        assert owners == [1] and host == [0, 724] and tail_owned == [288, 0]
         assert all("sharded" in d for d in decisions), decisions
         return
     assert owners == [0, 1]  # both ranks own buckets
@@ -250,12 +250,21 @@ def test_state_saved_on_two_ranks_resumes_on_one(sharded_runs):
     opt.close()
 
 
-def test_partition_is_contiguous_and_balanced():
-    owners = partition([100, 5, 5, 5, 80, 5], 2)
-    assert owners == sorted(owners) and set(owners) == {0, 1}
-    assert partition([7], 3) == [1]
+@pytest.mark.parametrize("numels, ranks, owners", [
+    ([4, 4, 4, 4], 2, [1, 0, 1, 0]),  # the forward's order (last bucket first) alternates between the ranks
+    ([10, 1, 1], 2, [0, 1, 0]),  # the fewest parameters so far takes the next
+    ([1, 1, 1, 1, 1, 1], 3, [2, 1, 0, 2, 1, 0]),
+    ([100, 5, 5, 5, 80, 5], 2, [0, 0, 0, 0, 1, 0]),  # 120 and 80: within one bucket
+    ([7], 3, [0]),
+    ([], 2, []),
+])
+def test_deal_alternates_in_forward_order_and_balances(numels, ranks, owners):
+    assert deal(numels, ranks) == owners
+
+
+def test_deal_refuses_no_ranks():
     with pytest.raises(ValueError, match=r"ranks=0 must be an int >= 1"):
-        partition([1], 0)
+        deal([1], 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

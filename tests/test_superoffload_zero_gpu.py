@@ -47,7 +47,7 @@ def _rank(rank: int, tmp: str, gpu_fraction: float) -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     from lightning_gh.superoffload import HeterogeneousAdamW, tail_mover
 
-    if gpu_fraction == "sharded":  # room for rank 1's share (205 KB beside 69 KB of rank 0's gradients), not rank 0's
+    if gpu_fraction == "sharded":  # room for the smaller bucket's owner's share (205 KB + 69 KB of gradients), not the other
         tail_mover.device_room = lambda device: (500_000, "a test's room")
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -114,7 +114,7 @@ def test_two_gpus_match_the_averaged_reference(gpu_fraction):
     for a, b in zip(outs[0]["params"], outs[1]["params"]):
         assert torch.equal(a, b)  # every rank holds the same weights
     sharded = gpu_fraction == "sharded"
-    assert outs[0]["owners"] == ([0] if sharded else [0, 1])  # sharded: rank 1's share moved to its GPU
+    assert len(outs[0]["owners"]) == (1 if sharded else 2)  # sharded: one rank's share moved to its GPU
     assert outs[0]["stats"]["skipped_steps"] == 1 and outs[0]["stats"]["clipped_steps"] > 0, outs[0]["stats"]
     assert bool(outs[0]["tail"]) == (sharded or gpu_fraction > 0)
     if sharded:

@@ -1,15 +1,18 @@
-"""SuperOffload across ranks, ZeRO-1/2 style: each rank owns a contiguous share of the offloaded parameters' fp32
+"""SuperOffload across ranks, ZeRO-1/2 style: each rank owns a share of the offloaded parameters' fp32
 master weights and AdamW moments in host memory, receives their gradients summed over the ranks as backward
 produces them, updates them on its own CPU, and sends the updated weights to every rank.
 
 Partition
     Whole parameters, not element ranges: the offloaded parameters, in bucket order (the module's parameter order
-    reversed, the order gradients arrive in), are cut into ``N`` contiguous runs of about equal size
-    (:func:`partition`). Owning whole tensors keeps every per-parameter computation (its gradient norm, its fused
-    AdamW update) identical to the single-process one, which is what makes the result bitwise equal to
-    ``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)``; flat element slices would split a tensor's norm
-    across ranks and change its summation order. The cost is balance: a rank's share can exceed ``1/N`` by up to
-    one parameter (the largest, usually the embedding).
+    reversed, the order gradients arrive in), are cut into buckets, and the buckets are dealt to the ranks in the
+    order the next forward needs them, each to the rank holding the fewest parameters so far (:func:`deal`). The
+    forward's consecutive buckets then belong to different ranks, so every rank's CPU updates its part of the
+    model's first layers at once instead of one rank's CPU working through the first half of the model while the
+    others wait for the forward to reach theirs. Owning whole tensors keeps every per-parameter computation (its
+    gradient norm, its fused AdamW update) identical to the single-process one, which is what makes the result
+    bitwise equal to ``clip_grad_norm_`` + ``torch.optim.AdamW(fused=True)``; flat element slices would split a
+    tensor's norm across ranks and change its summation order. The cost is balance: a rank's share can exceed
+    ``1/N`` by up to one bucket.
 
 Per step (``N`` ranks, each its own process)
     1. Backward: each gradient is copied (fp32) into its bucket's staging buffer; a full bucket is reduced (sum)
@@ -46,7 +49,7 @@ from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot, chunk_by_
 from lightning_gh.superoffload.step import GradNorms, StepCtx
 from lightning_gh.superoffload.tail_mover import TAIL_UPDATE_CHUNK
 
-__all__ = ["RankGroup", "RankShard", "current_group", "partition", "rank_cpu_threads"]
+__all__ = ["RankGroup", "RankShard", "current_group", "deal", "rank_cpu_threads"]
 
 
 @dataclass(frozen=True)
@@ -86,32 +89,30 @@ def current_group() -> RankGroup | None:
                      local_size=min(local_world_size(), dist.get_world_size()))
 
 
-def partition(numels: list[int], ranks: int) -> list[int]:
-    """The owner of each parameter: ``ranks`` contiguous runs of about ``sum(numels) / ranks`` elements each.
-
-    A parameter belongs to the rank whose share holds its midpoint, so owners never decrease along the list and a
-    large parameter lands where most of it falls.
+def deal(numels: list[int], ranks: int) -> list[int]:
+    """The owner of each bucket: the buckets (``numels``, their sizes in bucket order, the order gradients arrive in)
+    are dealt in the order the next forward needs them, the last bucket first, each to the rank holding the fewest
+    parameters so far (the lowest such rank on a tie).
 
     Args:
-        numels: parameter sizes, in bucket order.
+        numels: bucket sizes, in bucket order.
         ranks: number of ranks (>= 1).
 
     Example::
 
-        >>> partition([4, 4, 4, 4], 2)
-        [0, 0, 1, 1]
-        >>> partition([10, 1, 1], 2)
-        [0, 1, 1]
+        >>> deal([4, 4, 4, 4], 2)
+        [1, 0, 1, 0]
+        >>> deal([10, 1, 1], 2)
+        [0, 1, 0]
     """
     if not (isinstance(ranks, int) and ranks >= 1):
         raise ValueError(f"ranks={ranks!r} must be an int >= 1.")
-    total = sum(numels)
-    owners: list[int] = []
-    acc = 0
-    for n in numels:
-        mid = acc + n / 2
-        owners.append(min(ranks - 1, int(ranks * mid / total)) if total else 0)
-        acc += n
+    held = [0] * ranks
+    owners = [0] * len(numels)
+    for i in reversed(range(len(numels))):
+        r = min(range(ranks), key=lambda q: (held[q], q))
+        owners[i] = r
+        held[r] += numels[i]
     return owners
 
 
@@ -172,13 +173,11 @@ class RankShard:
 
     # ------------------------------------------------------------------ layout
     def cut(self, host_slots: list[Slot], bucket_size: int) -> list[tuple[list[Slot], int]]:
-        """Cut the host slots into buckets that never straddle two owners: ``[(slots, owner), ...]``."""
-        owners = partition([s.numel for s in host_slots], self.group.size)
-        out: list[tuple[list[Slot], int]] = []
-        for r in range(self.group.size):
-            run = [s for s, o in zip(host_slots, owners) if o == r]
-            out += [(c, r) for c in chunk_by_size(run, bucket_size)]
-        return out
+        """Cut the host slots into buckets, at least two per rank where the parameters allow (smaller than
+        ``bucket_size`` if need be), and give each its owner (:func:`deal`): ``[(slots, owner), ...]``."""
+        least = sum(s.numel for s in host_slots) // (2 * self.group.size)
+        chunks = chunk_by_size(host_slots, max(1, min(bucket_size, least)))
+        return list(zip(chunks, deal([sum(s.numel for s in c) for c in chunks], self.group.size)))
 
     def alloc_block(self, owned_numel: int, alt_numel: int = 0) -> None:
         """One page-locked block for this rank's master weights and gradient buffers (and the second copy of the

@@ -24,17 +24,19 @@ from torch import nn
 
 from lightning_gh.superoffload import HeterogeneousAdamW
 from lightning_gh.superoffload import memory as superoffload_memory
+from lightning_gh.superoffload.tail_mover import TAIL_UPDATE_CHUNK
 from lightning_gh.superoffload.zero import deal
 
 STEPS = 20
 INF_STEP = 7  # rank 1's loss is scaled by inf at this step: every rank must skip it
 MAX_NORM = 0.7  # about half of the steps are clipped
 WORLD = 2
-FRACTIONS = (0.0, 0.4, "auto", "auto-sharded", "auto-part")
+FRACTIONS = (0.0, 0.4, "auto", "auto-sharded", "auto-part", "auto-none")
 #: GPU room each "auto" run reports (bytes beyond the margin): everything fits replicated; the whole state fits only
 #: sharded (12 B per fp32 parameter of its owner's, 4 B of the other's: 8.7 + 1.2 KB on rank 1); only rank 0's share
 #: fits (3.5 KB there, 1.2 KB of its gradients on rank 1, whose own share would take 8.7 KB)
-ROOM = {"auto": 1 << 40, "auto-sharded": 10_000, "auto-part": 5_000}
+#: fits (3.5 KB there, 1.2 KB of its gradients on rank 1, whose own share would take 8.7 KB); none: less than the margin
+ROOM = {"auto": 1 << 40, "auto-sharded": 10_000, "auto-part": 5_000, "auto-none": -5_000}
 
 
 def make_model() -> nn.Module:
@@ -205,6 +207,11 @@ def test_two_ranks_equal_one_process_adamw_bitwise(sharded_runs, gpu_fraction):
         assert owners == [] and host == [0, 0] and tail_owned == [288, 724]
         assert all("sharded" in d for d in decisions), decisions
         return
+    if gpu_fraction == "auto-none":  # a GPU with less than the margin free: everything stays on the hosts
+        assert owners == [0, 1] and tail_owned == [0, 0]
+        assert all("does not fit" in d and "keeps its share on the host" in d for d in decisions), decisions
+        assert not any("no GPU memory reading" in d for d in decisions), decisions
+        return
     if gpu_fraction == "auto-part":  # only rank 0's share fits: rank 1 keeps its share on the host
         assert owners == [1] and host == [0, 724] and tail_owned == [288, 0]
         assert all("sharded" in d for d in decisions), decisions
@@ -220,10 +227,55 @@ def test_resume_on_two_ranks_equals_the_uninterrupted_run(sharded_runs, gpu_frac
             assert torch.equal(p, q)
 
 
-def test_state_saved_on_two_ranks_resumes_on_one(sharded_runs):
-    """The step-10 state of the 2-rank run loads into a single-process HeterogeneousAdamW, which then runs the last
-    10 steps on the same averaged gradients and lands bitwise on the reference."""
-    mid = sharded_runs[0.0][0]["mid"]
+def _bf16_worker(rank: int, tmp: str, mode: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store-bf16-{mode}", rank=rank, world_size=WORLD)
+    try:
+        model = make_model().to(torch.bfloat16)
+        opt = HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=MAX_NORM,
+                                 gpu_fraction="auto" if mode == "sharded" else 0.0, bucket_size=300, module=model)
+        for step in range(12):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(6, 12, generator=g), torch.randn(6, 4, generator=g)
+            (model(x.bfloat16()).float() - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                    "decision": opt.stats.get("tail_decision", ""),
+                    "tail_owned": sum(s.numel for s in opt.layout.slots if s.residency == "device" and s.step is not None)},
+                   f"{tmp}/bf16-{mode}-{rank}.pt")
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_tail_of_bf16_weights_equals_the_host_path_bitwise(tmp_path):
+    """bf16 weights: the sharded GPU tail's owner updates from the rank-averaged fp32 gradient, as a host bucket does,
+    so moving buckets to it changes no bit (a bf16 copy of that average would round it)."""
+    out = {}
+    for mode in ("host", "sharded"):
+        room = superoffload_memory.device_memory_room
+        # room for rank 0's share (16 B per bf16 parameter, 288 of them), not rank 1's, beside one chunk of casts
+        cast = 4 * (TAIL_UPDATE_CHUNK + 576)
+        superoffload_memory.device_memory_room = lambda device, _c=cast: ((1 << 30) + _c + 8_000, 1 << 30)
+        try:
+            mp.start_processes(_bf16_worker, args=(str(tmp_path), mode), nprocs=WORLD, start_method="fork", join=True)
+        finally:
+            superoffload_memory.device_memory_room = room
+        out[mode] = [torch.load(f"{tmp_path}/bf16-{mode}-{r}.pt") for r in range(WORLD)]
+    assert all("sharded" in o["decision"] for o in out["sharded"]) and sum(o["tail_owned"] for o in out["sharded"]) > 0
+    for h, sh in zip(out["host"], out["sharded"]):
+        for a, b in zip(h["params"], sh["params"]):
+            assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("saved_by", [0.0, "auto-sharded"])
+def test_state_saved_on_two_ranks_resumes_on_one(sharded_runs, saved_by):
+    """The step-10 state of the 2-rank run (all on the hosts, or the sharded GPU tail) loads into a single-process
+    HeterogeneousAdamW, which then runs the last 10 steps on the same averaged gradients and lands bitwise on the
+    reference."""
+    mid = sharded_runs[saved_by][0]["mid"]
     ref_model, ref_opt, snap = reference(STEPS, snapshot_at=STEPS // 2)
     _assert_state_equal(mid["opt"], snap["opt"])
     model = make_model()

@@ -47,7 +47,7 @@ def _rank(rank: int, tmp: str, gpu_fraction: float) -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     from lightning_gh.superoffload import HeterogeneousAdamW, tail_mover
 
-    if gpu_fraction == "sharded":  # room for the smaller bucket's owner's share (205 KB + 69 KB of gradients), not the other
+    if gpu_fraction == "sharded":  # room for the smaller bucket's owner's share (205 KB + 69 KB), not the other's
         tail_mover.device_room = lambda device: (500_000, "a test's room")
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)

@@ -152,6 +152,9 @@ def read_tail(opt: Any) -> TailReading:
         in_flight = sum(grad(s) for s in slots)
     cast = [s.numel for s in device if s.param.dtype != torch.float32]
     step_temp = 4 * min(sum(cast), TAIL_UPDATE_CHUNK + max(cast)) if cast else 0
-    return TailReading(on_gpu=tail_bytes(device), tail_grads=tail_grads,
+    # a sharded tail (several ranks): the state of the owner's own share; of the others' only their gradients
+    own = [s for s in device if s.step is not None]
+    on_gpu = tail_bytes(own) + sum(grad(s) for s in device if s.step is None)
+    return TailReading(on_gpu=on_gpu, tail_grads=tail_grads,
                        host_grads=sum(grad(s) for s in slots) - tail_grads, state=tail_bytes(slots),
                        in_flight=in_flight, step_temp=step_temp)

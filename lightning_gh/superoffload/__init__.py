@@ -12,8 +12,8 @@ Modules, one idea each:
   back);
 * :mod:`.tail`: the auto GPU tail's pure policy (``decide(TailWindow) -> TailAction``); :mod:`.tail_mover` applies it
   and updates the GPU tail;
-* :mod:`.zero`: :class:`~.zero.RankShard`, the state sharded over ranks (ZeRO-1/2): partition, gradient reduce,
-  norm sum, weight broadcast;
+* :mod:`.zero`: :class:`~.zero.RankShard`, the state sharded over ranks (ZeRO-1/2): buckets dealt to the ranks,
+  gradient reduce, norm sum, weight broadcast, the sharded GPU tail;
 * :mod:`.state`: what the optimizer accepts, and its state dict in ``torch.optim.AdamW``'s format;
 * :mod:`.optimizer`: :class:`HeterogeneousAdamW`, the ``torch.optim.Optimizer`` facade (param groups, hooks,
   ``step()``, state dict) over the parts above;

@@ -3,7 +3,8 @@
 A :class:`Slot` is one parameter; a :class:`Bucket` is a run of host-resident slots, consecutive in
 gradient-arrival order, whose fp32 master weights and gradients sit in two flat page-locked
 :class:`~lightning_gh._host.HostBuffer` s and whose moments sit in one flat host tensor: the unit of copy and
-CPU work. Slots not in a bucket form the GPU tail (their state on the GPU, see :mod:`.tail_mover`).
+CPU work. Slots not in a bucket form the GPU tail (their state on the GPU, see :mod:`.tail_mover`; over several
+ranks a sharded tail's state is on its owner's GPU only, see :mod:`.zero`).
 
 :class:`HostLayout` owns the slots and buckets: it lays them out once (:meth:`HostLayout.build`), moves a
 parameter's state between a bucket and the GPU tail, and writes loaded state into them.
@@ -51,6 +52,7 @@ class Slot:
     # device residency (GPU tail): fp32 master copy only when the parameter itself is not fp32
     dev_master: torch.Tensor | None = None
     owner: int | None = None  # the sharded GPU tail of several ranks: the rank holding the state (see .zero)
+    avg_grad: torch.Tensor | None = None  # there, on the owner: the rank-averaged fp32 gradient until the update
     step_id: int = -1  # the step in which this slot's gradient last arrived
     normed_step: int = -1  # the step whose gradient norm was last written for this slot
 

@@ -638,7 +638,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
             self._shard.sum_norms()
         coef, found_inf = ctx.decide(self._norms, hp_now, self._max_grad_norm, self.options.skip_nonfinite,
                                      self._layout.cuda, self.device)
-        update_device_tail([s for s in tail if s.param.grad is not None], hp_now, coef, found_inf)
+        update_device_tail(tail, hp_now, coef, found_inf)
         if self._shard is not None:
             self._shard.broadcast_tail(tail)  # the sharded tail's weights, from each owner
         self._ctx = None

@@ -55,6 +55,7 @@ class SuperOffloadOptions:
         max_gpu_fraction: upper bound on the share of parameters the ``"auto"`` tail may keep on the GPU, or
             ``None`` (bounded by free GPU memory only: what is left after a step's peak, less a headroom; a move
             that runs out of memory anyway leaves its bucket on the host). Ignored unless ``gpu_fraction="auto"``.
+            Over several ranks with a sharded tail it bounds each rank's share of its own parameters.
         speculative: start CPU updates before the gradient norm is known and undo them exactly if the step
             must be clipped or skipped (see Note [Speculative update and exact rollback] in :mod:`.worker`); each
             speculatively updated bucket needs a 12 B/parameter copy in host RAM while the step may be clipped or

@@ -35,10 +35,13 @@ TAIL_HEADROOM_SHARE = 0.10
 def update_device_tail(slots: list[Slot], hp: list[dict[str, float]], coef: torch.Tensor | None,
                        found_inf: torch.Tensor | None) -> None:
     """The fused AdamW step of the GPU tail's ``slots`` (those with a gradient), group by group, with the step's
-    clip coefficient and non-finite flag (a skipped step leaves their state and step counters as they were)."""
+    clip coefficient and non-finite flag (a skipped step leaves their state and step counters as they were). A
+    sharded tail's owner reads the rank-averaged fp32 gradient the reduce left in ``avg_grad`` (as a host bucket
+    reads its fp32 average), and drops it."""
     by_group: dict[int, list[Slot]] = {}
     for s in slots:
-        by_group.setdefault(s.group, []).append(s)
+        if s.avg_grad is not None or s.param.grad is not None:
+            by_group.setdefault(s.group, []).append(s)
     for gi, group_slots in sorted(by_group.items()):
         h = hp[gi]
         # The fp32 copies of bf16 gradients the fused update reads are made a chunk at a time: they then cost
@@ -46,7 +49,10 @@ def update_device_tail(slots: list[Slot], hp: list[dict[str, float]], coef: torc
         # weights' gradients are read as they are: one call, no chunks.
         cast = any(s.dev_master is not None for s in group_slots)
         for chunk in chunk_by_size(group_slots, TAIL_UPDATE_CHUNK) if cast else [group_slots]:
-            grads = [s.param.grad if s.dev_master is None else s.param.grad.to(torch.float32) for s in chunk]
+            grads = [s.avg_grad.view(s.param.shape) if s.avg_grad is not None else s.param.grad
+                     if s.dev_master is None else s.param.grad.to(torch.float32) for s in chunk]
+            for s in chunk:
+                s.avg_grad = None
             if coef is not None:
                 torch._foreach_mul_(grads, coef)
             targets = [s.param if s.dev_master is None else s.dev_master for s in chunk]
@@ -89,12 +95,13 @@ def device_room(dev: torch.device) -> tuple[int, str] | None:
     return free - peak_extra - margin, how
 
 
-def tail_bytes(slots: Iterable[Slot]) -> int:
+def tail_bytes(slots: Iterable[Slot], sharded: bool = False) -> int:
     """GPU bytes these parameters cost in the tail: fp32 moments; for non-fp32 weights an fp32 master; and the
-    gradient itself, which stays on the GPU until ``zero_grad`` instead of being freed as it lands on the host.
-    The fp32 copy of the gradient the fused update reads is made a chunk at a time (``TAIL_UPDATE_CHUNK``): the
-    budget holds one chunk of it back before the first move (:meth:`TailMover.budget`)."""
-    return sum(s.numel * (8 + (0 if s.param.dtype == torch.float32 else 4) + s.param.element_size())
+    gradient itself, which stays on the GPU until ``zero_grad`` instead of being freed as it lands on the host
+    (``sharded``: the owner's share of a sharded tail, whose gradient is held as its fp32 rank average until the
+    update). The fp32 copy of the gradient the fused update reads is made a chunk at a time
+    (``TAIL_UPDATE_CHUNK``): the budget holds one chunk of it back before the first move (:meth:`TailMover.budget`)."""
+    return sum(s.numel * (8 + (0 if s.param.dtype == torch.float32 else 4) + (4 if sharded else s.param.element_size()))
                for s in slots)
 
 
@@ -374,12 +381,12 @@ class TailMover:
             self._finish(f"the whole state fits beside a step's peak on every GPU ({fmt_bytes(need)}; "
                          f"{budget[1]}): kept there on every rank, as DDP keeps it", cpu_ms, compute_ms)
             return
-        room = self.shard.least(-1 if budget is None else budget[0])
-        if room < 0:
+        if not self.shard.all_agree(budget is not None):
             self._finish("no GPU memory reading on some rank (no CUDA device): each rank keeps its share on the "
                          "host", cpu_ms, compute_ms)
             return
-        candidates = [tail.ShardCandidate(b.index, b.owner, b.numel, tail_bytes(b.slots),
+        room = self.shard.least(budget[0])  # may be negative: then nothing moves
+        candidates = [tail.ShardCandidate(b.index, b.owner, b.numel, tail_bytes(b.slots, sharded=True),
                                           sum(s.numel * s.param.element_size() for s in b.slots))
                       for b in lay.buckets]
         chosen = set(tail.sharded_tail(candidates, self.shard.group.size, room, self.max_gpu_fraction))

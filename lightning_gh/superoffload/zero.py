@@ -22,15 +22,18 @@ Per step (``N`` ranks, each its own process)
     2. ``step()``: the per-parameter norms (each written by its owner only, zeros elsewhere) are summed over the
        ranks (``x + 0 = x`` exactly, so every rank gets the same vector) and combined in parameter order as
        ``clip_grad_norm_`` combines them. Every rank reaches the same clip/skip decision; speculation and exact
-       rollback work per rank as on one device. Parameters kept on the GPU (``gpu_fraction`` > 0) are replicated:
-       their gradients are all-reduced and every rank updates them.
+       rollback work per rank as on one device. Parameters kept on the GPU are either replicated (``gpu_fraction``
+       > 0, or the auto tail where the whole state fits on every GPU): their gradients are all-reduced and every
+       rank updates them; or sharded (the auto tail otherwise, :meth:`RankShard.shard_to_devices`): their
+       gradients are reduced onto the owner, which updates them on its GPU and broadcasts their weights.
     3. The next forward (a forward pre-hook per module, as on one device): the owner waits for its bucket's update
        and every rank receives the bucket's weights by ``broadcast`` from the owner, just before the layer needs
        them.
 
-Every collective is issued in the same order on every rank (bucket order during backward, then the norms, then
-the buckets the forward needs), so the ranks must produce gradients for the same parameters each step, as under
-DDP without ``find_unused_parameters``.
+Every collective is issued in the same order on every rank (bucket order during backward; at ``step()`` the GPU
+tail's reduces in parameter order, the norms, the sharded tail's broadcasts; then the buckets the forward needs;
+the auto tail's decision, once, at the end of a step), so the ranks must produce gradients for the same
+parameters each step, as under DDP without ``find_unused_parameters``.
 
 :class:`RankShard` does this for :class:`~lightning_gh.superoffload.HeterogeneousAdamW`.
 """
@@ -255,11 +258,13 @@ class RankShard:
     # ------------------------------------------------------------------ step: tail and norms
     def reduce_tail(self, ctx: StepCtx, max_grad_value: float | None) -> None:
         """Average the GPU tail's gradients over the ranks and take their norms: a replicated parameter's on every
-        rank (all-reduce; rank 0 writes its norm), a sharded one's onto its owner (reduce; the owner writes its norm
-        and the other ranks free the gradient). A chunk of parameters at a time, so the fp32 copies cost one chunk
-        of GPU memory."""
+        rank (all-reduce; rank 0 writes its norm; the average goes back into ``param.grad``), a sharded one's onto
+        its owner (reduce; the owner keeps the fp32 average in ``avg_grad`` for its update and writes its norm;
+        every rank frees ``param.grad``). In parameter order, the same on every rank whatever order backward
+        produced the gradients in, a chunk of parameters at a time, so the fp32 copies cost one chunk of GPU
+        memory."""
         by_owner: dict[int, list[Slot]] = {}
-        for i in ctx.arrival:
+        for i in sorted(ctx.arrival):
             s = self.layout.slots[i]
             if s.residency == "device" and s.param.grad is not None:
                 by_owner.setdefault(-1 if s.owner is None else s.owner, []).append(s)
@@ -270,25 +275,26 @@ class RankShard:
     def _reduce_tail_chunk(self, slots: list[Slot], owner: int | None, ctx: StepCtx,
                            max_grad_value: float | None) -> None:
         grads = [s.param.grad for s in slots]
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        flat = torch.empty(sum(s.numel for s in slots), dtype=torch.float32, device=grads[0].device)
+        views = [v.view(g.shape) for v, g in zip(flat.split([s.numel for s in slots]), grads)]
+        for v, g in zip(views, grads):
+            v.copy_(g)
         if owner is None:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         else:
             dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM)
+            for s in slots:  # the owner updates from the fp32 average, as a host bucket does
+                s.param.grad = None
             if owner != self.group.rank:  # another rank updates these parameters and sends their weights
-                for s in slots:
-                    s.param.grad = None
                 return
         flat.div_(self.group.size)
         if max_grad_value is not None:
             flat.clamp_(-max_grad_value, max_grad_value)
-        off = 0
-        views = []
-        for s, g in zip(slots, grads):
-            v = flat[off:off + s.numel].view(g.shape)
-            g.copy_(v)
-            views.append(v)
-            off += s.numel
+        for s, g, v in zip(slots, grads, views):
+            if owner is None:
+                g.copy_(v)
+            else:
+                s.avg_grad = v
         # one rank contributes each norm, the sum over ranks adds zeros
         if ctx.needs_validation and (owner is not None or self.group.rank == 0):
             self.norms.write(slots, views)
@@ -297,7 +303,7 @@ class RankShard:
         """Send the new weights of the sharded GPU tail's ``slots`` (the same list on every rank) from each owner to
         every rank, after the owners' update in ``step()``: per owner and dtype, a chunk of parameters at a time."""
         by_key: dict[tuple[int, str], list[Slot]] = {}
-        for s in slots:
+        for s in sorted(slots, key=lambda s: s.index):  # parameter order: the same on every rank
             if s.owner is not None:
                 by_key.setdefault((s.owner, str(s.param.dtype)), []).append(s)
         with torch.no_grad():
@@ -309,7 +315,8 @@ class RankShard:
                         torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
                     dist.broadcast(flat, src=owner)
                     if not mine:
-                        torch._foreach_copy_(params, [f.view(p.shape) for f, p in zip(flat.split([p.numel() for p in params]), params)])
+                        parts = flat.split([p.numel() for p in params])
+                        torch._foreach_copy_(params, [f.view(p.shape) for f, p in zip(parts, params)])
 
     def sum_norms(self) -> None:
         """Every rank gets every parameter's norm (written by its owner, zero elsewhere: the sum is exact)."""
@@ -378,19 +385,31 @@ class RankShard:
         return out
 
     def _tail_slot_state(self, s: Slot) -> dict[str, torch.Tensor]:
-        """A sharded GPU-tail parameter's ``step``, ``master``, ``exp_avg``, ``exp_avg_sq``, sent by its owner."""
-        n = s.numel
+        """A sharded GPU-tail parameter's ``step``, ``master``, ``exp_avg``, ``exp_avg_sq`` (CPU tensors), sent by its
+        owner a chunk of ``TAIL_UPDATE_CHUNK`` elements at a time, so a large parameter (the embedding) costs the
+        ranks' GPUs one chunk, not 12 B per element."""
+        mine = s.step is not None
+        sources = (s.param.detach() if s.dev_master is None else s.dev_master, s.exp_avg, s.exp_avg_sq) if mine \
+            else (None, None, None)
+        out = {k: self._broadcast_rows(src, s.numel, s.owner)
+               for k, src in zip(("master", "exp_avg", "exp_avg_sq"), sources)}
+        out["step"] = self._broadcast_rows(s.step, 1, s.owner)[0].clone()
+        return out
+
+    def _broadcast_rows(self, src: torch.Tensor | None, n: int, owner: int) -> torch.Tensor:
+        """``src`` (``n`` elements on rank ``owner``, ``None`` elsewhere) on every rank as an fp32 CPU tensor, a
+        chunk at a time (a collective)."""
         dev = self._device if self.group.tensors_on_gpu else torch.device("cpu")
-        packed = torch.empty(3 * n + 1, dtype=torch.float32, device=dev)
-        if s.step is not None:  # this rank holds it
-            master = s.param.detach() if s.dev_master is None else s.dev_master
-            for k, t in enumerate((master, s.exp_avg, s.exp_avg_sq)):
-                packed[k * n:(k + 1) * n].copy_(t.reshape(-1))
-            packed[3 * n:].copy_(s.step.reshape(1))
-        dist.broadcast(packed, src=s.owner)
-        packed = packed.cpu()
-        return {"step": packed[3 * n].clone(), "master": packed[:n], "exp_avg": packed[n:2 * n],
-                "exp_avg_sq": packed[2 * n:3 * n]}
+        out = torch.empty(n, dtype=torch.float32)
+        flat = None if src is None else src.reshape(-1)
+        for lo in range(0, n, TAIL_UPDATE_CHUNK):
+            hi = min(n, lo + TAIL_UPDATE_CHUNK)
+            buf = torch.empty(hi - lo, dtype=torch.float32, device=dev)
+            if flat is not None:
+                buf.copy_(flat[lo:hi])
+            dist.broadcast(buf, src=owner)
+            out[lo:hi].copy_(buf)
+        return out
 
     def all_agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (a collective)."""

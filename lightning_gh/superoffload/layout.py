@@ -527,6 +527,16 @@ class HostLayout:
                 st["dev_master"].copy_(host_state["master"].view(p.shape))
         return st
 
+    def stage_device_state(self, slots: list[Slot]) -> list[tuple[Slot, dict[str, torch.Tensor | None]]] | None:
+        """GPU-tail state for host-resident ``slots``, filled from their host state (:meth:`device_state`), not yet
+        installed; ``None`` when the GPU ran out of memory on the way (what was allocated is dropped; the host state
+        was only read)."""
+        try:
+            return [(s, self.device_state(s, {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step,
+                                               "master": s.master})) for s in slots]
+        except torch.cuda.OutOfMemoryError:
+            return None
+
     @staticmethod
     def install_device_state(s: Slot, st: dict[str, torch.Tensor | None]) -> None:
         s.residency, s.bucket = "device", None
@@ -537,13 +547,7 @@ class HostLayout:
         """Give bucket ``b``'s state to the GPU tail. Returns ``False``, with the bucket unchanged on the host,
         when the GPU runs out of memory on the way."""
         with self.lock:
-            staged: list[tuple[Slot, dict[str, torch.Tensor | None]]] | None = []
-            try:
-                for s in b.slots:
-                    host = {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step, "master": s.master}
-                    staged.append((s, self.device_state(s, host)))
-            except torch.cuda.OutOfMemoryError:
-                staged = None  # drop what was allocated; the host state was only read
+            staged = self.stage_device_state(b.slots)
             if staged is None:
                 return False
             for s, st in staged:

@@ -306,17 +306,9 @@ class RankShard:
         for s in sorted(slots, key=lambda s: s.index):  # parameter order: the same on every rank
             if s.owner is not None:
                 by_key.setdefault((s.owner, str(s.param.dtype)), []).append(s)
-        with torch.no_grad():
-            for (owner, _), group in sorted(by_key.items()):
-                for chunk in chunk_by_size(group, TAIL_UPDATE_CHUNK):
-                    params = [s.param.detach() for s in chunk]
-                    mine = owner == self.group.rank
-                    flat = torch.cat([p.reshape(-1) for p in params]) if mine else \
-                        torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-                    dist.broadcast(flat, src=owner)
-                    if not mine:
-                        parts = flat.split([p.numel() for p in params])
-                        torch._foreach_copy_(params, [f.view(p.shape) for f, p in zip(parts, params)])
+        for (owner, _), group in sorted(by_key.items()):
+            for chunk in chunk_by_size(group, TAIL_UPDATE_CHUNK):
+                self._send_weights([s.param for s in chunk], owner)
 
     def sum_norms(self) -> None:
         """Every rank gets every parameter's norm (written by its owner, zero elsewhere: the sum is exact)."""
@@ -330,22 +322,24 @@ class RankShard:
         if b.step_id < 0 or b.bcast_step == b.step_id:
             return
         b.bcast_step = b.step_id
-        owner = self.layout.owns(b)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for s in b.active:
             by_dtype.setdefault(s.param.dtype, []).append(s.param)
+        for params in by_dtype.values():
+            self._send_weights(params, b.owner)
+
+    def _send_weights(self, params: list[torch.Tensor], owner: int) -> None:
+        """Broadcast ``params`` (one dtype, the same list on every rank) from rank ``owner`` into every rank's
+        copies, as one flat tensor."""
         with torch.no_grad():
-            for dtype, params in by_dtype.items():
-                if owner:
-                    flat = torch.cat([p.detach().reshape(-1) for p in params])
-                else:
-                    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-                dist.broadcast(flat, src=b.owner)
-                if not owner:
-                    off = 0
-                    for p in params:
-                        p.detach().copy_(flat[off:off + p.numel()].view(p.shape))
-                        off += p.numel()
+            params = [p.detach() for p in params]
+            mine = owner == self.group.rank
+            flat = torch.cat([p.reshape(-1) for p in params]) if mine else \
+                torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            dist.broadcast(flat, src=owner)
+            if not mine:
+                parts = flat.split([p.numel() for p in params])
+                torch._foreach_copy_(params, [f.view(p.shape) for f, p in zip(parts, params)])
 
     # ------------------------------------------------------------------ state: unsharded
     def bucket_state(self, b: Bucket) -> torch.Tensor:
@@ -433,16 +427,8 @@ class RankShard:
         rank's GPU ran out of memory on the way."""
         lay = self.layout
         moving = [b for b in lay.buckets if b.index in chosen]
-        staged: list[tuple[Slot, dict[str, torch.Tensor | None]]] = []
-        ok = True
-        try:
-            for b in moving:
-                if lay.owns(b):
-                    staged += [(s, lay.device_state(s, {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq,
-                                                        "step": s.step, "master": s.master})) for s in b.slots]
-        except torch.cuda.OutOfMemoryError:
-            ok = False
-        if not self.all_agree(ok):
+        staged = lay.stage_device_state([s for b in moving if lay.owns(b) for s in b.slots])
+        if not self.all_agree(staged is not None):
             return False  # what was allocated is dropped; the host state was only read
         for s, st in staged:
             lay.install_device_state(s, st)

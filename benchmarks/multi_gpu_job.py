@@ -41,6 +41,13 @@ Usage (on a machine with 2 or 4 GPUs)::
     python benchmarks/multi_gpu_job.py --shape mistral7b --variants fsdp_noclip superoffload_fsdp --out $OUT
     python benchmarks/multi_gpu_job.py --shape qwen14b --gpu-cap-gib 48 --variants superoffload superoffload_fsdp
     python benchmarks/multi_gpu_job.py --smoke --variants superoffload_fsdp          # CPU, gloo, 2 processes
+    python benchmarks/multi_gpu_job.py --variants fsdp_noclip superoffload_fsdp --trace --out $OUT
+
+``--trace`` profiles one timed step per variant on rank 0 (:func:`trace_step` says which; it stays among the timed
+steps, the median absorbs its profiler overhead) and writes ``trace-<variant>.json``, the step's GPU time by stream,
+kernel, copy and idle gap (:func:`trace_summary.trace_summary`), with the raw trace as ``trace-<variant>.json.gz``
+where it is small enough; with two or more variants traced, ``trace-compare.md`` sets them side by side against the
+anchor. Exporting and reading a large model's trace takes its time: allow for it in ``--timeout``.
 
 The variant's child is ``multi_gpu_job.py --child <json> --child-out <file>``; Lightning's "popen" launcher re-runs
 it for the other ranks. Every rank writes ``<file>.rank<r>.json``; rank 0 also writes the row to ``<file>``.
@@ -72,6 +79,7 @@ from one_gpu_job import (  # noqa: E402
     _host_used_bytes,
     param_count,
 )
+from trace_summary import StepTracer, compare_markdown  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,7 @@ class MJob(Shape):
     gpu_cap_gib: float | None = None
     max_gpu_fraction: float | None = None  # SuperOffload's option, for the *_lean variants
     weights_first: bool = True  # SuperOffload's option, False for the *_onepass variants
+    trace: bool = False  # profile one timed step on rank 0 (trace_step)
 
 
 @dataclass
@@ -145,6 +154,15 @@ def make_job(variant: str, shape: str, layers: int | None = None, **kw: Any) -> 
     arch, hidden, ffn, depth, heads, kv, vocab = SHAPES[shape]
     return MJob(variant, shape=shape, arch=arch, layers=layers or depth, hidden=hidden, ffn=ffn, heads=heads,
                 kv_heads=kv, vocab=vocab, **kw)
+
+
+def trace_step(j: MJob) -> int:
+    """The index (warmup steps included) of the step ``--trace`` profiles: the second timed step, else the only one.
+
+    >>> trace_step(MJob("x", warmup=4, steps=8)), trace_step(MJob("x", warmup=1, steps=1))
+    (5, 1)
+    """
+    return min(j.warmup + 1, j.warmup + j.steps - 1)
 
 
 def params_of(j: MJob) -> int:
@@ -330,12 +348,14 @@ def _child(job: MJob, out_file: Path) -> None:
             return torch.optim.AdamW(self.parameters(), lr=job.lr, fused=fused, foreach=not fused)
 
     class Clock(Callback):
-        """Step starts (synchronized), the optimizer's stats at the first timed step and at the end, the GPU cap."""
+        """Step starts (synchronized), the optimizer's stats at the first timed step and at the end, the GPU cap; with
+        ``job.trace``, rank 0's profile of one step, begun and ended right after a synchronize."""
 
         def __init__(self) -> None:
             self.starts: list[float] = []
             self.stats0: dict[str, Any] = {}
             self.stats1: dict[str, Any] = {}
+            self.tracer: StepTracer | None = None
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             if cuda and job.gpu_cap_gib:
@@ -344,18 +364,30 @@ def _child(job: MJob, out_file: Path) -> None:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_cap_gib * 2**30 / total), dev)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+            if job.trace and trainer.global_rank == 0:
+                self.tracer = StepTracer(trace_step(job), cuda)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if cuda:
                 torch.cuda.synchronize()
+            if self.tracer is not None:
+                self.tracer.close()  # the profiled step ends here
             if len(self.starts) == job.warmup:  # the CPU updates of the timed steps only, from here
                 self.stats0 = _settled_stats(trainer.optimizers[0])
+            if self.tracer is not None and len(self.starts) == self.tracer.step:
+                self.tracer.open()  # its start before the time stamp: in the previous step's time
             self.starts.append(time.perf_counter())
+            if self.tracer is not None:
+                self.tracer.stop()  # its stop after the time stamp: in the next step's time
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             if cuda:
                 torch.cuda.synchronize()
+            if self.tracer is not None:
+                self.tracer.close()
             self.starts.append(time.perf_counter())
+            if self.tracer is not None:
+                self.tracer.stop()
             self.stats1 = _settled_stats(trainer.optimizers[0])
 
     g = torch.Generator().manual_seed(job.seed)
@@ -412,6 +444,17 @@ def _child(job: MJob, out_file: Path) -> None:
         res.mfu = res.model_tflops / (peak * job.devices) if peak else None
     res.losses = [float(x) for x in lm.losses]
     res.notes["optimizer"] = mine["optimizer"]
+    if clock.tracer is not None:
+        at = clock.tracer.step
+        res.notes["trace"] = {"step": at, "file": f"trace-{job.variant}.json",
+                              "step_ms": (clock.starts[at + 1] - clock.starts[at]) * 1e3
+                              if len(clock.starts) > at + 1 else None}
+        try:
+            s = clock.tracer.analyze(out_file.parent, job.variant)
+            res.notes["trace"].update({k: s[k] for k in ("wall_ms", "gpu_busy_ms", "compute_idle_ms", "nccl_ms")})
+        except Exception as e:  # the row stands without its trace
+            res.notes["trace"]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"trace {job.variant}: {res.notes['trace']['error']}", flush=True)
     out_file.write_text(json.dumps(asdict(res), default=str))
 
 
@@ -432,6 +475,9 @@ def run_variant(job: MJob, out: Path, timeout_s: float, grace_s: float = 30.0) -
     out_file = out / f"child-{job.variant}-{job.shape}-{job.layers}l.json"
     for stale in out.glob(out_file.name + "*"):
         stale.unlink()
+    if job.trace:
+        for stale in out.glob(f"trace-{job.variant}.*"):
+            stale.unlink()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(asdict(job)), "--child-out",
            str(out_file)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -652,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fit-check", action="store_true", help="run GPU-only FSDP even where it cannot fit")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check: gloo, 2 processes, a tiny 2-layer model, 1 + 1 steps, the CPU variants only")
+    ap.add_argument("--trace", action="store_true",
+                    help="profile one timed step per variant on rank 0: trace-<variant>.json (and .json.gz), "
+                         "trace-compare.md over the variants traced")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder of the JSON lines and logs")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -689,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
                        warmup=args.offload_warmup if v in ("superoffload", "superoffload_lean") and not args.smoke else warmup,
                        checkpointing=not args.no_checkpointing, gpu_cap_gib=args.gpu_cap_gib,
                        max_gpu_fraction=args.lean_gpu_fraction if "_lean" in v else None,
-                       weights_first=not v.endswith("_onepass"))
+                       weights_first=not v.endswith("_onepass"), trace=args.trace)
         left = args.wall_budget - (time.perf_counter() - t_start) if args.wall_budget else args.timeout
         why = None if args.no_fit_check else fsdp_fit_reason(v, params_of(job), devices, gpu_bytes)
         if why is None and left < 30:
@@ -707,6 +756,13 @@ def main(argv: list[str] | None = None) -> int:
     report = f"anchor: {anchor}\n\n" + table(rows, anchor) + "\n\n" + forecast_text(rows, batch, seq)
     print(report)
     (out / "multi_gpu_job.md").write_text(report + "\n")
+    traced = [(v, json.loads((out / f"trace-{v}.json").read_text())) for v in variants
+              if args.trace and (out / f"trace-{v}.json").exists()]
+    if len(traced) >= 2:
+        traced.sort(key=lambda t: t[0] != anchor)  # the anchor first, if traced
+        text = compare_markdown(traced)
+        print(text)
+        (out / "trace-compare.md").write_text(text + "\n")
     return 0
 
 

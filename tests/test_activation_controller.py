@@ -238,8 +238,9 @@ def _relax_run(budget, room, increments):
     ("210MiB", None, [10, 10, 95, 10], [110, 120, 215, 130], "relaxing steps measured above the budget"),
     # two steps above the budget end the relaxation
     ("210MiB", None, [10, 95, 95, 10], [110, 205, 300, 215], "relaxing steps measured above the budget"),
-    # the device could not hold the sample's bound on top of the measurement: no step above the floor
-    ("210MiB", 150 * MIB, [10, 10, 10, 10], [], "the next block's plan would not fit"),
+    # the device could not hold the sample's bound on top of the measurement: no block relaxes; finer steps (a
+    # block keeps part of its offloaded input) go on while what they keep fits the room
+    ("210MiB", 150 * MIB, [10, 10, 10, 10], [110, 120, 130], "would not fit, then 3 finer step(s)"),
     ("210MiB", 225 * MIB, [10, 10, 10, 10], [110, 120, 130], "the next block's plan would not fit"),
     # below the floor plus one sampled block: the guard holds every block back, the first is tried anyway, and
     # what it added then guards the rest
@@ -311,3 +312,54 @@ def test_retarget_plans_once_more_from_the_measurement(measured_mib, correction_
         assert r.retargets == MAX_RETARGETS and len(seen) == MAX_RETARGETS
     else:
         assert r.target == floor and r.bp is bp
+
+
+def _fill_relaxation(measured_mib, current, skipped=(), correction_mib=0):
+    from lightning_gh.activation_offload.budget import BudgetProfile, ModeCost
+    from lightning_gh.activation_offload.measure import Relaxation
+
+    costs = ({None: ModeCost(100 * MIB, 90 * MIB), "selective": ModeCost(60 * MIB, 40 * MIB, 1.0),
+              "full": ModeCost(8 * MIB, 8 * MIB, 3.0)},) * N
+    r = Relaxation(BudgetProfile(_step(), costs), list(current), list(current), measured_mib * MIB,
+                   correction=correction_mib * MIB)
+    r.skipped.update(skipped)
+    return r
+
+
+@pytest.mark.parametrize("measured, current, kw, fast, expected, why", [
+    # 100 of 130 MiB: the band is 123.5-130, its middle 26.75 MiB away; selective block 1 keeping 3/4 of its
+    # 40 MiB offloadable (+30) is nearest among the steps that fit
+    (100, [("full", 1.0), ("selective", 1.0), ("full", 1.0), ("full", 0.0)], {}, None, (1, ("selective", 0.25)),
+     "the addition nearest the middle of the band"),
+    # a step predicted faster wins over one that lands nearer the middle
+    (100, [("full", 1.0), ("selective", 1.0), ("full", 1.0), ("full", 0.0)], {}, 2, (2, ("full", 0.0)),
+     "the fastest predicted first"),
+    (125, [("full", 1.0), ("selective", 1.0), ("full", 1.0), ("full", 0.0)], {}, None, None,
+     "within 5% of the budget: no finer step"),
+    (100, [("full", 1.0), ("selective", 1.0), ("full", 0.0), ("full", 0.0)], {"skipped": {1}}, None,
+     (0, ("full", 0.0)), "a block whose step measured above the budget is not tried again; nothing offloaded, "
+     "nothing to keep"),
+    (100, [("full", 1.0), ("selective", 1.0), ("full", 1.0), ("full", 0.0)], {"skipped": {0, 2}}, None, None,
+     "two steps above the budget end the finer steps too"),
+    (100, [("full", 1.0), ("selective", 1.0), ("full", 1.0), ("full", 0.0)], {"room": 105}, None,
+     (0, ("full", 0.5)), "the device's room bounds what a step may keep: +4 of the +2, +4 (+6 and +8 do not fit)"),
+    (100, [("full", 1.0), ("selective", 1.0), ("full", 1.0), ("full", 0.0)], {"correction_mib": 127}, None, None,
+     "the corrected model says nothing fits"),
+])
+def test_fill_step_keeps_a_share_of_one_block_towards_the_budget(measured, current, kw, fast, expected, why):
+    from lightning_gh.activation_offload.budget import BudgetForecast
+    from lightning_gh.activation_offload.measure import fill_step
+
+    kw = dict(kw)
+    room = kw.pop("room", None)
+    r = _fill_relaxation(measured, current, **kw)
+    r.correction = kw.get("correction_mib", 0) * MIB
+
+    def evaluate(mix):
+        changed = next(i for i, (a, b) in enumerate(zip(mix, current)) if a != b)
+        return None, BudgetForecast(4 * MIB, 10.0 - (changed == fast), 10.0, 0.0, 0.0)
+
+    got = fill_step(r, 130 * MIB, None if room is None else room * MIB, evaluate)
+    assert (got and (got[0], got[1][got[0]])) == expected, why
+    if got is not None:
+        assert [c for j, c in enumerate(got[1]) if j != got[0]] == [c for j, c in enumerate(current) if j != got[0]]

@@ -42,6 +42,8 @@ from lightning_gh.activation_offload.measure import (
     Relaxation,
     block0_ms,
     device_allows,
+    fill_step,
+    floor_costs,
     floor_mode,
     floor_schedule,
     measuring_schedule,
@@ -467,16 +469,7 @@ class BudgetController:
         plain = samples[None].profile.blocks[0] if None in samples else fprof.blocks[0]
         base = plain.forward_ms + plain.backward_ms
         step = StepProfile((plain,) * self.n, fprof.tail_forward_ms, fprof.tail_backward_ms, fprof.other_bytes)
-        costs: list[dict[str | None, _budget.ModeCost]] = []
-        for i in range(self.n):
-            c: dict[str | None, _budget.ModeCost] = {}
-            for mode, o, j, prof in [(m, o, 0, o.profile) for m, o in samples.items() if m is not None] + \
-                    ([(fm, floor[0], i, fprof)] if fm is not None else []):
-                kept = o.resident[j] + o.used[j] + o.rc_cached.get(j, 0)
-                extra = max(0.0, prof.blocks[j].forward_ms + prof.blocks[j].backward_ms - base)
-                c[mode] = _budget.ModeCost(kept, min(o.offloadable[j], kept), extra)
-            costs.append(c)
-        bp = _budget.BudgetProfile(step, tuple(costs), 0)
+        bp = _budget.BudgetProfile(step, floor_costs(self.n, samples, fm, floor[0], fprof, base), 0)
         d2h, h2d, margin, skip = self._link()
         eligible = max(0, self.n - skip)
         fmix = [(fm, 1.0 if i < eligible and bp.costs[i][fm].offloadable_bytes else 0.0) for i in range(self.n)]
@@ -518,11 +511,15 @@ class BudgetController:
                 continue
             step = (mix, replace(plan, lean_loss=self.lean), fc)
             if r.measured + relax_guard(r, r.target[i]) <= self.budget_bytes:
-                r.pending, r.past_guard = step, False
+                r.pending, r.past_guard, r.filling = step, False, False
                 return r.pending
             held_back = held_back or step
         if held_back is not None and len(r.skipped) < MAX_OVERSHOOTS:
-            r.pending, r.past_guard = held_back, True
+            r.pending, r.past_guard, r.filling = held_back, True, False
+            return r.pending
+        fill = fill_step(r, self.budget_bytes, room, lambda mix: _budget.evaluate(r.bp, mix, d2h, h2d, margin))
+        if fill is not None:  # the plan is reached (or held back) well under the budget: a finer step
+            r.pending, r.past_guard, r.filling = (fill[1], replace(fill[2], lean_loss=self.lean), fill[3]), False, True
             return r.pending
         self._finish_relax(relax_end(r))
         return None
@@ -546,9 +543,10 @@ class BudgetController:
                      fmt_bytes(self.budget_bytes))
             return
         r.current, r.measured, r.correction = mix, measured, measured - fc.activation_bytes
-        if r.current == r.target and not retarget(
-                r, self.budget_bytes, lambda bp: _budget.plan_budget(bp, self.budget_bytes, *self._link())[1].choices):
-            self._finish_relax(relax_end(r))
+        if r.filling:  # a finer step is part of the plan now; the next forward's _relax_next goes on or ends
+            r.target[i], r.fills = mix[i], r.fills + 1
+        elif r.current == r.target:
+            retarget(r, self.budget_bytes, lambda bp: _budget.plan_budget(bp, self.budget_bytes, *self._link())[1].choices)
 
     def _finish_relax(self, why: str) -> None:
         r = self._relax

@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from lightning_gh import hardware
-from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile
+from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile, ModeCost
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
-__all__ = ["MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms",
-           "device_allows", "floor_mode", "floor_schedule", "measuring_schedule", "relax_end", "relax_guard", "sample_copy_points",
-           "sample_guard"]
+__all__ = ["FILL_FRACTIONS", "MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation",
+           "Relaxation", "block0_ms", "device_allows", "fill_step", "floor_costs", "floor_mode", "floor_schedule",
+           "measuring_schedule", "relax_end", "relax_guard", "sample_copy_points", "sample_guard"]
 
 
 class Kind(enum.Enum):
@@ -267,6 +267,8 @@ class Relaxation:
     skipped: set[int] = field(default_factory=set)  # blocks whose relaxing step measured above the budget (undone)
     past_guard: bool = False  # the pending step was let past :func:`relax_guard` (see MAX_OVERSHOOTS)
     retargets: int = 0  # times planned again on reaching a plan (see :func:`retarget`)
+    filling: bool = False  # the pending step is a finer one of :func:`fill_step`
+    fills: int = 0  # finer steps kept
 
     @property
     def block_bytes(self) -> int:
@@ -361,6 +363,60 @@ def retarget(r: Relaxation, budget: int, plan: Callable[[BudgetProfile], Sequenc
     return True
 
 
+#: The shares of what a block still saves that a finer step (:func:`fill_step`) may leave offloaded.
+FILL_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def fill_step(r: Relaxation, budget: int, room: int | None,
+              evaluate: Callable[[list[tuple[str | None, float]]], tuple[OffloadPlan, BudgetForecast]],
+              ) -> tuple[int, list[tuple[str | None, float]], OffloadPlan, BudgetForecast] | None:
+    """Once no block is left to relax and the measurement is more than ``1 - RETARGET_BELOW`` under ``budget``: a
+    finer step towards it. One block keeps a larger share of what its mode saves on the device (its offloaded share
+    lowered to one of :data:`FILL_FRACTIONS`): such a step adds that share of the block's offloadable bytes, a
+    fraction of what relaxing a block's mode adds, and takes traffic off the link. Of the steps that fit the budget
+    (the measurement plus what the step keeps, and the planner's model corrected by the current mix's
+    measurement) and the device (``room``), the fastest predicted; among those within a tenth of a millisecond
+    of it, the one whose addition lands nearest the middle of the band between ``RETARGET_BELOW * budget`` and
+    ``budget``. Blocks whose step measured above the budget are not tried again. Returns ``(block, mix, plan,
+    forecast)`` or ``None``.
+
+    Example::
+
+        >>> from lightning_gh.activation_offload.budget import ModeCost
+        >>> from lightning_gh.activation_offload.policy import BlockProfile
+        >>> blocks = (BlockProfile(1.0, 2.0, 0, 0),) * 2
+        >>> bp = BudgetProfile(StepProfile(blocks, 0.0, 0.0), ({"full": ModeCost(40, 40, 1.0)},) * 2)
+        >>> r = Relaxation(bp, [], [("full", 1.0), ("full", 1.0)], 100)
+        >>> ev = lambda mix: (None, BudgetForecast(100, 3.0, 3.0, 0.0, 0.0))
+        >>> fill_step(r, 125, None, ev)[:2]  # the band is 118.75-125: keeping half of block 0's 40 bytes lands in it
+        (0, [('full', 0.5), ('full', 1.0)])
+        >>> fill_step(r, 100, None, ev) is None  # within the band already
+        True
+    """
+    if r.measured >= RETARGET_BELOW * budget or len(r.skipped) >= MAX_OVERSHOOTS:
+        return None
+    aim = (1 + RETARGET_BELOW) / 2 * budget - r.measured
+    found = []
+    for i, (mode, frac) in enumerate(r.current):
+        cost = r.bp.costs[i].get(mode)
+        if i in r.skipped or frac <= 0 or cost is None:
+            continue
+        offloadable = min(cost.offloadable_bytes, cost.kept_bytes)
+        for f in (f for f in FILL_FRACTIONS if f < frac):
+            add = int((frac - f) * offloadable)
+            if add <= 0 or r.measured + add > budget or (room is not None and r.measured + add > room):
+                continue
+            mix = [(mode, f) if j == i else c for j, c in enumerate(r.current)]
+            plan, fc = evaluate(mix)
+            if fc.activation_bytes + r.correction <= budget:
+                found.append((fc.step_ms, abs(aim - add), i, mix, plan, fc))
+    if not found:
+        return None
+    fastest = min(x[0] for x in found)
+    _, _, i, mix, plan, fc = min((x for x in found if x[0] <= fastest + 0.1), key=lambda x: (x[1], x[2]))
+    return i, mix, plan, fc
+
+
 def relax_end(r: Relaxation) -> str:
     """Why relaxing ends when no block is left to try: the plan reached, steps above the budget, or the guards.
 
@@ -373,11 +429,31 @@ def relax_end(r: Relaxation) -> str:
         'relaxing steps measured above the budget'
     """
     left = [i for i, (c, t) in enumerate(zip(r.current, r.target)) if c != t]
+    fills = f", then {r.fills} finer step(s) towards the budget" * (r.fills > 0)
     if not left:
-        return "the plan is reached" + f" (planned {r.retargets} more time(s) from the measurement)" * (r.retargets > 0)
+        return "the plan is reached" + f" (planned {r.retargets} more time(s) from the measurement)" * \
+            (r.retargets > 0) + fills
     if all(i in r.skipped for i in left) or len(r.skipped) >= MAX_OVERSHOOTS:
-        return "relaxing steps measured above the budget"
-    return "the next block's plan would not fit"
+        return "relaxing steps measured above the budget" + fills
+    return "the next block's plan would not fit" + fills
+
+
+def floor_costs(n: int, samples: Mapping[str | None, Observation], floor_mode: str | None, floor: Observation,
+                floor_profile: StepProfile, base_ms: float) -> tuple[dict[str | None, ModeCost], ...]:
+    """Each block's measured options for a size budget's plan: a sampled mode's cost is block 0's in its sample
+    (what it kept on the device, of that what may be offloaded, and its forward and backward time above
+    ``base_ms``, the plain block's), the same for every block; the floor's mode's is each block's in the floor
+    step ``floor`` (whose median profile is ``floor_profile``)."""
+    costs = []
+    for i in range(n):
+        c: dict[str | None, ModeCost] = {}
+        for mode, o, j, prof in [(m, o, 0, o.profile) for m, o in samples.items() if m is not None] + \
+                ([(floor_mode, floor, i, floor_profile)] if floor_mode is not None else []):
+            kept = o.resident[j] + o.used[j] + o.rc_cached.get(j, 0)
+            extra = max(0.0, prof.blocks[j].forward_ms + prof.blocks[j].backward_ms - base_ms)
+            c[mode] = ModeCost(kept, min(o.offloadable[j], kept), extra)
+        costs.append(c)
+    return tuple(costs)
 
 
 def block0_ms(obs: Observation) -> float:

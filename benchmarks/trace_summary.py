@@ -146,13 +146,13 @@ def trace_summary(events: list[dict[str, Any]], step_start_us: float, step_end_u
     busy = union([iv for u in unions.values() for iv in u])
     compute_union = unions.get(compute, []) if compute is not None else []
 
-    gaps: list[tuple[float, float]] = []
+    gaps: list[tuple[float, float]] = []  # none without a GPU stream (a CPU run)
     t = lo
     for a, b in compute_union:
         if a > t:
             gaps.append((t, a))
         t = max(t, b)
-    if hi > t:
+    if compute is not None and hi > t:
         gaps.append((t, hi))
     floor = MIN_GAP_MS * 1e3
     big = [g for g in gaps if g[1] - g[0] >= floor]

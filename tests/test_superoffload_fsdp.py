@@ -892,3 +892,36 @@ def test_rows_update_as_the_full_tensor(numels):
         for o, r in zip(out, ref):
             assert torch.equal(o, r[start:start + k]), (numels, rank)
         start += k
+
+
+class _Stream:
+    def wait_event(self, event):  # pragma: no cover - never called here
+        pass
+
+
+class _Ctx:
+    def __init__(self, *names):
+        for name in names:
+            setattr(self, name, _Stream())
+
+
+class _Unit(nn.Module):
+    def __init__(self, ctx):
+        super().__init__()
+        self.ctx = ctx
+
+    def _get_fsdp_state(self):
+        return type("State", (), {"_comm_ctx": self.ctx})()
+
+
+@pytest.mark.parametrize("unit, found, why", [
+    (_Unit(_Ctx("all_gather_copy_in_stream", "all_gather_stream")), 2, "both of FSDP2's all-gather streams"),
+    (_Unit(_Ctx()), 0, "before the root's first forward the streams do not exist yet: the host waits"),
+    (_Unit(_Ctx("all_gather_copy_in_stream")), 0, "another layout: the host waits"),
+    (_Unit(None), 0, "no communication context"),
+    (nn.Linear(2, 2), 0, "not an FSDP module"),
+])
+def test_gather_streams_table(unit, found, why):
+    from lightning_gh.superoffload.fsdp_units import gather_streams
+
+    assert len(gather_streams(unit)) == found, why

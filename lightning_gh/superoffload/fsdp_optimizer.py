@@ -46,11 +46,13 @@ Note [ZeRO-3 step and the forward's wait]
        the next write into that buffer is the next backward's copy, which step 1 queues behind this copy's event.
     4. The next forward: a forward pre-hook on every FSDP module, registered with ``prepend=True`` after
        ``fully_shard`` registered FSDP2's own pre-forward hook (which all-gathers the module's parameters), so it
-       runs first, waits for that unit to be ready and then, on the host, for its copy back to finish (the
-       copy's event). The host wait, not only a stream wait, is what orders the copy before the all-gather:
+       runs first, waits on the host for that unit to be ready, then makes FSDP2's all-gather streams and the
+       compute stream wait for its copy back (the copy's event). The all-gather streams must wait themselves:
        FSDP2 all-gathers a non-root unit on its own streams, which wait for the compute stream only at the root's
-       pre-forward. The CPU update of later units therefore overlaps the forward of earlier ones, and no
-       all-gather can read a shard before its update is in place. FSDP2's explicit forward prefetching
+       pre-forward. Where those streams cannot be read (:func:`~.fsdp_units.gather_streams`: before the root's
+       first forward, or another torch's layout), the host waits for the copy instead. The CPU update of later
+       units therefore overlaps the forward of earlier ones, and no all-gather can read a shard before its update
+       is in place. FSDP2's explicit forward prefetching
        (``FSDPModule.set_modules_to_forward_prefetch``) all-gathers a later module from an earlier module's
        pre-forward, before the later module's own hook runs; it is refused (see
        :func:`~.fsdp_units.check_no_forward_prefetch`).
@@ -107,6 +109,7 @@ from lightning_gh.superoffload.fsdp_units import (
     check_no_forward_prefetch,
     device_share,
     fsdp_units,
+    gather_streams,
     host_dtensor,
     local_rows,
     share_decision,
@@ -517,11 +520,12 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._recording.setdefault(unit_index)
         u = self._units[unit_index]
         if not u.on_device:  # the GPU share's update was queued on the device in step()
-            self._wait(u)
+            self._wait(u, streams=gather_streams(u.module) if self.cuda else [])
 
-    def _wait(self, u: HostUnit, state: bool = False) -> None:
-        """Block until unit ``u``'s weights are in its parameters; with ``state``, until its host state is final
-        too (see Note [Weights first, state after])."""
+    def _wait(self, u: HostUnit, state: bool = False, streams: list[Any] | None = None) -> None:
+        """Block until unit ``u``'s weights are in its parameters (with ``streams``, FSDP2's all-gather streams:
+        until they are queued, those streams and the compute stream waiting for the copy); with ``state``, until
+        its host state is final too (see Note [Weights first, state after])."""
         flag = u.done if state else u.ready
         if not flag.is_set():
             t0 = time.perf_counter()
@@ -533,8 +537,10 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             self.stats["wait_ms"] += (time.perf_counter() - t0) * 1e3
         self._raise()
         if self.cuda and u.h2d_event is not None:
-            # On the host: FSDP2's all-gather streams do not wait for the compute stream here (see the Note).
-            u.h2d_event.synchronize()
+            for stream in streams or ():  # FSDP2's all-gather streams do not wait for the compute stream here
+                stream.wait_event(u.h2d_event)
+            if not streams:
+                u.h2d_event.synchronize()
             torch.cuda.current_stream(self.device).wait_event(u.h2d_event)
 
     def _wait_state(self, u: HostUnit) -> None:

@@ -22,7 +22,7 @@ from lightning_gh.superoffload.options import SuperOffloadOptions
 
 __all__ = ["AUTO_SHARE_STEP", "HostUnit", "LocalShard", "auto_device_fraction", "check_host_on_every_rank",
            "check_no_forward_prefetch",
-           "device_share", "share_decision", "fsdp_units", "host_dtensor",
+           "device_share", "share_decision", "fsdp_units", "gather_streams", "host_dtensor",
            "local_rows", "norm_owner", "positioned_update", "tail_range", "unsupported_options", "update_on_device"]
 
 
@@ -186,6 +186,16 @@ def check_no_forward_prefetch(unit: nn.Module) -> None:
             f"ShardedHostAdamW: {type(unit).__name__} has explicit forward prefetching "
             "(set_modules_to_forward_prefetch), which all-gathers a later module before that module's update is "
             "in place. Remove the set_modules_to_forward_prefetch call (backward prefetching is fine).")
+
+
+def gather_streams(unit: nn.Module) -> list[Any]:
+    """The CUDA streams on which FSDP2 all-gathers ``unit``'s parameters in the forward (its copy-in stream and its
+    all-gather stream; FSDP2's private state, created at the root's first forward), or ``[]`` where they cannot be
+    read: before that, or where this torch lays them out otherwise. See Note [ZeRO-3 step and the forward's wait]."""
+    state = getattr(unit, "_get_fsdp_state", None)
+    ctx = getattr(state(), "_comm_ctx", None) if state is not None else None
+    streams = [getattr(ctx, name, None) for name in ("all_gather_copy_in_stream", "all_gather_stream")]
+    return streams if all(s is not None and hasattr(s, "wait_event") for s in streams) else []
 
 
 def tail_range(numels: list[int], rank: int) -> tuple[int, int]:

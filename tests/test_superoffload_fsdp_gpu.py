@@ -1,0 +1,107 @@
+"""ZeRO-3 SuperOffload across 2 GPUs (NCCL, FSDP2): each host unit's new weights are copied to the GPU behind an
+event that FSDP2's all-gather streams wait on (Note [ZeRO-3 step and the forward's wait]). Skipped without 2 CUDA
+devices.
+
+An all-gather that read a unit's shard before its copy landed would train on the previous step's weights for that
+unit; the weights would then move off the reference by about one update (``lr`` relative), orders of magnitude
+more than the rounding differences allowed here. The units are large enough (a few MB each) that the copies are
+still in flight while the forward reaches them.
+
+Reference: one process on GPU 0 forms each rank's gradient on its own batch, averages them, clips with
+``clip_grad_norm_`` and runs torch's fused AdamW on the GPU. FSDP2's reduce-scatter averages on the device in its own
+order, so the comparison is relative (below 1e-5), not bitwise. Both ranks must hold the same weights bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                                  reason="needs 2 CUDA devices")]
+STEPS, INF_STEP, CLIP, WIDTH, LAYERS = 8, 3, 0.5, 1024, 6
+
+
+def make_model(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(LAYERS)]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 8)).to(device)
+
+
+def loss_of(model: nn.Module, step: int, rank: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = (torch.randn(64, WIDTH, generator=g) * (4.0 if step % 3 == 0 else 0.1)).to(device)
+    loss = model(x).square().mean()
+    return loss * float("inf") if step == INF_STEP and rank == 1 else loss
+
+
+def _rank(rank: int, tmp: str, gpu_fraction: float) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
+    from lightning_gh.superoffload.fsdp_units import gather_streams
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"file://{tmp}/store-{gpu_fraction}", rank=rank, world_size=2,
+                            device_id=dev)
+    try:
+        model = make_model(dev)
+        for layer in model[:LAYERS]:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = ShardedHostAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, module=model,
+                               max_grad_norm=CLIP, gpu_fraction=gpu_fraction)
+        for step in range(STEPS):
+            loss_of(model, step, rank, dev).backward()
+            opt.step()
+            opt.zero_grad()
+        streams = [len(gather_streams(u.module)) for u in opt._units]
+        opt.synchronize()
+        full = [p.full_tensor().detach().cpu() for p in model.parameters()]
+        torch.cuda.synchronize()
+        torch.save({"params": full, "stats": dict(opt.stats), "streams": streams,
+                    "host_units": sum(not u.on_device for u in opt._units)}, f"{tmp}/rank{rank}-{gpu_fraction}.pt")
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def reference() -> list[torch.Tensor]:
+    dev = torch.device("cuda", 0)
+    ref = make_model(dev)
+    params = list(ref.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    for step in range(STEPS):
+        g0, g1 = (torch.autograd.grad(loss_of(ref, step, r, dev), params) for r in range(2))
+        for p, a, b in zip(params, g0, g1):
+            p.grad = (a + b) / 2
+        total = torch.nn.utils.clip_grad_norm_(params, CLIP)
+        if torch.isfinite(total):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().cpu() for p in params]
+
+
+@pytest.mark.parametrize("gpu_fraction", [0.0, 0.5])
+def test_two_gpus_zero3_match_the_averaged_reference(gpu_fraction):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, args=(tmp, gpu_fraction), nprocs=2, start_method="spawn", join=True)
+        outs = [torch.load(f"{tmp}/rank{r}-{gpu_fraction}.pt", weights_only=False) for r in range(2)]
+    for a, b in zip(outs[0]["params"], outs[1]["params"]):
+        assert torch.equal(a, b)  # every rank holds the same weights
+    assert outs[0]["host_units"] > 0
+    assert all(n == 2 for n in outs[0]["streams"]), outs[0]["streams"]  # the device-side wait is the one exercised
+    assert outs[0]["stats"]["skipped_steps"] == 1, outs[0]["stats"]
+    ref = reference()
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(outs[0]["params"], ref))
+    print(f"gpu_fraction={gpu_fraction}: largest relative difference to the reference {worst:.3e}")
+    assert worst < 1e-5

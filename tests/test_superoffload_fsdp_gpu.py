@@ -8,8 +8,12 @@ more than the rounding differences allowed here. The units are large enough (a f
 still in flight while the forward reaches them.
 
 Reference: one process on GPU 0 forms each rank's gradient on its own batch, averages them, clips with
-``clip_grad_norm_`` and runs torch's fused AdamW on the GPU. FSDP2's reduce-scatter averages on the device in its own
-order, so the comparison is relative (below 1e-5), not bitwise. Both ranks must hold the same weights bitwise.
+``clip_grad_norm_`` and runs torch's fused AdamW: on the GPU for the parameters of the units the ranks keep on the
+device, on fp32 CPU copies for the others (the kernel the ranks' CPU workers equal). The test prints the largest
+relative difference and requires it below 1e-3: a unit trained on stale weights moves by about an update (``lr``,
+a third of these weights' largest magnitude), while rounding differences (the reduce-scatter's, amplified by
+Adam where the second moment is small) stay orders of magnitude below. Both ranks must hold the same weights
+bitwise.
 """
 
 from __future__ import annotations
@@ -69,25 +73,37 @@ def _rank(rank: int, tmp: str, gpu_fraction: float) -> None:
         full = [p.full_tensor().detach().cpu() for p in model.parameters()]
         torch.cuda.synchronize()
         torch.save({"params": full, "stats": dict(opt.stats), "streams": streams,
-                    "host_units": sum(not u.on_device for u in opt._units)}, f"{tmp}/rank{rank}-{gpu_fraction}.pt")
+                    "host_units": sum(not u.on_device for u in opt._units),
+                    "on_device": sorted(s.index for u in opt._units if u.on_device for s in u.shards)},
+                   f"{tmp}/rank{rank}-{gpu_fraction}.pt")
         opt.close()
     finally:
         dist.destroy_process_group()
 
 
-def reference() -> list[torch.Tensor]:
+def reference(on_device: set[int]) -> list[torch.Tensor]:
     dev = torch.device("cuda", 0)
     ref = make_model(dev)
     params = list(ref.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    master = [p.detach().clone().requires_grad_(True) if i in on_device else
+              p.detach().cpu().clone().requires_grad_(True) for i, p in enumerate(params)]
+    opts = [torch.optim.AdamW(ms, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+            for ms in ([m for i, m in enumerate(master) if i in on_device],
+                       [m for i, m in enumerate(master) if i not in on_device]) if ms]
     for step in range(STEPS):
         g0, g1 = (torch.autograd.grad(loss_of(ref, step, r, dev), params) for r in range(2))
         for p, a, b in zip(params, g0, g1):
             p.grad = (a + b) / 2
         total = torch.nn.utils.clip_grad_norm_(params, CLIP)
         if torch.isfinite(total):
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+            for m, p in zip(master, params):
+                m.grad = p.grad.detach().to(m.device)
+            for opt in opts:
+                opt.step()
+            with torch.no_grad():
+                for m, p in zip(master, params):
+                    p.copy_(m)
+        ref.zero_grad(set_to_none=True)
     return [p.detach().cpu() for p in params]
 
 
@@ -101,7 +117,7 @@ def test_two_gpus_zero3_match_the_averaged_reference(gpu_fraction):
     assert outs[0]["host_units"] > 0
     assert all(n == 2 for n in outs[0]["streams"]), outs[0]["streams"]  # the device-side wait is the one exercised
     assert outs[0]["stats"]["skipped_steps"] == 1, outs[0]["stats"]
-    ref = reference()
+    ref = reference(set(outs[0]["on_device"]))
     worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(outs[0]["params"], ref))
     print(f"gpu_fraction={gpu_fraction}: largest relative difference to the reference {worst:.3e}")
-    assert worst < 1e-5
+    assert worst < 1e-3

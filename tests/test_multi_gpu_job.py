@@ -20,8 +20,9 @@ _spec.loader.exec_module(job)
 
 def test_smoke_runs_the_zero3_variant_as_a_two_process_job(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE", "RANK"))}
-    proc = subprocess.run([sys.executable, str(_PATH), "--smoke", "--variants", "superoffload_fsdp", "--timeout",
-                           "110", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(_PATH), "--smoke", "--trace", "--variants", "superoffload_fsdp",
+                           "--timeout", "110", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "multi_gpu_job.jsonl").read_text().splitlines()]
     assert [r["variant"] for r in rows] == ["superoffload_fsdp"]
@@ -35,6 +36,11 @@ def test_smoke_runs_the_zero3_variant_as_a_two_process_job(tmp_path):
     assert 0 < opt["local_params"] < row["params"]  # this rank's shards only
     assert "| superoffload_fsdp | smoke |" in proc.stdout and "FORECAST (not measured)" in proc.stdout
     assert not list(tmp_path.glob("child-*")), "the children's files are folded into the JSON lines"
+    # --trace: rank 0 profiled one timed step and summarised it (one variant traced: nothing to compare)
+    trace = json.loads((tmp_path / "trace-superoffload_fsdp.json").read_text())
+    assert trace["wall_ms"] > 0 and trace["step"] == 1 and trace["ranges"]
+    assert row["notes"]["trace"]["step"] == 1 and "error" not in row["notes"]["trace"]
+    assert "trace superoffload_fsdp (step 1): wall" in logs and not (tmp_path / "trace-compare.md").exists()
 
 
 def test_no_cuda_without_smoke_exits_cleanly(tmp_path):

@@ -6,8 +6,6 @@ and the option on the command line."""
 import gzip
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -261,19 +259,3 @@ def test_help_lists_trace(capsys):
     with pytest.raises(SystemExit) as e:
         job.main(["--help"])
     assert e.value.code == 0 and "--trace" in capsys.readouterr().out
-
-
-@pytest.mark.slow
-def test_smoke_with_trace_writes_the_step_summary(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE", "RANK"))}
-    proc = subprocess.run([sys.executable, str(_PATH), "--smoke", "--trace", "--variants", "fsdp_noclip",
-                           "--timeout", "110", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    row = json.loads((tmp_path / "multi_gpu_job.jsonl").read_text().splitlines()[0])
-    assert row["error"] is None, (tmp_path / "logs.txt").read_text()[-3000:]
-    s = json.loads((tmp_path / "trace-fsdp_noclip.json").read_text())
-    assert s["wall_ms"] > 0 and s["step"] == 1 and s["ranges"]
-    assert row["notes"]["trace"]["step"] == 1 and "error" not in row["notes"]["trace"]
-    assert "trace fsdp_noclip (step 1): wall" in (tmp_path / "logs.txt").read_text()
-    assert not (tmp_path / "trace-compare.md").exists()  # one variant traced: nothing to compare

@@ -241,6 +241,10 @@ def _relax_run(budget, room, increments):
     # the device could not hold the sample's bound on top of the measurement: no block relaxes; finer steps (a
     # block keeps part of its offloaded input) go on while what they keep fits the room
     ("210MiB", 150 * MIB, [10, 10, 10, 10], [110, 120, 130], "would not fit, then 3 finer step(s)"),
+    # a finer step measured above the budget is undone and its block not tried again; the next block's goes on
+    ("210MiB", 150 * MIB, [10, 120, 10, 10, 10], [110, 230, 120, 130], "would not fit, then 3 finer step(s)"),
+    # two steps above the budget end the finer steps too
+    ("210MiB", 150 * MIB, [10, 120, 120, 10], [110, 230, 230], "above the budget, then 1 finer step(s)"),
     ("210MiB", 225 * MIB, [10, 10, 10, 10], [110, 120, 130], "the next block's plan would not fit"),
     # below the floor plus one sampled block: the guard holds every block back, the first is tried anyway, and
     # what it added then guards the rest

@@ -925,3 +925,35 @@ def test_gather_streams_table(unit, found, why):
     from lightning_gh.superoffload.fsdp_units import gather_streams
 
     assert len(gather_streams(unit)) == found, why
+
+
+def test_a_host_unit_is_waited_for_on_the_device_where_fsdp2_streams_are_known(monkeypatch):
+    """Note [ZeRO-3 step and the forward's wait]: with FSDP2's all-gather streams, they and the compute stream wait
+    for the copy's event and the host does not; without them, the host waits for the copy."""
+    import threading
+    import types
+
+    calls = []
+
+    class Event:
+        def synchronize(self):
+            calls.append("host")
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            calls.append(self.name)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("compute"))
+    ready = threading.Event()
+    ready.set()
+    unit = types.SimpleNamespace(ready=ready, done=ready, h2d_event=Event())
+    opt = types.SimpleNamespace(cuda=True, device=torch.device("cpu"), stats={"wait_ms": 0.0}, _raise=lambda: None,
+                                _thread=None)
+    ShardedHostAdamW._wait(opt, unit, streams=[Stream("copy-in"), Stream("all-gather")])
+    assert calls == ["copy-in", "all-gather", "compute"]
+    calls.clear()
+    ShardedHostAdamW._wait(opt, unit, streams=[])
+    assert calls == ["host", "compute"]

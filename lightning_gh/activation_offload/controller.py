@@ -534,7 +534,7 @@ class BudgetController:
                          "activation_budget/predicted_gib": (fc.activation_bytes + r.correction) / 2**30,
                          "activation_budget/target_gib": self.budget_bytes / 2**30})
         i = next(j for j, (a, b) in enumerate(zip(mix, r.current)) if a != b)
-        if measured > r.measured:  # what such a step adds; one that added nothing leaves the samples' bound
+        if measured > r.measured and not r.filling:  # what such a step adds (a finer step is not one)
             r.step_bytes[mix[i]] = max(r.step_bytes.get(mix[i], 0), measured - r.measured)
         if measured > self.budget_bytes:  # undone: the block keeps its choice and is not tried again
             r.skipped.add(i)

@@ -26,7 +26,7 @@ from lightning_gh import hardware
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile, ModeCost
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
-__all__ = ["FILL_FRACTIONS", "MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation",
+__all__ = ["FILL_FRACTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation",
            "Relaxation", "block0_ms", "device_allows", "fill_step", "floor_costs", "floor_mode", "floor_schedule",
            "measuring_schedule", "relax_end", "relax_guard", "sample_copy_points", "sample_guard"]
 
@@ -365,6 +365,9 @@ def retarget(r: Relaxation, budget: int, plan: Callable[[BudgetProfile], Sequenc
 
 #: The shares of what a block still saves that a finer step (:func:`fill_step`) may leave offloaded.
 FILL_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: Finer steps a relaxation keeps at most (each is a measured training step; a peak that lies elsewhere may not
+#: move with any block's share).
+MAX_FILLS = 8
 
 
 def fill_step(r: Relaxation, budget: int, room: int | None,
@@ -377,8 +380,10 @@ def fill_step(r: Relaxation, budget: int, room: int | None,
     (the measurement plus what the step keeps, and the planner's model corrected by the current mix's
     measurement) and the device (``room``), the fastest predicted; among those within a tenth of a millisecond
     of it, the one whose addition lands nearest the middle of the band between ``RETARGET_BELOW * budget`` and
-    ``budget``. Blocks whose step measured above the budget are not tried again. Returns ``(block, mix, plan,
-    forecast)`` or ``None``.
+    ``budget``. The device must hold all that the block offloads now: the engine moves whole tensors within a
+    block's share, so a lower share may keep more than its part (a block that saves one tensor keeps all of it).
+    Blocks whose step measured above the budget are not tried again; at most :data:`MAX_FILLS` steps are kept.
+    Returns ``(block, mix, plan, forecast)`` or ``None``.
 
     Example::
 
@@ -393,7 +398,7 @@ def fill_step(r: Relaxation, budget: int, room: int | None,
         >>> fill_step(r, 100, None, ev) is None  # within the band already
         True
     """
-    if r.measured >= RETARGET_BELOW * budget or len(r.skipped) >= MAX_OVERSHOOTS:
+    if r.measured >= RETARGET_BELOW * budget or len(r.skipped) >= MAX_OVERSHOOTS or r.fills >= MAX_FILLS:
         return None
     aim = (1 + RETARGET_BELOW) / 2 * budget - r.measured
     found = []
@@ -402,9 +407,11 @@ def fill_step(r: Relaxation, budget: int, room: int | None,
         if i in r.skipped or frac <= 0 or cost is None:
             continue
         offloadable = min(cost.offloadable_bytes, cost.kept_bytes)
+        if room is not None and r.measured + int(frac * offloadable) > room:
+            continue  # the engine offloads whole tensors: a lower share may keep all the block offloads now
         for f in (f for f in FILL_FRACTIONS if f < frac):
             add = int((frac - f) * offloadable)
-            if add <= 0 or r.measured + add > budget or (room is not None and r.measured + add > room):
+            if add <= 0 or r.measured + add > budget:
                 continue
             mix = [(mode, f) if j == i else c for j, c in enumerate(r.current)]
             plan, fc = evaluate(mix)

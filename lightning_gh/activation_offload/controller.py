@@ -546,7 +546,8 @@ class BudgetController:
         if r.filling:  # a finer step is part of the plan now; the next forward's _relax_next goes on or ends
             r.target[i], r.fills = mix[i], r.fills + 1
         elif r.current == r.target:
-            retarget(r, self.budget_bytes, lambda bp: _budget.plan_budget(bp, self.budget_bytes, *self._link())[1].choices)
+            retarget(r, self.budget_bytes, lambda bp: _budget.plan_budget(bp, self.budget_bytes,
+                                                                        *self._link())[1].choices)
 
     def _finish_relax(self, why: str) -> None:
         r = self._relax

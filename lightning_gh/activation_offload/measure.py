@@ -26,9 +26,9 @@ from lightning_gh import hardware
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile, ModeCost
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
-__all__ = ["FILL_FRACTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe", "Observation",
-           "Relaxation", "block0_ms", "device_allows", "fill_step", "floor_costs", "floor_mode", "floor_schedule",
-           "measuring_schedule", "relax_end", "relax_guard", "sample_copy_points", "sample_guard"]
+__all__ = ["FILL_FRACTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe",
+           "Observation", "Relaxation", "block0_ms", "device_allows", "fill_step", "floor_costs", "floor_mode",
+           "floor_schedule", "measuring_schedule", "relax_end", "relax_guard", "sample_copy_points", "sample_guard"]
 
 
 class Kind(enum.Enum):

@@ -368,19 +368,25 @@ def test_fill_step_keeps_a_share_of_one_block_towards_the_budget(measured, curre
         assert [c for j, c in enumerate(got[1]) if j != got[0]] == [c for j, c in enumerate(current) if j != got[0]]
 
 
-@pytest.mark.parametrize("increments, relaxed, why", [
+@pytest.mark.parametrize("increments, relaxed, why, band", [
     # the guards hold the last block back at 106 of 112 MiB, under the 5% band: one finer step (block 0 keeps half
     # of what it offloads) lands in it
-    ([1] * 8, [101, 102, 103, 104, 105, 106, 107], "the next block's plan would not fit, then 1 finer step(s)"),
+    ([1] * 8, [101, 102, 103, 104, 105, 106, 107], "the next block's plan would not fit, then 1 finer step(s)", True),
     # a relaxing step above the budget is undone; finer steps follow until the band is reached
     ([1, 1, 1, 20, 1, 1, 1, 1], [101, 102, 103, 123, 104, 105, 106, 107],
-     "relaxing steps measured above the budget, then 4 finer step(s)"),
+     "relaxing steps measured above the budget, then 4 finer step(s)", True),
     # finer steps that move nothing: until every block keeps all it saves (7 here) ...
-    ([1] * 6 + [0] * 12, [101, 102, 103, 104, 105, 106] + [106] * 7, "then 7 finer step(s)"),
+    ([1] * 6 + [0] * 12, [101, 102, 103, 104, 105, 106] + [106] * 7, "then 7 finer step(s)", False),
     # ... or MAX_FILLS of them (3 here)
-    ([1] * 6 + [0] * 12, [101, 102, 103, 104, 105, 106] + [106] * 3, "then 3 finer step(s)"),
+    ([1] * 6 + [0] * 12, [101, 102, 103, 104, 105, 106] + [106] * 3, "then 3 finer step(s)", False),
+    # a finer step that measures less than it was predicted to corrects the model: the held-back block relaxes
+    # after it (a relaxing step, planned again on reaching the plan), then finer steps go on until no block offloads
+    ([1] * 6 + [-3, 1, 1, 1, 1], [101, 102, 103, 104, 105, 106, 103, 104, 105, 106],
+     "the plan is reached (planned 2 more time(s) from the measurement), then 4 finer step(s)", False),
+    ([1] * 6 + [-5, 1, 1, 1], [101, 102, 103, 104, 105, 106, 101, 102, 103],
+     "the plan is reached (planned 3 more time(s) from the measurement), then 1 finer step(s)", False),
 ])
-def test_finer_steps_follow_a_relaxation_that_ends_under_the_band(increments, relaxed, why, monkeypatch):
+def test_finer_steps_follow_a_relaxation_that_ends_under_the_band(increments, relaxed, why, band, monkeypatch):
     from lightning_gh.activation_offload import measure
 
     if "3 finer" in why:
@@ -389,5 +395,4 @@ def test_finer_steps_follow_a_relaxation_that_ends_under_the_band(increments, re
     assert ctl.state is BudgetState.DONE and seen == relaxed, seen
     assert why in ctl.plan.notes[0], ctl.plan.notes[0]
     assert ctl.achieved_bytes <= ctl.budget_bytes
-    if seen[-1] != seen[-2]:
-        assert ctl.achieved_bytes >= 0.95 * ctl.budget_bytes
+    assert (ctl.achieved_bytes >= 0.95 * ctl.budget_bytes) is band  # else no block offloads any more, or the cap

@@ -18,13 +18,13 @@ bitwise.
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_superoffload_zero_gpu import init_nccl, split_adamw  # the ZeRO-1/2 GPU test's
 from torch import nn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -46,17 +46,12 @@ def loss_of(model: nn.Module, step: int, rank: int, device: torch.device) -> tor
 
 
 def _rank(rank: int, tmp: str, gpu_fraction: float) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     from torch.distributed.fsdp import fully_shard
 
     from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
     from lightning_gh.superoffload.fsdp_units import gather_streams
 
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", init_method=f"file://{tmp}/store-{gpu_fraction}", rank=rank, world_size=2,
-                            device_id=dev)
+    dev = init_nccl(rank, f"{tmp}/store-{gpu_fraction}")
     try:
         model = make_model(dev)
         for layer in model[:LAYERS]:
@@ -93,24 +88,14 @@ def reference(on_device: set[int]) -> list[torch.Tensor]:
     dev = torch.device("cuda", 0)
     ref = make_model(dev)
     params = list(ref.parameters())
-    master = [p.detach().clone().requires_grad_(True) if i in on_device else
-              p.detach().cpu().clone().requires_grad_(True) for i, p in enumerate(params)]
-    opts = [torch.optim.AdamW(ms, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-            for ms in ([m for i, m in enumerate(master) if i in on_device],
-                       [m for i, m in enumerate(master) if i not in on_device]) if ms]
+    update = split_adamw(ref, [{"params": params}], on_device, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     for step in range(STEPS):
         g0, g1 = (torch.autograd.grad(loss_of(ref, step, r, dev), params) for r in range(2))
         for p, a, b in zip(params, g0, g1):
             p.grad = (a + b) / 2
         total = torch.nn.utils.clip_grad_norm_(params, CLIP)
         if torch.isfinite(total):
-            for m, p in zip(master, params):
-                m.grad = p.grad.detach().to(m.device)
-            for opt in opts:
-                opt.step()
-            with torch.no_grad():
-                for m, p in zip(master, params):
-                    p.copy_(m)
+            update()
         ref.zero_grad(set_to_none=True)
     return [p.detach().cpu() for p in params]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Callable
 
 import pytest
 import torch
@@ -42,17 +43,50 @@ def loss_of(model: nn.Module, step: int, rank: int) -> torch.Tensor:
     return loss * float("inf") if step == INF_STEP and rank == 1 else loss
 
 
-def _rank(rank: int, tmp: str, gpu_fraction: float) -> None:
+def init_nccl(rank: int, store: str) -> torch.device:
+    """Rank ``rank`` of 2 on its own GPU, NCCL without NVLink multicast; the file store at ``store``."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2, device_id=dev)
+    return dev
+
+
+def split_adamw(model: nn.Module, param_groups: list[dict], on_device: set[int], **kwargs) -> Callable[[], None]:
+    """torch's fused AdamW on fp32 copies of ``model``'s parameters, as the ranks update them: those whose index (in
+    ``model.parameters()``'s order) is in ``on_device`` on the GPU, the others on the CPU. ``param_groups`` as for
+    AdamW, over the model's parameters. Returns ``step()``: it takes the parameters' ``.grad``, steps and writes the
+    new values back into them."""
+    params = list(model.parameters())
+    master = [p.detach().clone().requires_grad_(True) if i in on_device else
+              p.detach().cpu().clone().requires_grad_(True) for i, p in enumerate(params)]
+    index = {id(p): i for i, p in enumerate(params)}
+    ref_groups = []
+    for on_gpu in (False, True):
+        for g in param_groups:
+            ps = [master[index[id(p)]] for p in g["params"] if (index[id(p)] in on_device) == on_gpu]
+            if ps:
+                ref_groups.append({**g, "params": ps})
+    opt = torch.optim.AdamW(ref_groups, fused=True, **kwargs)
+
+    def step() -> None:
+        for m, p in zip(master, params):
+            m.grad = p.grad.detach().to(m.device)
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(master, params):
+                p.copy_(m)
+
+    return step
+
+
+def _rank(rank: int, tmp: str, gpu_fraction: float) -> None:
     from lightning_gh.superoffload import HeterogeneousAdamW, tail_mover
 
     if gpu_fraction == "sharded":  # room for the smaller bucket's owner's share (205 KB + 69 KB), not the other's
         tail_mover.device_room = lambda device: (500_000, "a test's room")
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", init_method=f"file://{tmp}/store-{gpu_fraction}", rank=rank, world_size=2,
-                            device_id=dev)
+    dev = init_nccl(rank, f"{tmp}/store-{gpu_fraction}")
     try:
         model = make_model(dev)
         opt = HeterogeneousAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), max_grad_norm=CLIP, module=model,
@@ -79,16 +113,7 @@ def reference(tail: set[int]) -> nn.Module:
     GPU, the others on fp32 CPU copies, as the ranks do."""
     dev = torch.device("cuda", 0)
     ref = make_model(dev)
-    master = [p.detach().clone().requires_grad_(True) if i in tail else p.detach().cpu().clone().requires_grad_(True)
-              for i, p in enumerate(ref.parameters())]
-    index = {id(p): i for i, p in enumerate(ref.parameters())}
-    ref_groups = []
-    for on_gpu in (False, True):
-        for g in groups(ref):
-            ps = [master[index[id(p)]] for p in g["params"] if (index[id(p)] in tail) == on_gpu]
-            if ps:
-                ref_groups.append({**g, "params": ps})
-    opt = torch.optim.AdamW(ref_groups, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    update = split_adamw(ref, groups(ref), tail, lr=1e-2, betas=(0.9, 0.95))
     params = list(ref.parameters())
     for step in range(STEPS):
         g0, g1 = (torch.autograd.grad(loss_of(ref, step, r), params) for r in range(2))
@@ -96,12 +121,7 @@ def reference(tail: set[int]) -> nn.Module:
             p.grad = (a + b) / 2
         total = torch.nn.utils.clip_grad_norm_([p for g in groups(ref) for p in g["params"]], CLIP)
         if torch.isfinite(total):
-            for m, p in zip(master, params):
-                m.grad = p.grad.detach().to(m.device)
-            opt.step()
-            with torch.no_grad():
-                for m, p in zip(master, params):
-                    p.copy_(m)
+            update()
         ref.zero_grad(set_to_none=True)
     return ref
 

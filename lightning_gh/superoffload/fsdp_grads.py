@@ -51,6 +51,9 @@ class UnitGradients:
         self.params = params
         self.pg, self.world, self.rank, self.device = pg, world, rank, device
         self.stream = stream
+        # the norms' stream: FSDP2 runs the hooks in its post-reduce stream, which has a high priority; the
+        # exchange and the norms take SMs beside backward's compute at the compute stream's (normal) priority
+        self.norm_stream = torch.cuda.Stream(device) if stream is not None else None
         self.wait = wait
         self.prepare = prepare
         self.validating = validating
@@ -63,6 +66,7 @@ class UnitGradients:
         self.opened = False  # the norm vector was cleared for this step
         self.handles: list[Any] = []
         self._idx: dict[tuple[int, ...], torch.Tensor] = {}
+        self._peers: dict[int, int] = {}
 
     # ------------------------------------------------------------------ during backward
     def register(self) -> None:
@@ -116,6 +120,8 @@ class UnitGradients:
             elif validate and not got:
                 self._norms_from_host(u)
             present += [s.index for s in u.active]
+        if self.norm_stream is not None:  # step() reads the norms on the current stream
+            torch.cuda.current_stream(self.device).wait_stream(self.norm_stream)
         self.reset()
         return present
 
@@ -176,8 +182,19 @@ class UnitGradients:
         self.taken[u.index] = True
 
     def _norms_of(self, u: HostUnit, grads: dict[int, torch.Tensor]) -> None:
-        """Assemble each active parameter's full gradient on its owner (one all_to_all per dtype) and write its
-        norm there. See Note [ZeRO-3 step and the forward's wait]."""
+        """Assemble each active parameter's full gradient on its owner (one batch of point-to-point transfers per
+        dtype) and write its norm there, on the norms' stream on CUDA. See Note [ZeRO-3 step and the forward's
+        wait]."""
+        if self.norm_stream is None:
+            self._norms_here(u, grads)
+            return
+        self.norm_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for g in grads.values():
+            g.record_stream(self.norm_stream)  # the caller may release param.grad before these kernels run
+        with torch.cuda.stream(self.norm_stream):
+            self._norms_here(u, grads)
+
+    def _norms_here(self, u: HostUnit, grads: dict[int, torch.Tensor]) -> None:
         if not self.opened:
             self.norms.open(len(self.params), zero=True)
             self.opened = True
@@ -201,22 +218,36 @@ class UnitGradients:
 
     def _exchange(self, shards: list[LocalShard], grads: dict[int, torch.Tensor],
                   dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """Each active parameter's full gradient on its owner: every other rank sends its rows straight into their
+        place in the owner's buffer (one batch of point-to-point transfers per unit and dtype), and the owner copies
+        its own rows there, so no rank concatenates a send or a receive buffer."""
         n, me = self.world, self.rank
-        send_parts: list[torch.Tensor] = []
-        in_splits = []
-        for d in range(n):
-            mine = [grads[s.index].reshape(-1) for s in shards if norm_owner(s.index, n) == d]
-            send_parts += mine
-            in_splits.append(sum(t.numel() for t in mine))
-        owned = [s for s in shards if norm_owner(s.index, n) == me]
-        out_splits = [sum(s.numels[r] for s in owned) for r in range(n)]
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=self.device)
-        recv = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
-        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.pg)
-        pieces: dict[int, list[torch.Tensor]] = {s.index: [] for s in owned}
-        off = 0
-        for r in range(n):
-            for s in owned:
-                pieces[s.index].append(recv[off:off + s.numels[r]])
+        ops: list[Any] = []
+        fulls: dict[int, torch.Tensor] = {}
+        for s in shards:
+            owner = norm_owner(s.index, n)
+            rows = grads[s.index].reshape(-1)
+            if owner != me:
+                if rows.numel():
+                    ops.append(dist.P2POp(dist.isend, rows, self._peer(owner), group=self.pg))
+                continue
+            full = torch.empty(sum(s.numels), dtype=dtype, device=self.device)
+            off = 0
+            for r in range(n):
+                part = full[off:off + s.numels[r]]
+                if r == me:
+                    part.copy_(rows)
+                elif s.numels[r]:
+                    ops.append(dist.P2POp(dist.irecv, part, self._peer(r), group=self.pg))
                 off += s.numels[r]
-        return {i: torch.cat(p) for i, p in pieces.items()}
+            fulls[s.index] = full
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return fulls
+
+    def _peer(self, group_rank: int) -> int:
+        """The global rank of ``group_rank`` in the process group (what a point-to-point op names)."""
+        if group_rank not in self._peers:
+            self._peers[group_rank] = group_rank if self.pg is None else dist.get_global_rank(self.pg, group_rank)
+        return self._peers[group_rank]

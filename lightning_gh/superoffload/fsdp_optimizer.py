@@ -19,8 +19,10 @@ Note [ZeRO-3 step and the forward's wait]
        unit's host gradient buffer (done since the unit's forward), copies the local gradient rows there (on a
        side stream that waits for the post-reduce stream, with an event per unit, on CUDA; a plain copy on the
        CPU) and, when the step may be clipped or skipped, assembles each parameter's full gradient on one rank,
-       its *owner* (parameter ``i`` belongs to rank ``i % N``), by one ``all_to_all`` per unit and dtype; the
-       owner takes its L2 norm with the kernel ``clip_grad_norm_`` uses (``torch._foreach_norm``). Taking the
+       its *owner* (parameter ``i`` belongs to rank ``i % N``): one batch of point-to-point transfers per unit
+       and dtype puts the other ranks' rows in place in the owner's buffer (on CUDA on a stream of the compute
+       stream's priority, not FSDP2's high-priority post-reduce stream); the owner takes its L2 norm with the
+       kernel ``clip_grad_norm_`` uses (``torch._foreach_norm``). Taking the
        norm of the full gradient, not a sum of per-shard partial sums, is what keeps every norm bitwise equal to
        ``clip_grad_norm_``'s on the unsharded gradient. Backward runs the units in the same order on every rank,
        so the collectives issued from the hooks match across ranks. Then the unit's ``param.grad`` are released:

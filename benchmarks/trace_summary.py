@@ -29,6 +29,8 @@ GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 #: Host event categories whose ranges are named at the start of a GPU idle gap.
 HOST_CATS = frozenset({"user_annotation", "cpu_op", "python_function", "cuda_runtime", "cuda_driver"})
 MIN_GAP_MS = 0.2  # compute-stream idle gaps reported one by one from this length on
+IDLE_BINS = 10  # the compute stream's idle time is also given per tenth of the step
+_MODULE_SUFFIX = re.compile(r"\s*\([^()]*\)$")  # "FSDP::pre_forward (model.layers.3)" -> "FSDP::pre_forward"
 TOP_GAPS = 12
 TOP_KERNELS = 25
 TOP_RANGES = 20
@@ -165,6 +167,31 @@ def trace_summary(events: list[dict[str, Any]], step_start_us: float, step_end_u
         others = list(dict.fromkeys(n for _, n, own in here if not own))[:GAP_HOST_NAMES]
         return mine, others
 
+    # idle per tenth of the window, and by the training thread's innermost named range at each gap's start (every
+    # gap, short ones too; ranges of one kind over several modules summed)
+    bins = [0.0] * IDLE_BINS
+    width = wall / IDLE_BINS if wall > 0 else 0.0
+    for a, b in gaps:
+        i = int((a - lo) // width) if width else 0
+        while a < b and i < IDLE_BINS:
+            edge = lo + (i + 1) * width
+            bins[i] += min(b, edge) - a
+            a, i = edge, i + 1
+    marks = sorted((a, b, _MODULE_SUFFIX.sub("", str(e.get("name", "")))) for a, b, e in host
+                   if _cat(e) == "user_annotation" and (host_tid is None or e.get("tid") == host_tid))
+    by_range: dict[str, float] = defaultdict(float)
+    stack: list[tuple[float, str]] = []
+    j = 0
+    for a, b in sorted(gaps):
+        while j < len(marks) and marks[j][0] <= a:
+            while stack and stack[-1][0] <= marks[j][0]:
+                stack.pop()
+            stack.append((marks[j][1], marks[j][2]))
+            j += 1
+        while stack and stack[-1][0] <= a:
+            stack.pop()
+        by_range[stack[-1][1] if stack else ""] += b - a
+
     top_gaps = []
     for a, b in sorted(big, key=lambda g: (g[0] - g[1], g[0]))[:TOP_GAPS]:
         mine, others = running(a)
@@ -192,6 +219,8 @@ def trace_summary(events: list[dict[str, Any]], step_start_us: float, step_end_u
         "gaps_ms": _ms(_length(big)),
         "small_gaps_count": len(small),
         "small_gaps_ms": _ms(_length(small)),
+        "idle_by_tenth_ms": [_ms(v) for v in bins],
+        "idle_by_range_ms": {n: _ms(v) for n, v in sorted(by_range.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_RANGES]},
         "kernel_ms_total": _ms(kernel_total),
         "kernel_count": sum(int(v[1]) for v in kernels.values()),
         "kernels": [{"name": n, "ms": _ms(v[0]), "count": int(v[1])} for n, v in named[:TOP_KERNELS]],
@@ -236,6 +265,10 @@ def summary_lines(variant: str, s: dict[str, Any]) -> list[str]:
              "  largest gaps (at +ms: ms [host]): " + "; ".join(
                  f"+{g['start_ms']:.1f}: {g['ms']:.2f} [{' < '.join(g['host'][:3])}]" for g in s["gaps"][:5]),
              "  ranges (host ms): " + "; ".join(f"{r['name']} {r['ms']:.1f}" for r in s["ranges"][:6])]
+    if s.get("idle_by_tenth_ms"):
+        lines.append("  idle per tenth of the step (ms): " + " ".join(f"{v:.1f}" for v in s["idle_by_tenth_ms"]))
+        lines.append("  idle by the training thread's range (ms): " + "; ".join(
+            f"{n or '(none)'} {v:.1f}" for n, v in list(s.get("idle_by_range_ms", {}).items())[:6]))
     if s.get("raw_trace"):
         lines.append(f"  raw trace: {s['raw_trace']}")
     return lines
@@ -268,6 +301,14 @@ def compare_markdown(summaries: list[tuple[str, dict[str, Any]]], top: int = 15)
     for v, s in summaries:
         lines += ["", f"{v}: largest compute-stream gaps (offset ms, length ms, host ranges then, innermost first):"]
         lines += [f"- +{g['start_ms']:.1f}: {g['ms']:.2f} [{' < '.join(g['host'])}]" for g in s["gaps"][:5]]
+    if any(s.get("idle_by_tenth_ms") for _, s in summaries):
+        lines += ["", "Compute-stream idle ms per tenth of the step, and by the training thread's innermost named range "
+                  "at each gap (every gap):", "", "| variant | " + " | ".join(f"{i + 1}/10" for i in range(IDLE_BINS))
+                  + " | by range |", "| --- | " + " | ".join("---:" for _ in range(IDLE_BINS)) + " | --- |"]
+        for v, s in summaries:
+            tenths = s.get("idle_by_tenth_ms") or [0.0] * IDLE_BINS
+            named = "; ".join(f"{n or '(none)'} {ms:.1f}" for n, ms in list(s.get("idle_by_range_ms", {}).items())[:5])
+            lines.append(f"| {v} | " + " | ".join(f"{t:.1f}" for t in tenths) + f" | {named} |")
     return "\n".join(lines)
 
 

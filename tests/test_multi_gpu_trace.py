@@ -92,6 +92,23 @@ def test_gaps_of_the_compute_stream_with_the_host_ranges_running_then():
     assert s["compute_idle_ms"] == pytest.approx(s["gaps_ms"] + s["small_gaps_ms"])
 
 
+def test_idle_per_tenth_and_by_the_training_threads_innermost_range():
+    # compute stream busy on [0, 5), [30, 55), [60, 100): idle [5, 30) across three tenths and [55, 60) in one
+    events = [k("a", 0, 5), k("b", 30, 25), k("c", 60, 40),
+              h("step", 0, 100, cat="user_annotation"),
+              h("FSDP::pre_forward (model.layers.1)", 4, 10, cat="user_annotation"),
+              h("superoffload/wait_for_update", 6, 2, cat="user_annotation"),
+              h("FSDP::pre_forward (model.layers.2)", 54, 10, cat="user_annotation"),
+              h("superoffload/cpu_update", 0, 100, tid=WORKER, cat="user_annotation")]
+    s = summarize(events, host_tid=MAIN)
+    assert s["idle_by_tenth_ms"] == pytest.approx([5.0, 10.0, 10.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0])
+    assert sum(s["idle_by_tenth_ms"]) == pytest.approx(s["compute_idle_ms"])
+    # the gap at 5 begins inside pre_forward of layer 1 (wait_for_update starts later); the one at 55 inside that of
+    # layer 2: one row for both modules; the worker's range is not the training thread's
+    assert s["idle_by_range_ms"] == pytest.approx({"FSDP::pre_forward": 30.0})
+    assert summarize(events[:3])["idle_by_range_ms"] == {"": 30.0}  # no host ranges at all
+
+
 def test_gap_host_names_without_a_training_thread_come_from_every_thread():
     events = [k("a", 0, 10), k("b", 30, 70), h("outer", 0, 100, cat="user_annotation"), h("ended", 5, 5),
               h("on_worker", 5, 10, tid=WORKER)] + [h(f"op{i}", 10 - i * 0.5, 1 + i) for i in range(7)]
@@ -218,7 +235,9 @@ def test_compare_puts_the_anchor_first_and_differences_per_kernel():
 def test_summary_lines_are_a_few_lines():
     s = summarize([k("gemm", 0, 50), h("x", 0, 100, cat="user_annotation")], host_tid=MAIN)
     lines = ts.summary_lines("v", {"step": 5, **s})
-    assert 4 <= len(lines) <= 6 and lines[0].startswith("trace v (step 5): wall 100.0 ms")
+    assert 4 <= len(lines) <= 8 and lines[0].startswith("trace v (step 5): wall 100.0 ms")
+    assert lines[-2].startswith("  idle per tenth of the step (ms): 0.0 0.0 0.0 0.0 0.0 10.0 10.0 10.0 10.0 10.0")
+    assert lines[-1] == "  idle by the training thread's range (ms): x 50.0"
 
 
 @pytest.mark.parametrize(("warmup", "steps", "at"), [(4, 8, 5), (1, 1, 1), (0, 3, 1), (2, 2, 3)])

@@ -35,6 +35,7 @@ class UnitGradients:
         pg, world, rank: the data-parallel process group, its size and this rank in it.
         device: the parameters' device (the norms live there).
         stream: the side stream of the device-to-host copies on CUDA, else ``None`` (plain copies).
+        wait: ``wait(unit)`` returns once the unit's last update has read its host gradient rows.
         prepare: ``prepare()`` runs before the first unit of a step is taken (the optimizer places the units'
             state there, once).
         validating: ``validating()`` says whether the step being formed needs the norms (clipping or the
@@ -43,7 +44,8 @@ class UnitGradients:
     """
 
     def __init__(self, units: list[HostUnit], params: list[torch.Tensor], *, pg: Any, world: int, rank: int,
-                 device: torch.device, stream: Any, validating: Callable[[], bool], stats: dict[str, Any],
+                 device: torch.device, stream: Any, wait: Callable[[HostUnit], None],
+                 validating: Callable[[], bool], stats: dict[str, Any],
                  prepare: Callable[[], None] = lambda: None) -> None:
         self.units = units
         self.params = params
@@ -52,6 +54,7 @@ class UnitGradients:
         # the norms' stream: FSDP2 runs the hooks in its post-reduce stream, which has a high priority; the
         # exchange and the norms take SMs beside backward's compute at the compute stream's (normal) priority
         self.norm_stream = torch.cuda.Stream(device) if stream is not None else None
+        self.wait = wait
         self.prepare = prepare
         self.validating = validating
         self.stats = stats
@@ -116,7 +119,7 @@ class UnitGradients:
                 self.take(u, validate, release=False)
             elif validate and not got:
                 self._norms_from_host(u)
-            present += [s.index for s in u.incoming]
+            present += [s.index for s in u.active]
         if self.norm_stream is not None:  # step() reads the norms on the current stream
             torch.cuda.current_stream(self.device).wait_stream(self.norm_stream)
         self.reset()
@@ -130,33 +133,34 @@ class UnitGradients:
 
     # ------------------------------------------------------------------ one unit
     def take(self, u: HostUnit, validate: bool, release: bool) -> None:
-        """Copy ``u``'s gradient rows to its spare host buffer (the last step's update may still be reading the
-        other: nothing waits for it), take their norms (``validate``), and drop the GPU gradients (``release``). A
-        device-resident unit's gradients stay in ``param.grad`` for ``step()``; its norms are taken all the same."""
+        """Copy ``u``'s gradient rows to its host buffer, take their norms (``validate``), and drop the GPU
+        gradients (``release``). A device-resident unit's gradients stay in ``param.grad`` for ``step()``; its
+        norms are taken all the same."""
         self.prepare()
-        u.incoming = [s for s in u.shards if s.param.grad is not None]
-        grads = {s.index: local_rows(s.param.grad) for s in u.incoming}
+        self.wait(u)  # its last update has read the host rows about to be overwritten
+        u.active = [s for s in u.shards if s.param.grad is not None]
+        grads = {s.index: local_rows(s.param.grad) for s in u.active}
         if not u.on_device:
             self._to_host(u, grads)
         if validate:
             self._norms_of(u, grads)
         self.taken[u.index] = validate
         if release and not u.on_device:
-            for s in u.incoming:
+            for s in u.active:
                 s.param.grad = None  # the copy holds the rows until it has read them (record_stream)
 
     def _to_host(self, u: HostUnit, grads: dict[int, torch.Tensor]) -> None:
         if self.stream is None:
-            for s in u.incoming:
-                u.spare.tensor[s.offset:s.offset + s.numel].copy_(grads[s.index].reshape(-1))
+            for s in u.active:
+                u.grad.tensor[s.offset:s.offset + s.numel].copy_(grads[s.index].reshape(-1))
             return
         # after what the current stream has queued: FSDP2's reduce-scatter of this unit (in its hook) or all of
         # backward (in step())
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for s in u.incoming:
+            for s in u.active:
                 g = grads[s.index]
-                u.spare.tensor[s.offset:s.offset + s.numel].copy_(g.reshape(-1), non_blocking=True)
+                u.grad.tensor[s.offset:s.offset + s.numel].copy_(g.reshape(-1), non_blocking=True)
                 g.record_stream(self.stream)
             u.d2h_event = torch.cuda.Event()
             u.d2h_event.record(self.stream)
@@ -166,14 +170,14 @@ class UnitGradients:
         on between its backward and ``step()``): its host rows, back on the device in their own dtype (exact); a
         device-resident unit's ``param.grad``."""
         if u.on_device:
-            grads = {s.index: local_rows(s.param.grad) for s in u.incoming}
+            grads = {s.index: local_rows(s.param.grad) for s in u.active}
             self._norms_of(u, grads)
             self.taken[u.index] = True
             return
         if self.stream is not None and u.d2h_event is not None:
             u.d2h_event.synchronize()
-        grads = {s.index: u.spare.tensor[s.offset:s.offset + s.numel].to(self.device, s.param.dtype)
-                 for s in u.incoming}
+        grads = {s.index: u.grad.tensor[s.offset:s.offset + s.numel].to(self.device, s.param.dtype)
+                 for s in u.active}
         self._norms_of(u, grads)
         self.taken[u.index] = True
 
@@ -195,7 +199,7 @@ class UnitGradients:
             self.norms.open(len(self.params), zero=True)
             self.opened = True
         by_dtype: dict[torch.dtype, list[LocalShard]] = {}
-        for s in u.incoming:
+        for s in u.active:
             by_dtype.setdefault(grads[s.index].dtype, []).append(s)
         for dtype, shards in by_dtype.items():
             if self.world == 1:

@@ -15,12 +15,10 @@ Note [ZeRO-3 step and the forward's wait]
     1. During backward, per FSDP module (a *unit*), as soon as FSDP2 has reduce-scattered the unit's gradients:
        FSDP2 runs the post-accumulate-grad hooks of each sharded parameter right after putting its reduce-scattered
        gradient in ``param.grad`` (in its post-reduce stream on CUDA), and the hook of the unit's last parameter
-       takes the unit (:class:`~.fsdp_grads.UnitGradients`). It copies the local gradient rows into the unit's
-       spare host buffer (on a side stream that waits for the post-reduce stream, with an event per unit, on
-       CUDA; a plain copy on the CPU), without waiting for the CPU: each host unit has two gradient buffers used
-       in turn, so the last step's update, which may still be writing the unit's state back, reads the other
-       one. ``step()`` turns them (:meth:`~.fsdp_units.HostUnit.turn`) after waiting for every unit's update.
-       Then, when the step may be clipped or skipped, assembles each parameter's full gradient on one rank,
+       takes the unit (:class:`~.fsdp_grads.UnitGradients`). It waits until the unit's last update has read the
+       unit's host gradient buffer (done since the unit's forward), copies the local gradient rows there (on a
+       side stream that waits for the post-reduce stream, with an event per unit, on CUDA; a plain copy on the
+       CPU) and, when the step may be clipped or skipped, assembles each parameter's full gradient on one rank,
        its *owner* (parameter ``i`` belongs to rank ``i % N``): one batch of point-to-point transfers per unit
        and dtype puts the other ranks' rows in place in the owner's buffer (on CUDA on a stream of the compute
        stream's priority, not FSDP2's high-priority post-reduce stream); the owner takes its L2 norm with the
@@ -47,8 +45,7 @@ Note [ZeRO-3 step and the forward's wait]
        into the parameters' local shards, behind an event on CUDA, and marks the unit ready (with the kernel, in
        two passes: see Note [Weights first, state after] in :mod:`.weights_first`). Rows of bf16
        parameters are cast on the host, into the unit's (pinned) gradient buffer, which the update has just read:
-       the next write into that buffer is the copy of the backward after next, queued after the next forward,
-       which waits for this copy's event.
+       the next write into that buffer is the next backward's copy, which step 1 queues behind this copy's event.
     4. The next forward: a forward pre-hook on every FSDP module, registered with ``prepend=True`` after
        ``fully_shard`` registered FSDP2's own pre-forward hook (which all-gathers the module's parameters), so it
        runs first, waits on the host for that unit to be ready, then makes FSDP2's all-gather streams and the
@@ -251,7 +248,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._kernel = cpu_adamw.load()
         two = wf.two_pass(self.options.weights_first, self._kernel)
         self.stats["weights_first"] = two
-        host_bytes = sum(12 * local[ui] + 2 * unit_bytes[ui] for ui in range(len(pending)) if ui not in provisional) \
+        host_bytes = sum(12 * local[ui] + unit_bytes[ui] for ui in range(len(pending)) if ui not in provisional) \
             + (wf.stage_bytes(unit_bytes) if two else 0)
         check_host_on_every_rank(host_bytes, options=self.options, world=self.world, device=self.device,
                                  group=self._pg, owner=self)
@@ -270,7 +267,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self._grads = UnitGradients(self._units, params, pg=self._pg, world=self.world, rank=self.rank,
                                     device=self.device, stream=self._streams[0] if self.cuda else None,
-                                    validating=self._validating, stats=self.stats, prepare=self._place)
+                                    wait=self._wait_state, validating=self._validating, stats=self.stats,
+                                    prepare=self._place)
         self._grads.register()
         self._masters_stale = True  # re-derived from the weights at the first step (a model loaded since)
 
@@ -465,7 +463,6 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         order = self._order()
         present = self._grads.finish(order, validate)  # the units backward did not take
         for u in order:
-            u.turn()
             u.ready.clear()
             u.done.clear()
         coef = found_inf = None
@@ -547,6 +544,9 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             if not streams:
                 u.h2d_event.synchronize()
             torch.cuda.current_stream(self.device).wait_event(u.h2d_event)
+
+    def _wait_state(self, u: HostUnit) -> None:
+        self._wait(u, state=True)
 
     def synchronize(self) -> None:
         """Wait until every unit's update of the last step is in its parameters and its host state."""

@@ -257,21 +257,17 @@ class HostUnit:
         dtypes = {s.param.dtype for s in shards}
         self.grad_dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16} \
             else torch.float32
-        # [master | exp_avg | exp_avg_sq], fp32, and two buffers of gradient rows in the parameters' dtype, used in
-        # turn: ``grad`` holds the rows the pending update reads (once it has read them, the staging of the cast
-        # master rows copied back), ``spare`` those the next backward writes (see Note [ZeRO-3 step and the forward's
-        # wait])
+        # [master | exp_avg | exp_avg_sq], fp32, and the gradient rows in the parameters' dtype (once the update has
+        # read them, the staging of the cast master rows copied back: see Note [ZeRO-3 step and the forward's wait])
         self.on_device = device is not None
         self.state: Any = None
         self.grad: Any = None
-        self.spare: Any = None
         self.place(device, pin)
         self.ready = threading.Event()  # the last step's weights are in the parameters
         self.ready.set()
         self.done = threading.Event()  # ... and its host state is final (see Note [Weights first, state after])
         self.done.set()
-        self.active: list[LocalShard] = []  # shards with a gradient in the step being updated
-        self.incoming: list[LocalShard] = []  # shards with a gradient in the step being formed (taken since)
+        self.active: list[LocalShard] = []  # shards with a gradient this step
         self.d2h_event: Any = None
         self.h2d_event: Any = None
         self.hook: Any = None  # the forward pre-hook's handle
@@ -288,33 +284,21 @@ class HostUnit:
         """Keep the state on ``device`` (``None``: in host memory, with a host gradient buffer), moving what it
         holds."""
         old = self.state
-        for buf in (self.grad, self.spare):
-            if buf is not None:
-                buf.release()
         if device is not None:
             self.state = _DeviceBuffer(3 * self.numel, device)
-            self.grad = self.spare = None
+            self.grad = None
         else:
             self.state = HostBuffer(3 * self.numel, pin=pin, zero=True)
             self.grad = HostBuffer(self.numel, pin=pin, zero=True, dtype=self.grad_dtype)
-            self.spare = HostBuffer(self.numel, pin=pin, zero=True, dtype=self.grad_dtype)
         self.on_device = device is not None
         if old is not None:
             self.state.tensor.copy_(old.tensor)
             old.release()
 
-    def turn(self) -> None:
-        """The step being formed becomes the one to update: its shards become the active ones, and its gradient rows
-        (in ``spare``) the ones the update reads."""
-        self.active = self.incoming
-        if self.spare is not None:
-            self.grad, self.spare = self.spare, self.grad
-
     def release(self) -> None:
         self.state.release()
-        for buf in (self.grad, self.spare):
-            if buf is not None:
-                buf.release()
+        if self.grad is not None:
+            self.grad.release()
 
 
 def local_rows(p: torch.Tensor) -> torch.Tensor:

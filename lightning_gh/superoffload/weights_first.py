@@ -19,9 +19,9 @@ Note [Weights first, state after]
        its master rows and moments, the one the single pass makes, which writes the same weights bitwise. The
        unit is then *done*.
 
-    The forward waits for *ready* only. Everything that reads or overwrites a unit's host state or the gradient
-    rows this update reads waits for *done*: the next ``step()``, ``state_dict()``, a move of the unit to or from
-    the device, ``close()``. The next backward copies the unit's gradients into its other buffer and does not wait. The rows in a full tensor's tail
+    The forward waits for *ready* only. Everything that reads or overwrites a unit's host state or gradient rows
+    waits for *done*: the next backward's copy of the unit's gradients into its host buffer, the next ``step()``,
+    ``state_dict()``, a move of the unit to or from the device, ``close()``. The rows in a full tensor's tail
     (see Note [A shard's rows, updated as the full tensor's] in :mod:`.fsdp_units`) take torch's update in both
     passes. A staging buffer is written again only after its last copy to the device has finished (its event).
     Without the kernel (no compiler, or a kernel that differs from torch's on this machine) every unit takes the

@@ -62,7 +62,7 @@ def _rank(rank: int, tmp: str, gpu_fraction: float) -> None:
         push = opt._push
 
         def late_push(u, rows=None):  # the copy lands about 10 ms after it is queued
-            with torch.cuda.stream(opt._streams[1]):
+            with torch.cuda.stream(opt._pacer.stream):
                 torch.cuda._sleep(20_000_000)
             return push(u, rows)
 

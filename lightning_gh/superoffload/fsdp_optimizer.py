@@ -42,8 +42,9 @@ Note [ZeRO-3 step and the forward's wait]
        host behind an event on CUDA) and returns without waiting for the CPU.
     3. The CPU thread updates the units in forward order (the order their forward pre-hooks ran in the last
        forward; the root module first) once the decision is known, then copies each unit's new master rows back
-       into the parameters' local shards, behind an event on CUDA, and marks the unit ready (with the kernel, in
-       two passes: see Note [Weights first, state after] in :mod:`.weights_first`). Rows of bf16
+       into the parameters' local shards (on CUDA a thread of its own copies them, a few pieces at a time, and
+       marks the unit ready after their event: Note [Paced weight copies] in :mod:`.paced_copy`; with the kernel,
+       in two passes: see Note [Weights first, state after] in :mod:`.weights_first`). Rows of bf16
        parameters are cast on the host, into the unit's (pinned) gradient buffer, which the update has just read:
        the next write into that buffer is the next backward's copy, which step 1 queues behind this copy's event.
     4. The next forward: a forward pre-hook on every FSDP module, registered with ``prepend=True`` after
@@ -92,6 +93,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -120,6 +122,7 @@ from lightning_gh.superoffload.fsdp_units import (
 )
 from lightning_gh.superoffload.memory import local_world_size
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options, validate_knobs
+from lightning_gh.superoffload.paced_copy import PacedCopies
 from lightning_gh.superoffload.state import check_group
 from lightning_gh.superoffload.step import StepCtx
 from lightning_gh.superoffload.tail_mover import device_room
@@ -264,10 +267,10 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self.cpu_threads = threads if threads is not None else rank_cpu_threads(
             self.cuda, min(local_world_size(), self.world))
         self._first = wf.FirstPass(self._kernel, max(unit_bytes, default=0), self.cpu_threads) if two else None
-        self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
+        self._pacer = PacedCopies.reporting_to(self, torch.cuda.Stream(self.device)) if self.cuda else None
         self._grads = UnitGradients(self._units, params, pg=self._pg, world=self.world, rank=self.rank,
-                                    device=self.device, stream=self._streams[0] if self.cuda else None,
-                                    wait=self._wait_state, validating=self._validating, stats=self.stats,
+                                    device=self.device, stream=torch.cuda.Stream(self.device) if self.cuda else None,
+                                    wait=partial(self._wait, state=True), validating=self._validating, stats=self.stats,
                                     prepare=self._place)
         self._grads.register()
         self._masters_stale = True  # re-derived from the weights at the first step (a model loaded since)
@@ -528,15 +531,15 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         """Block until unit ``u``'s weights are in its parameters (with ``streams``, FSDP2's all-gather streams:
         until they are queued, those streams and the compute stream waiting for the copy); with ``state``, until
         its host state is final too (see Note [Weights first, state after])."""
-        flag = u.done if state else u.ready
-        if not flag.is_set():
-            t0 = time.perf_counter()
-            with torch.profiler.record_function(UPDATE_WAIT_RANGE):
-                while not flag.wait(0.05):
-                    self._raise()
-                    if self._thread is None or not self._thread.is_alive():
-                        raise RuntimeError("ShardedHostAdamW: the CPU worker stopped with an update pending.")
-            self.stats["wait_ms"] += (time.perf_counter() - t0) * 1e3
+        for flag in (u.ready, u.done) if state else (u.ready,):  # ready: the weights' copy is queued, its event set
+            if not flag.is_set():
+                t0 = time.perf_counter()
+                with torch.profiler.record_function(UPDATE_WAIT_RANGE):
+                    while not flag.wait(0.05):
+                        self._raise()
+                        if self._thread is None or not self._thread.is_alive():
+                            raise RuntimeError("ShardedHostAdamW: the CPU worker stopped with an update pending.")
+                self.stats["wait_ms"] += (time.perf_counter() - t0) * 1e3
         self._raise()
         if self.cuda and u.h2d_event is not None:
             for stream in streams or ():  # FSDP2's all-gather streams do not wait for the compute stream here
@@ -544,9 +547,6 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             if not streams:
                 u.h2d_event.synchronize()
             torch.cuda.current_stream(self.device).wait_event(u.h2d_event)
-
-    def _wait_state(self, u: HostUnit) -> None:
-        self._wait(u, state=True)
 
     def synchronize(self) -> None:
         """Wait until every unit's update of the last step is in its parameters and its host state."""
@@ -569,6 +569,8 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             if self._thread is not None:
                 self._queue.put(None)
                 self._thread.join(timeout=30)
+            if self._pacer is not None:
+                self._pacer.close()
             self._grads.remove_hooks()
             for u in self._units:
                 u.hook.remove()
@@ -594,6 +596,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         later: list[HostUnit] = []  # units whose state is written back after every unit's weights
         for ui in order:
             u = self._units[ui]
+            pushed = False  # the copies' thread marks the unit ready
             try:
                 if dec is None:
                     dec = ctx.poll(block=True)
@@ -618,11 +621,13 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                         else:
                             self._update(u, dec.hp, dec.coef)
                             self._push(u)
+                        pushed = self._pacer is not None
                 self.stats["cpu_ms"] += (time.perf_counter() - t0) * 1e3
             except BaseException as e:  # re-raised on the training thread at its next wait
                 self._error = e
             finally:
-                u.ready.set()
+                if not pushed:
+                    u.ready.set()
                 if not later or later[-1] is not u:
                     u.done.set()
         for u in reversed(later):
@@ -644,28 +649,26 @@ class ShardedHostAdamW(torch.optim.Optimizer):
     def _push(self, u: HostUnit, rows: torch.Tensor | None = None) -> Any:
         """Copy the unit's new weights (``rows``, else its master rows cast to the parameters' dtype on the host:
         :meth:`_staged`) into the parameters' local shards, so that 2 bytes a bf16 parameter cross the link; the
-        rounding is the same as a cast on the device. Returns the copy's event (``None`` off CUDA)."""
+        rounding is the same as a cast on the device. On CUDA the copies' thread copies them (see Note [Paced
+        weight copies]) and marks the unit ready; returns its job (``None`` off CUDA)."""
         rows = self._staged(u) if rows is None else rows
         if not self.cuda:
             for s in u.active:
                 loc = local_rows(s.param)
                 loc.copy_(rows[s.offset:s.offset + s.numel].view(loc.shape))
             return None
-        with torch.cuda.stream(self._streams[1]):
-            for s in u.active:
-                loc = local_rows(s.param)
-                loc.copy_(rows[s.offset:s.offset + s.numel].view(loc.shape), non_blocking=True)
-            u.h2d_event = torch.cuda.Event()
-            u.h2d_event.record(self._streams[1])
-        return u.h2d_event
+        def copied(event: Any, u: HostUnit = u) -> None:
+            if event is not None:
+                u.h2d_event = event
+            u.ready.set()
+
+        return self._pacer.submit([(local_rows(s.param), rows[s.offset:s.offset + s.numel]) for s in u.active], copied)
 
     @staticmethod
     def _staged(u: HostUnit) -> torch.Tensor:
-        """The unit's rows to copy into its parameters: the fp32 master rows where the gradient buffer is fp32
-        (fp32 parameters, or mixed dtypes: those cast on the way), else the active shards' master rows cast into
-        the gradient buffer (the parameters' dtype, pinned), which the update has read and nothing reads again
-        before the next backward's copy, queued behind this copy's event (see Note [ZeRO-3 step and the forward's
-        wait])."""
+        """The unit's rows to copy: the fp32 master rows where the gradient buffer is fp32 (fp32 or mixed dtypes),
+        else the master rows cast into the gradient buffer, which the update has read (see Note [ZeRO-3 step and
+        the forward's wait])."""
         master = u.region(0)
         if u.grad_dtype == torch.float32:
             return master

@@ -7,11 +7,12 @@ Note [Paced weight copies]
     large copy has finished, and the compute stream with it. FSDP2 queues such a small copy on the compute stream
     before each unit's forward (the arguments of the all-gather output's split, from pinned memory), while the
     ZeRO-3 worker copies a host unit's new weights, hundreds of MB, to the GPU on a side stream
-    (:class:`~.fsdp_optimizer.ShardedHostAdamW`). Cutting the large copy into pieces does not help while all the
-    pieces are queued at once: they are ahead of the small copy all the same (``benchmarks/copy_contention.py``).
-    So a thread of its own issues the pieces, :data:`PIECE_BYTES` each, with at most :data:`DEPTH` queued on the
-    device at any time (it waits on a blocking event for the oldest before it queues another): a small copy then
-    waits behind at most that many pieces. The thread records one event after a job's last piece and hands it to
+    (:class:`~.fsdp_optimizer.ShardedHostAdamW`). The engine keeps serving the stream it is on while that stream has
+    copies queued: cutting the large copy into pieces does not help while the pieces are queued faster than the
+    link drains them, even a few at a time (``benchmarks/copy_contention.py``). So a thread of its own issues the
+    pieces, :data:`PIECE_BYTES` each, with at most :data:`DEPTH` queued on the device at any time (it waits on a
+    blocking event for the oldest before it queues another): with one, the side stream's queue is empty between
+    pieces and a small copy waits behind at most one piece. The thread records one event after a job's last piece and hands it to
     the job's callback, which publishes it (the unit's copy event, then the unit's ready flag): whoever waits for
     the copy waits for that flag first.
 """
@@ -29,9 +30,9 @@ import torch
 __all__ = ["DEPTH", "PIECE_BYTES", "PacedCopies", "pieces"]
 
 #: Bytes per queued piece of a paced copy.
-PIECE_BYTES = 8 * 2**20
+PIECE_BYTES = 16 * 2**20
 #: Pieces queued on the device at most.
-DEPTH = 3
+DEPTH = 1
 
 
 def pieces(numel: int, itemsize: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:

@@ -42,7 +42,7 @@ Note [ZeRO-3 step and the forward's wait]
        host behind an event on CUDA) and returns without waiting for the CPU.
     3. The CPU thread updates the units in forward order (the order their forward pre-hooks ran in the last
        forward; the root module first) once the decision is known, then copies each unit's new master rows back
-       into the parameters' local shards (on CUDA a thread of its own copies them, a few pieces at a time, and
+       into the parameters' local shards (on CUDA a thread of its own copies them, one piece queued at a time, and
        marks the unit ready after their event: Note [Paced weight copies] in :mod:`.paced_copy`; with the kernel,
        in two passes: see Note [Weights first, state after] in :mod:`.weights_first`). Rows of bf16
        parameters are cast on the host, into the unit's (pinned) gradient buffer, which the update has just read:

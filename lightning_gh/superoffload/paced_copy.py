@@ -1,5 +1,5 @@
-"""Host-to-device copies issued a few pieces at a time, so that a small copy another stream queues meanwhile does
-not wait behind all of them (:class:`PacedCopies`).
+"""Host-to-device copies issued in pieces, few queued at a time, so that a small copy another stream queues meanwhile
+does not wait behind all of them (:class:`PacedCopies`).
 
 Note [Paced weight copies]
     A GPU runs the host-to-device copies of all its streams through one copy engine, in the order they reach it:
@@ -62,8 +62,8 @@ class _Job:
 
 
 class PacedCopies:
-    """A thread that copies host tensors into device tensors on ``stream``, a few pieces at a time (see Note [Paced
-    weight copies]).
+    """A thread that copies host tensors into device tensors on ``stream``, in pieces, few queued at a time (see
+    Note [Paced weight copies]).
 
     Args:
         stream: the CUDA stream of the copies.

@@ -177,8 +177,9 @@ def trace_summary(events: list[dict[str, Any]], step_start_us: float, step_end_u
             edge = lo + (i + 1) * width
             bins[i] += min(b, edge) - a
             a, i = edge, i + 1
-    marks = sorted((a, b, _MODULE_SUFFIX.sub("", str(e.get("name", "")))) for a, b, e in host
-                   if _cat(e) == "user_annotation" and (host_tid is None or e.get("tid") == host_tid))
+    marks = sorted(((a, b, _MODULE_SUFFIX.sub("", str(e.get("name", "")))) for a, b, e in host
+                    if _cat(e) == "user_annotation" and (host_tid is None or e.get("tid") == host_tid)),
+                   key=lambda m: (m[0], -m[1], m[2]))  # of two ranges that start together, the outer one first
     by_range: dict[str, float] = defaultdict(float)
     stack: list[tuple[float, str]] = []
     j = 0

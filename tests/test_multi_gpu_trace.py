@@ -107,6 +107,10 @@ def test_idle_per_tenth_and_by_the_training_threads_innermost_range():
     # layer 2: one row for both modules; the worker's range is not the training thread's
     assert s["idle_by_range_ms"] == pytest.approx({"FSDP::pre_forward": 30.0})
     assert summarize(events[:3])["idle_by_range_ms"] == {"": 30.0}  # no host ranges at all
+    # two ranges starting together (a range clipped to the window's start): the inner one takes the gap
+    tied = [k("a", 30, 70), h("step", 0, 100, cat="user_annotation"),
+            h("superoffload/wait_for_update", 0, 30, cat="user_annotation")]
+    assert summarize(tied, host_tid=MAIN)["idle_by_range_ms"] == pytest.approx({"superoffload/wait_for_update": 30.0})
 
 
 def test_gap_host_names_without_a_training_thread_come_from_every_thread():

@@ -36,6 +36,43 @@ class _Owner:
     _error = None
 
 
+class _NoStream:
+    """A stream object on a machine without CUDA: every job fails, which is the error path under test."""
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def test_a_failed_job_still_calls_back_and_the_copier_closes():
+    owner, stream = _Owner(), _NoStream()
+    pacer = PacedCopies.reporting_to(owner, stream)
+    calls = []
+    job = pacer.submit([(torch.zeros(4), torch.ones(4))], calls.append)
+    job.synchronize()  # returns: the failure does not leave the waiter hanging
+    assert calls == [None] and owner._error is not None  # no event could be recorded: none is published
+    assert stream.synchronized == 1  # instead the stream was waited for (pieces queued before the failure)
+    assert not pacer.stalled()
+    assert pacer.close() is True
+    with pytest.raises(RuntimeError, match="after close"):
+        pacer.submit([], calls.append)
+
+
+def test_a_callback_that_raises_is_reported_and_the_job_still_finishes():
+    owner = _Owner()
+    pacer = PacedCopies(_NoStream(), lambda e: setattr(owner, "_error", e))
+
+    def bad(event):
+        raise ValueError("callback")
+
+    pacer.submit([], bad).synchronize()
+    assert isinstance(owner._error, ValueError) and not pacer.stalled()
+    pacer.close()
+
+
 @cuda
 @pytest.mark.gpu
 def test_paced_copies_land_whole_and_publish_after_the_last_piece():

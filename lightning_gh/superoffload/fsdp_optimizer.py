@@ -537,7 +537,7 @@ class ShardedHostAdamW(torch.optim.Optimizer):
                 with torch.profiler.record_function(UPDATE_WAIT_RANGE):
                     while not flag.wait(0.05):
                         self._raise()
-                        if self._thread is None or not self._thread.is_alive():
+                        if self._thread is None or not self._thread.is_alive() or (self._pacer and self._pacer.stalled()):
                             raise RuntimeError("ShardedHostAdamW: the CPU worker stopped with an update pending.")
                 self.stats["wait_ms"] += (time.perf_counter() - t0) * 1e3
         self._raise()
@@ -569,12 +569,11 @@ class ShardedHostAdamW(torch.optim.Optimizer):
             if self._thread is not None:
                 self._queue.put(None)
                 self._thread.join(timeout=30)
-            if self._pacer is not None:
-                self._pacer.close()
+            stopped = self._pacer.close() if self._pacer is not None else True
             self._grads.remove_hooks()
             for u in self._units:
                 u.hook.remove()
-            alive = self._thread is not None and self._thread.is_alive()
+            alive = self._thread is not None and self._thread.is_alive() or not stopped
             if self.cuda:  # copies to and from the pinned buffers may still be in flight
                 torch.cuda.synchronize(self.device)
             if not alive:  # a worker still running (its join timed out) may still touch the buffers: keep them

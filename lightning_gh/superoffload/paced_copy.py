@@ -79,6 +79,9 @@ class PacedCopies:
         self.depth = max(1, depth)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._pending = 0  # jobs submitted and not finished
+        self._count = threading.Lock()  # both threads change _pending
+        self._closed = False
 
     @classmethod
     def reporting_to(cls, owner: Any, stream: Any) -> PacedCopies:
@@ -89,24 +92,39 @@ class PacedCopies:
             if ref() is not None:
                 ref()._error = e
 
-        return cls(stream, on_error)
+        pacer = cls(stream, on_error)
+        weakref.finalize(owner, pacer._queue.put, None)  # an owner collected unclosed stops the thread too
+        return pacer
 
     def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], done: Callable[[Any], None]) -> _Job:
         """Copy each ``(dst, src)`` pair (same number of elements, contiguous), then call ``done(event)`` with an
         event recorded on the stream after the last piece. Returns the job (``synchronize()`` waits for it)."""
+        if self._closed:
+            raise RuntimeError("PacedCopies: submit() after close().")
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="superoffload-paced-copies", daemon=True)
             self._thread.start()
         job = _Job(pairs, done)
+        with self._count:
+            self._pending += 1
         self._queue.put(job)
         return job
 
-    def close(self) -> None:
-        """Stop the thread once the jobs queued are done."""
+    def stalled(self) -> bool:
+        """Whether jobs are pending that no thread will finish (the thread died)."""
+        return self._pending > 0 and (self._thread is None or not self._thread.is_alive())
+
+    def close(self) -> bool:
+        """Stop the thread once the jobs queued are done; ``False`` if it is still running after the wait (it may
+        still read the jobs' source tensors)."""
+        self._closed = True
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                return False
         self._thread = None
+        return True
 
     def _loop(self) -> None:
         while True:
@@ -116,11 +134,29 @@ class PacedCopies:
             try:
                 self._run(job)
             except BaseException as e:  # re-raised by the optimizer's waits
-                job.event = None
+                job.event = self._fence()  # after the pieces already queued: the source is read until then
                 self.on_error(e)
             finally:
-                job.done(job.event)
-                job.finished.set()
+                try:
+                    job.done(job.event)
+                except BaseException as e:
+                    self.on_error(e)
+                finally:
+                    with self._count:
+                        self._pending -= 1
+                    job.finished.set()
+
+    def _fence(self) -> Any:
+        try:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            return event
+        except BaseException:  # the device itself failed: wait for whatever it still runs
+            try:
+                self.stream.synchronize()
+            except BaseException:
+                pass
+            return None
 
     def _run(self, job: _Job) -> None:
         inflight: collections.deque = collections.deque()

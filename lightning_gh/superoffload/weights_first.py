@@ -19,9 +19,10 @@ Note [Weights first, state after]
        its master rows and moments, the one the single pass makes, which writes the same weights bitwise. The
        unit is then *done*.
 
-    The forward waits for *ready* only. Everything that reads or overwrites a unit's host state or gradient rows
-    waits for *done*: the next backward's copy of the unit's gradients into its host buffer, the next ``step()``,
-    ``state_dict()``, a move of the unit to or from the device, ``close()``. The rows in a full tensor's tail
+    The forward waits for *ready* only (on CUDA set once the copy's pieces are queued: see Note [Paced weight copies]
+    in :mod:`.paced_copy`). Everything that reads or overwrites a unit's host state or gradient rows waits for
+    *ready* and *done*, and for the copy's event: the next backward's copy of the unit's gradients into its host
+    buffer, the next ``step()``, ``state_dict()``, a move of the unit to or from the device, ``close()``. The rows in a full tensor's tail
     (see Note [A shard's rows, updated as the full tensor's] in :mod:`.fsdp_units`) take torch's update in both
     passes. A staging buffer is written again only after its last copy to the device has finished (its event).
     Without the kernel (no compiler, or a kernel that differs from torch's on this machine) every unit takes the
@@ -125,7 +126,8 @@ class StageRing:
 
 class FirstPass:
     """The first pass of a unit: its weights written into the next staging buffer (made at first use) and handed
-    to ``push``, which copies them into the parameters and returns the copy's event (``None``: done).
+    to ``push``, which copies them into the parameters and returns what to wait on before the buffer is written
+    again: anything with ``synchronize()`` (a CUDA event, a paced copy's job), or ``None`` (done).
 
     Args:
         kernel: the CPU AdamW kernel.

@@ -105,5 +105,7 @@ def test_a_failed_job_reports_to_its_owner_and_still_calls_back():
     calls = []
     bad = [(torch.empty(4, 2, device="cuda").t(), torch.empty(5).pin_memory())]  # one piece, and 5 != 2 x 4
     pacer.submit(bad, calls.append).synchronize()
-    assert calls == [None] and isinstance(owner._error, RuntimeError)
+    assert isinstance(owner._error, RuntimeError)
+    assert len(calls) == 1 and isinstance(calls[0], torch.cuda.Event)  # a fence after whatever was queued
+    calls[0].synchronize()
     pacer.close()

@@ -77,7 +77,7 @@ def test_every_suite_imports_and_runs_by_name():
         assert callable(importlib.import_module(f"suites.{name}").run), name
 
 
-def test_fp8_hf_suite_runs_a_tiny_model_on_cpu(tmp_path, capsys):
+def test_fp8_hf_suite_runs_a_tiny_model_on_cpu(tmp_path, capsys, frozen_heap):
     pytest.importorskip("transformers")
     rc = runner.main(["--suite", "fp8_hf", "--device", "cpu", "--iters", "2", "--warmup", "1", "--out", str(tmp_path),
                       "--shape", "32", "1", "64", "4", "2", "64", "2", "16", "--variants", "bf16"])

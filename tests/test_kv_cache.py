@@ -711,7 +711,7 @@ def test_kv_works_without_transformers(monkeypatch):
     assert torch.equal(model.generate(p, 3, past_key_values=cache), model.generate(p, 3))
 
 
-def test_kv_suite_runs_on_cpu(tmp_path, capsys, monkeypatch):
+def test_kv_suite_runs_on_cpu(tmp_path, capsys, monkeypatch, frozen_heap):
     pytest.importorskip("transformers")
     # In-process (the runner is importable), so the test pays no second interpreter start and import of transformers.
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))

@@ -91,7 +91,7 @@ def test_a_resident_update_is_two_in_place_copies_and_nothing_else():
     assert keys.shape == (2, 2, 8, 4) and keys.data_ptr() == eng.buffers(3)[0].data_ptr()
 
 
-def test_decode_study_runs_on_cpu_and_interleaves(tmp_path, capsys, monkeypatch):
+def test_decode_study_runs_on_cpu_and_interleaves(tmp_path, capsys, monkeypatch, frozen_heap):
     pytest.importorskip("transformers")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import run as bench_run

@@ -10,6 +10,7 @@ over 700 lines; an options dataclass's defaults not restated differently by a co
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -17,6 +18,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "lightning_gh"
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(text: str, filename: str) -> ast.Module:
+    return ast.parse(text, filename=filename)
+
+
+def _tree(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per text for all the checks below (they read the same files and never
+    change a tree)."""
+    return _parsed(path.read_text(), str(path))
 
 
 def _module_name(path: Path) -> str:
@@ -43,7 +55,7 @@ def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
     """Every ``lightning_gh`` module each module imports, at any depth of the file (lazy imports count too)."""
     out: dict[str, set[str]] = {}
     for name, path in mods.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = _tree(path)
         found: set[str] = set()
         # Imports under `if TYPE_CHECKING:` never run, so they cannot form a cycle or load the demo.
         skip = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
@@ -227,7 +239,7 @@ def _measured_figures() -> list[tuple[str, str, str]]:
     for path in _sources(*FIGURE_TREES):
         if _rel(path) in FIGURES_EXEMPT:
             continue
-        for line_no, s in _prose(ast.parse(path.read_text())):
+        for line_no, s in _prose(_tree(path)):
             for m in _FIGURES.finditer(s):
                 found.append(("measured-figure", _rel(path), f"{line_no}: {m.group(0)!r} in {s.strip()[:60]!r}"))
     return found
@@ -252,7 +264,7 @@ def _classes() -> dict[str, list[tuple[str, ast.ClassDef]]]:
     """Class name -> [(module path, class node)] over the package."""
     out: dict[str, list[tuple[str, ast.ClassDef]]] = {}
     for path in _sources("lightning_gh"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ClassDef):
                 out.setdefault(node.name, []).append((_rel(path), node))
     return out
@@ -309,7 +321,7 @@ def _restated_defaults() -> list[tuple[str, str, str]]:
     """A public callable's keyword named like a field of an options dataclass it can see (defined or imported in its
     module) whose literal default differs from the field's (``None``, the "read the dataclass" sentinel, aside)."""
     options: dict[str, dict[str, object]] = {}
-    trees = {path: ast.parse(path.read_text()) for path in _sources("lightning_gh")}
+    trees = {path: _tree(path) for path in _sources("lightning_gh")}
     for tree in trees.values():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and node.name.endswith("Options"):

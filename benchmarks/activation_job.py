@@ -19,6 +19,8 @@ sac               torch's selective activation checkpointing per decoder layer: 
                   ``create_selective_checkpoint_contexts`` and a policy that saves matmul and SDPA outputs and
                   recomputes the rest (:func:`sac_policy`)
 auto              ``ActivationOffload()`` with default options
+lean              ``ActivationOffload(policy=0, lean_loss=True)``: the lean loss alone (nothing offloaded or
+                  recomputed)
 budget_0.7 ...    ``ActivationOffload(budget=0.7)``, ``0.5``, ``0.3``
 budget_at_ckpt    ``ActivationOffload(budget=<bytes>)`` at hf_ckpt's measured activation memory (skipped, with a
                   note, when hf_ckpt did not run)
@@ -87,9 +89,9 @@ GIB = 2**30
 MIB = 2**20
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "mistral": ("MistralConfig", "MistralForCausalLM")}
-VARIANTS = ("plain", "hf_ckpt", "sac", "auto", "budget_0.7", "budget_0.5", "budget_0.3", "budget_at_ckpt")
+VARIANTS = ("plain", "hf_ckpt", "sac", "auto", "lean", "budget_0.7", "budget_0.5", "budget_0.3", "budget_at_ckpt")
 #: The ActivationOffload variants: the rows the goals are judged on (the others are the anchors).
-OURS = ("auto", "budget_0.7", "budget_0.5", "budget_0.3", "budget_at_ckpt")
+OURS = ("auto", "lean", "budget_0.7", "budget_0.5", "budget_0.3", "budget_at_ckpt")
 #: The smoke run's model: the offload suite's CPU shape with two decoder layers.
 SMOKE_CFG = {**HF_CFG_CPU, "num_hidden_layers": 2}
 #: Memory left allocated after a variant's cleanup above which the run warns of a leak.
@@ -294,6 +296,8 @@ def offload_callback(variant: str, ckpt_act_bytes: int | None) -> ActivationOffl
     """The variant's ActivationOffload (``None`` for the anchors)."""
     if variant == "auto":
         return ActivationOffload()
+    if variant == "lean":
+        return ActivationOffload(policy=0, lean_loss=True)
     if variant == "budget_at_ckpt":
         return ActivationOffload(budget=int(ckpt_act_bytes))
     if variant.startswith("budget_"):

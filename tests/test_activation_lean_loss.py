@@ -266,7 +266,7 @@ def test_lean_loss_overhead_is_timed_alone_on_cuda_only():
     if not torch.cuda.is_available():
         pytest.skip("the timing needs a CUDA GPU")
     extra = lean_loss_overhead_ms(8192, 32000, torch.bfloat16, torch.device("cuda"))
-    assert extra is not None and 0.0 <= extra < 1e3
+    assert extra is not None and -1e3 < extra < 1e3  # negative where the lean loss is the faster one
 
 
 # ------------------------------------------------------------------ a loss of the user's own over the logits

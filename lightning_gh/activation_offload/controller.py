@@ -376,7 +376,8 @@ class BudgetController:
         # On CUDA the head's extra time is timed alone on the logits' shape: one whole step is too noisy for it.
         alone = self.lean_overhead_ms()
         extra = step_extra if alone is None else alone
-        lstep = replace(step, tail_backward_ms=step.tail_backward_ms + extra, other_bytes=obs.other)
+        # Negative where the lean loss is the faster one (its fused kernels read the logits once each way).
+        lstep = replace(step, tail_backward_ms=max(0.0, step.tail_backward_ms + extra), other_bytes=obs.other)
         lbp = _budget.BudgetProfile(lstep, bp.costs, 0)
         d2h, h2d, margin, skip = self._link()
         model = _budget.plan_budget(lbp, 2**62, d2h, h2d, margin, skip)[1].activation_bytes
@@ -584,7 +585,7 @@ class BudgetController:
         if self.lean:
             lm = self.lean_loss_measured
             note += (f"; lean loss on (its measured step: {fmt_bytes(lm['activation_gib'] * 2**30)}, head "
-                     f"+{lm['head_extra_ms']:.1f} ms)")
+                     f"{lm['head_extra_ms']:+.1f} ms)")
         self.plan = replace(plan, notes=(note,), lean_loss=self.lean)
         self.forecast = fc
         self.log.append({"activation_budget/target_gib": budget / 2**30,

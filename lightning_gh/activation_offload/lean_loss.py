@@ -12,7 +12,10 @@ chunk's gradient into one buffer of the logits' dtype. The backward calls the op
 ``cross_entropy`` on the fp32 chunk, directly rather than through a nested autograd pass, so each gradient element
 is computed exactly as Hugging Face computes it (softmax rows are independent); the loss differs only in the order
 its fp32 row losses are summed (bitwise with one chunk). The price is one more log-softmax over the logits in the
-backward.
+backward. On CUDA, where Triton imports, the same function runs as two fused kernels instead
+(:mod:`lightning_gh.activation_offload.fused_ce`): one pass over the logits each way, no fp32 chunks, gradients
+within a unit in the last place of the logits' dtype rather than bitwise; ``LGH_LEAN_LOSS_KERNEL=torch`` keeps the
+chunks.
 
 It is installed through transformers' own hook (``model.loss_function``) for a model called with ``labels=``, and,
 for a ``LightningModule`` that computes its own loss from the logits, by catching that loss (Note [A loss of the
@@ -57,6 +60,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_gh import hardware
+from lightning_gh.activation_offload import fused_ce
 
 __all__ = ["CHUNK_BYTES", "LeanLoss", "find_causal_lm", "lean_causal_lm_loss", "lean_cross_entropy_args",
            "lean_loss_overhead_ms"]
@@ -76,6 +80,16 @@ class _LeanCrossEntropy(torch.autograd.Function):
                 divisor: torch.Tensor | None, chunk_rows: int) -> torch.Tensor:  # type: ignore[override]
         rows = logits.shape[0]
         mean = divisor is None
+        ctx.ignore_index, ctx.chunk_rows, ctx.mean = ignore_index, chunk_rows, mean
+        if fused_ce.kernel_for(logits) == "triton":
+            with torch.autocast(logits.device.type, enabled=False):
+                lse, per_row = fused_ce.forward(logits, targets, ignore_index)
+                total = per_row.sum()
+                loss = total / (targets != ignore_index).sum().float() if mean else total / divisor
+            ctx.save_for_backward(logits, targets, divisor if divisor is not None else torch.empty(0), lse)
+            ctx.fused = True
+            return loss
+        ctx.fused = False
         with torch.autocast(logits.device.type, enabled=False):
             if rows <= chunk_rows:
                 # One chunk: exactly Hugging Face's reduction, so the loss is bitwise its own.
@@ -91,11 +105,16 @@ class _LeanCrossEntropy(torch.autograd.Function):
             if not mean:
                 loss = loss / divisor
         ctx.save_for_backward(logits, targets, divisor if divisor is not None else torch.empty(0))
-        ctx.ignore_index, ctx.chunk_rows, ctx.mean = ignore_index, chunk_rows, mean
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if ctx.fused:
+            logits, targets, divisor, lse = ctx.saved_tensors
+            with torch.autocast(logits.device.type, enabled=False):
+                den = (targets != ctx.ignore_index).sum().float() if ctx.mean else divisor
+                scale = (grad.float() / den).reshape(())
+                return fused_ce.backward(logits, targets, lse, scale, ctx.ignore_index), None, None, None, None
         logits, targets, divisor = ctx.saved_tensors
         rows, step, ignore = logits.shape[0], ctx.chunk_rows, ctx.ignore_index
         count = (targets != ignore).sum().float()  # nll_loss's total weight: the targets that count
@@ -297,7 +316,7 @@ class _OwnLossMode(TorchFunctionMode):
 def lean_loss_overhead_ms(rows: int, vocab: int, dtype: torch.dtype, device: torch.device,
                           reps: int = 3) -> float | None:
     """How much longer the lean loss's forward+backward takes than Hugging Face's (fp32 upcast + ``cross_entropy``)
-    on ``rows x vocab`` logits, timed alone on ``device``; ``None`` off CUDA.
+    on ``rows x vocab`` logits, timed alone on ``device``; negative where it is faster; ``None`` off CUDA.
 
     The budget planner charges this to the lean plan. Read from a whole measuring step instead, the difference sits
     inside the step's own noise, and the planner would pass the lean loss over where it is the faster plan
@@ -326,8 +345,7 @@ def lean_loss_overhead_ms(rows: int, vocab: int, dtype: torch.dtype, device: tor
         torch.autograd.grad(_LeanCrossEntropy.apply(logits, targets, -100, None, chunk_rows), logits)
 
     with torch.autocast(device.type, enabled=False):
-        extra = hardware.median_cuda_ms(lean, reps) - hardware.median_cuda_ms(plain, reps)
-    return max(0.0, extra)
+        return hardware.median_cuda_ms(lean, reps) - hardware.median_cuda_ms(plain, reps)
 
 
 def find_causal_lm(model: nn.Module) -> nn.Module | None:

@@ -299,6 +299,10 @@ class ActivationOffloader(SavedTensorHooks):
 
     def _install(self, fwd: Forward) -> None:
         self._fwd = fwd
+        if fwd.measure is None and not fwd.profiling and not self.options.record_timeline:
+            # See Note [A kept block's saved tensors go untracked]
+            rc = set(fwd.plan.recompute)
+            fwd.untracked = {i: set() for i, b in enumerate(fwd.plan.budgets) if b == 0 and i not in rc}
         for i, blk in enumerate(self.blocks):
             self._module_hooks.append(blk.register_forward_pre_hook(self._make_pre(i)))
             self._module_hooks.append(blk.register_forward_hook(self._make_post(i), always_call=True))
@@ -350,6 +354,7 @@ class ActivationOffloader(SavedTensorHooks):
             # this forward's handles: dropped here, nothing keeps the forward once its graph is gone.
             fwd.by_key.clear()
             fwd.casts.clear()
+            fwd.untracked = None
             if fwd.profiling or "t0" in fwd.marks:
                 fwd.marks["fwd_end"] = self._clock.mark()
                 self._measured.append(fwd)

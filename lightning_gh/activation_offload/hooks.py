@@ -157,13 +157,17 @@ class Forward:
         self.other = 0
         self.no_host_room = False  # the pool refused a buffer: nothing more is offloaded in this forward
         self.other_ptrs: set[int] = set()
-        self.casts: dict[tuple[Any, ...], tuple[Any, _Entry, Any, int]] = {}
+        # cast key -> (its source node, the entry or None in an untracked block, a weak ref to the first cast, its version)
+        self.casts: dict[tuple[Any, ...], tuple[Any, _Entry | None, Any, int]] = {}
         self.pending: dict[int, list[_Entry]] = {}
         self.bwd_point = n + 1
         self.prefetched: set[int] = set()
         self.marks: dict[Any, Any] = {}
         # budget mode: what this forward is measured for, the memory base and peak, the selective caches' bytes
         self.measure = measure
+        # untracked block -> the storages it saved so far (See Note [A kept block's saved tensors go untracked]);
+        # set by the engine when it installs this forward; None: every block is tracked
+        self.untracked: dict[int, set[int]] | None = None
         self.mem_base: int | None = None
         self.act_peak: int | None = None
         self.rc_cached: dict[int, int] = {}
@@ -221,8 +225,25 @@ class SavedTensorHooks:
                 if index == fwd.n - 1:
                     self._release_point(fwd, fwd.n)
                 self._event("block-end", index)
+            if fwd.untracked and index in fwd.untracked and fwd.plan.offloaded_blocks:
+                self._mark_backward_point(fwd, index, output)
 
         return post
+
+    def _mark_backward_point(self, fwd: Forward, index: int, output: Any) -> None:
+        """Reach backward point ``index`` when the gradient of the block's output is ready: the block's backward
+        starts next. See Note [A kept block's saved tensors go untracked]."""
+        out = output if isinstance(output, torch.Tensor) else \
+            output[0] if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) else None
+        if out is None or not out.requires_grad:
+            return
+
+        def reached(grad: torch.Tensor) -> None:
+            with self._lock:
+                if fwd.bwd_point > index:
+                    self._backward_point(fwd, index)
+
+        out.register_hook(reached)
 
     def _skip_reason(self, t: torch.Tensor, ptr: int, nbytes: int) -> str | None:
         if type(t) is not torch.Tensor:
@@ -259,11 +280,17 @@ class SavedTensorHooks:
         with self._lock:
             self.stats.saved_tensors += 1
             block = fwd.current
-            if self.options.recompute_param_casts and not fwd.raw and t.grad_fn is not None:
+            fn = t.grad_fn
+            # Only a view of a dtype cast can be a parameter's cast or a repeated cast: the rest skip both walks.
+            castish = fn is not None and (type(fn).__name__ == "ToCopyBackward0" or type(fn).__name__ in _VIEWS)
+            if castish and self.options.recompute_param_casts and not fwd.raw:
                 param = self._param_of_cast(t)
                 if param is not None:
                     self.stats.recomputed_param_casts += 1
                     return _Recast(fwd, block if block is not None else (fwd.n if fwd.started else -1), param, t)
+            seen = fwd.untracked.get(block) if fwd.untracked and block is not None else None
+            if seen is not None:
+                return self._untracked(fwd, block, t, castish, seen)
             if block is None:
                 # Outside the blocks: stays; the handle still tells the backward where it is.
                 try:
@@ -285,7 +312,7 @@ class SavedTensorHooks:
                     and (not e.moved or t._version == e.version):
                 self.stats.deduplicated_saves += 1
                 return self._handle(fwd, block, _held(t), e)
-            ck = self._cast_key(t, block) if self.options.dedupe_casts and not fwd.raw else None
+            ck = self._cast_key(t, block) if castish and self.options.dedupe_casts and not fwd.raw else None
             if ck is not None:
                 hit = fwd.casts.get(ck[0])
                 if hit is not None:
@@ -315,6 +342,39 @@ class SavedTensorHooks:
             if ck is not None and reason is None:
                 fwd.casts[ck[0]] = (ck[1], e, weakref.ref(held), t._version)
             return self._handle(fwd, block, held, e)
+
+    # Note [A kept block's saved tensors go untracked]
+    # In a forward that neither measures nor profiles (``Forward.untracked``, set by the engine), a block whose plan
+    # moves nothing and recomputes nothing hands autograd its saved tensors as they are, detached (Note [A kept saved
+    # tensor is held detached]): no handle, no entry, no dedupe by storage, since they stay on the device whatever
+    # happens. What saves memory there still runs: a parameter's dtype cast is re-made in the backward
+    # (``_Recast``), and a repeated cast of one tensor shares the first (``dedupe_casts``); both go the tracked way.
+    # Each storage's bytes still count once in ``Forward.resident`` (``stats.last_resident_bytes``); only
+    # ``stats.peak_device_saved_bytes`` and ``stats.deduplicated_saves`` leave them out. Without handles such a
+    # block's backward point, where the plan may issue other blocks' reloads, would come late (at the next tracked
+    # block's first unpack), so a gradient hook on the block's output reaches it as the block's backward starts.
+    # The reason for all this: the tracked way costs the host tens of microseconds per saved tensor, in every step,
+    # and a step that already waits for its kernel launches pays that time in full.
+    def _untracked(self, fwd: Forward, block: int, t: torch.Tensor, castish: bool, seen: set[int]) -> torch.Tensor:
+        ck = self._cast_key(t, block) if castish and self.options.dedupe_casts else None
+        if ck is not None:
+            hit = fwd.casts.get(ck[0])
+            first = hit[2]() if hit is not None else None
+            if first is not None and first._version == hit[3] and t._version == 0:
+                self.stats.deduplicated_casts += 1
+                return first
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                fwd.resident[block] += st.nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage (e.g. some subclasses): counted nowhere
+            pass
+        held = _held(t)
+        if ck is not None:
+            fwd.casts[ck[0]] = (ck[1], None, weakref.ref(held), t._version)
+        return held
 
     @staticmethod
     def _cast_key(t: torch.Tensor, block: int) -> tuple[tuple[Any, ...], Any] | None:

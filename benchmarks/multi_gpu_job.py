@@ -134,6 +134,7 @@ class MJob(Shape):
     gpu_cap_gib: float | None = None
     max_gpu_fraction: float | None = None  # SuperOffload's option, for the *_lean variants
     weights_first: bool = True  # SuperOffload's option, False for the *_onepass variants
+    cpu_threads: int | None = None  # SuperOffload's option (--cpu-threads), for every superoffload variant
     trace: bool = False  # profile one timed step on rank 0 (trace_step)
 
 
@@ -399,11 +400,14 @@ def _child(job: MJob, out_file: Path) -> None:
         if spec.strategy == "fsdp":
             from lightning.pytorch.strategies import ModelParallelStrategy
             strategy: Any = ModelParallelStrategy(data_parallel_size=job.devices, tensor_parallel_size=1)
-        elif spec.strategy == "superoffload_fsdp" and (job.max_gpu_fraction is not None or not job.weights_first):
+        elif spec.strategy == "superoffload_fsdp" and (job.max_gpu_fraction is not None or not job.weights_first
+                                                       or job.cpu_threads is not None):
             strategy = lightning_gh.SuperOffloadFSDPStrategy(max_gpu_fraction=job.max_gpu_fraction,
-                                                             weights_first=job.weights_first)
-        elif spec.strategy == "superoffload" and job.max_gpu_fraction is not None:
-            strategy = lightning_gh.SuperOffloadStrategy(max_gpu_fraction=job.max_gpu_fraction)
+                                                             weights_first=job.weights_first,
+                                                             cpu_threads=job.cpu_threads)
+        elif spec.strategy == "superoffload" and (job.max_gpu_fraction is not None or job.cpu_threads is not None):
+            strategy = lightning_gh.SuperOffloadStrategy(max_gpu_fraction=job.max_gpu_fraction,
+                                                         cpu_threads=job.cpu_threads)
         else:
             strategy = spec.strategy
         trainer = L.Trainer(accelerator=job.accelerator, devices=job.devices, strategy=strategy,
@@ -692,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-cap-gib", type=float, help="torch.cuda.set_per_process_memory_fraction on every rank")
     ap.add_argument("--lean-gpu-fraction", type=float, default=0.35,
                     help="max_gpu_fraction of the *_lean variants")
+    ap.add_argument("--cpu-threads", type=int, help="SuperOffload's cpu_threads for the superoffload variants "
+                    "(default: its own choice, the rank's CPUs less two)")
     ap.add_argument("--anchor", help="the row the ratios are taken against (default: fsdp_noclip if run)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per variant")
     ap.add_argument("--wall-budget", type=float, help="seconds for the whole run: later variants get what is left")
@@ -738,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
                        warmup=args.offload_warmup if v in ("superoffload", "superoffload_lean") and not args.smoke else warmup,
                        checkpointing=not args.no_checkpointing, gpu_cap_gib=args.gpu_cap_gib,
                        max_gpu_fraction=args.lean_gpu_fraction if "_lean" in v else None,
-                       weights_first=not v.endswith("_onepass"), trace=args.trace)
+                       weights_first=not v.endswith("_onepass"), cpu_threads=args.cpu_threads, trace=args.trace)
         left = args.wall_budget - (time.perf_counter() - t_start) if args.wall_budget else args.timeout
         why = None if args.no_fit_check else fsdp_fit_reason(v, params_of(job), devices, gpu_bytes)
         if why is None and left < 30:

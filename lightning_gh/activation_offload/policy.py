@@ -264,7 +264,7 @@ class OffloadPlan:
             head += "; " + "; ".join(f"{m} recompute in blocks {_ranges(b)}"
                                      for m, b in sorted(self.recompute_groups().items()))
         if self.lean_loss:
-            head += "; lean loss (logits kept as they come, fp32 cross-entropy in row chunks)"
+            head += "; lean loss (logits kept as they come; fused kernels where Triton runs, else fp32 row chunks)"
         lines = [head]
         p = self.prediction
         if p is not None:

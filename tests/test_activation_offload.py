@@ -151,6 +151,49 @@ def test_views_and_repeated_saves_of_one_storage_are_moved_once():
     assert off.stats.last_offloaded_by_block == [per_block, per_block, 0]
 
 
+class _WrappedOut(nn.Module):
+    """A _ViewBlock whose output comes as a tensor, in a tuple, or in a dict (as some decoder layers return it)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.inner, self.kind = _ViewBlock(), kind
+
+    def forward(self, x):
+        y = self.inner(x)
+        return y if self.kind == "tensor" else (y, None) if self.kind == "tuple" else {"cache": None, "hidden": y}
+
+
+class _UnwrapStack(nn.Module):
+    def __init__(self, kind, n=4):
+        super().__init__()
+        self.layers = nn.ModuleList(_WrappedOut(kind) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            out = layer(x)
+            x = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, tuple) else out["hidden"]
+        return x
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "dict"])
+def test_the_backward_point_hook_finds_the_output_in_a_tuple_or_a_dict(kind):
+    torch.manual_seed(0)
+    net = _UnwrapStack(kind)
+    x = torch.randn(16, 64, 64, requires_grad=True)
+    off = offload_activations(net, 1, backend="host-copy", min_tensor_bytes=1)
+    order = []
+    reload = off._reload
+    off._reload = lambda e: order.append("reload") or reload(e)
+    # block 1's backward ends when its input's gradient is ready (a module backward hook takes no dict outputs)
+    hook = net.layers[1].register_forward_pre_hook(
+        lambda m, args: args[0].register_hook(lambda g: order.append("block 1's backward ends")) and None)
+    with off:
+        out = net(x)
+    out.square().mean().backward()
+    hook.remove()
+    assert order == ["reload"] * 5 + ["block 1's backward ends"]
+
+
 def test_kept_blocks_go_untracked_and_their_backward_point_comes_from_the_output():
     """Note [A kept block's saved tensors go untracked]: a kept block of a forward that measures nothing hands autograd
     plain tensors (no handles), still counts its bytes once per storage, and its backward point, where the plan
@@ -180,11 +223,76 @@ def test_kept_blocks_go_untracked_and_their_backward_point_comes_from_the_output
     off, packed, order = runs[False]
     plan = off.plan
     assert plan.offloaded_blocks == (0,) and plan.prefetch_at[0] == 1
-    # Blocks 1-3 saved plain tensors (8 saves each: x and the weight, a, b, sin(a), cos(b), z twice); block 0 handles.
-    assert sum(isinstance(h, torch.Tensor) for h in packed) == 3 * 8 and len(packed) == 4 * 8
+    # Blocks 1-3 saved their tensors as (tensor, version, block) (8 saves each: x and the weight, a, b, sin(a),
+    # cos(b), z twice); block 0 handles.
+    assert sum(type(h) is tuple for h in packed) == 3 * 8 and len(packed) == 4 * 8
     # block 0's five storages are reloaded as block 1's backward starts, tracked or not
     assert order == runs[True][2] == ["reload 0"] * 5 + ["block 1's backward ends"]
     assert off.stats.last_resident_bytes == runs[True][0].stats.last_resident_bytes > 0
+
+
+class _InplaceBlock(nn.Module):
+    """Saves ``h`` for ``sin`` and then, when ``bad``, changes it in place: plain autograd refuses the backward."""
+
+    def __init__(self, bad=False, d=64):
+        super().__init__()
+        self.lin, self.bad = nn.Linear(d, d), bad
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = h.sin()
+        if self.bad:
+            h.mul_(2)
+        return y + x
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_an_inplace_change_of_a_kept_saved_tensor_raises_as_without_the_engine(tracked):
+    """Note [A kept saved tensor keeps its version check]: with the hooks installed autograd no longer checks versions;
+    the engine does, for kept blocks untracked or tracked (record_timeline keeps every block tracked)."""
+    torch.manual_seed(0)
+    net = _Stack(lambda: _InplaceBlock(), n=3)
+    net.layers[2].bad = True
+    x = torch.randn(8, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        net(x).sum().backward()
+    off = offload_activations(net, 1, backend="host-copy", min_tensor_bytes=1, record_timeline=tracked)
+    with off:
+        out = net(x)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation .*block 2"):
+        out.sum().backward()
+    net.layers[2].bad = False  # and without the change the backward runs
+    with off:
+        out = net(x)
+    out.sum().backward()
+
+
+class _DroppedBranchBlock(nn.Module):
+    """Saves a storage on a branch whose graph is dropped inside the block; a later save may reuse its address."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        a = self.lin(x)
+        t = (a * 3).sin()
+        del t
+        return (a * 5).cos() + x
+
+
+def test_untracked_blocks_count_each_live_storage_once_even_at_a_reused_address():
+    torch.manual_seed(0)
+    net = _Stack(_DroppedBranchBlock, n=3)
+    x = torch.randn(64, 64, requires_grad=True)
+    resident = {}
+    for tracked in (False, True):
+        off = offload_activations(net, 1, backend="host-copy", min_tensor_bytes=1, record_timeline=tracked)
+        with off:
+            out = net(x)
+        out.sum().backward()
+        resident[tracked] = off.stats.last_resident_bytes
+    assert resident[False] == resident[True] > 0
 
 
 def test_repeated_autocast_casts_share_one_copy():

@@ -172,3 +172,24 @@ def test_hf_loss_through_the_fused_path_and_what_it_keeps(monkeypatch):
     (want,) = torch.autograd.grad(ref, y)
     assert torch.allclose(loss, ref, rtol=2e-6)
     _assert_grad_within_an_ulp(grad, want)
+
+
+@cuda
+@pytest.mark.gpu
+def test_fused_takes_strided_rows_and_non_contiguous_targets(monkeypatch):
+    """A loss on the last position (``logits[:, -1]``, ``tokens[:, -1]``): rows far apart in memory and targets at a
+    stride: the kernels read both where they are (the targets made contiguous first), as the chunks do."""
+    monkeypatch.setenv("LGH_LEAN_LOSS_KERNEL", "triton")
+    g = torch.Generator("cuda").manual_seed(3)
+    big = torch.randn(6, 40, 1000, device="cuda", generator=g).to(BF16)
+    tokens = torch.randint(0, 1000, (6, 40), device="cuda", generator=g)
+    x, t = big[:, -1], tokens[:, -1]
+    assert x.stride() == (40 * 1000, 1) and not t.is_contiguous()
+    want_loss, want_grad = _reference(x, t, -100, "mean")
+    y = x.detach().requires_grad_()  # the strided view itself, not a contiguous clone
+    loss = _LeanCrossEntropy.apply(y, t, -100, None, 1 << 30)
+    (grad,) = torch.autograd.grad(loss, y)
+    assert torch.allclose(loss, want_loss, rtol=2e-6, atol=0)
+    _assert_grad_within_an_ulp(grad, want_grad)
+    with pytest.raises(ValueError, match="targets must be contiguous"):
+        fused_ce.forward(x, t, -100)

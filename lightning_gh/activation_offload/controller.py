@@ -369,8 +369,8 @@ class BudgetController:
         """``bp`` with the lean loss's head: what its measuring step saved outside the blocks, its head time, and
         the overhead its measured peak shows above the timeline model."""
         prof, step = obs.profile, bp.step
-        # Only the head differs from the plain step; its extra time (the backward's second log-softmax) is charged
-        # to the tail, the rest of the single measurement's noise is not.
+        # Only the head differs from the plain step; its extra time (signed: the fused kernels are faster than HF's
+        # loss, the row chunks slower) is charged to the tail, the rest of the single measurement's noise is not.
         step_extra = max(0.0, prof.tail_forward_ms + prof.tail_backward_ms - step.tail_forward_ms
                          - step.tail_backward_ms)
         # On CUDA the head's extra time is timed alone on the logits' shape: one whole step is too noisy for it.

@@ -302,7 +302,7 @@ class ActivationOffloader(SavedTensorHooks):
         if fwd.measure is None and not fwd.profiling and not self.options.record_timeline:
             # See Note [A kept block's saved tensors go untracked]
             rc = set(fwd.plan.recompute)
-            fwd.untracked = {i: set() for i, b in enumerate(fwd.plan.budgets) if b == 0 and i not in rc}
+            fwd.untracked = {i: {} for i, b in enumerate(fwd.plan.budgets) if b == 0 and i not in rc}
         for i, blk in enumerate(self.blocks):
             self._module_hooks.append(blk.register_forward_pre_hook(self._make_pre(i)))
             self._module_hooks.append(blk.register_forward_hook(self._make_post(i), always_call=True))

@@ -155,7 +155,10 @@ def _kernels() -> tuple[Any, Any]:
 
 
 def forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse, loss)`` per row of 2-D CUDA ``logits`` (both fp32, one value a row). See the module docstring."""
+    """``(lse, loss)`` per row of 2-D CUDA ``logits`` with unit stride along the vocabulary (any row stride), both
+    fp32, one value a row; ``targets``: contiguous int64, one a row. See the module docstring."""
+    if not targets.is_contiguous():
+        raise ValueError("fused_ce.forward: targets must be contiguous (one int64 target a row at unit stride).")
     rows, vocab = logits.shape
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -168,8 +171,11 @@ def forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> t
 
 def backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
              ignore_index: int) -> torch.Tensor:
-    """The gradient of the lean cross-entropy for ``logits``, in their dtype; ``scale``: a 0-d fp32 CUDA tensor,
-    the incoming gradient over the reduction's divisor."""
+    """The gradient of the lean cross-entropy for ``logits``, in their dtype; ``targets`` and ``lse`` as
+    :func:`forward` took and returned them; ``scale``: a 0-d fp32 CUDA tensor, the incoming gradient over the
+    reduction's divisor."""
+    if not targets.is_contiguous():
+        raise ValueError("fused_ce.backward: targets must be contiguous (one int64 target a row at unit stride).")
     rows, vocab = logits.shape
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     if rows:

@@ -3,7 +3,8 @@
 :class:`SavedTensorHooks` is the engine's half that runs inside autograd. Forward pre/post hooks on the
 blocks tell it which block is running; ``pack`` decides per saved storage whether it stays (parameters and
 casts or views of them, small tensors, other devices, subclasses, blocks the plan keeps, everything outside
-the blocks) or starts its device->host copy, and returns a handle; the plan's release points let the compute
+the blocks) or starts its device->host copy, and returns a handle (a kept block of a forward that measures
+nothing gets plain tensors: Note [A kept block's saved tensors go untracked]); the plan's release points let the compute
 stream reuse the memory once the copy is done; ``unpack`` issues the reloads the plan places at each backward
 point, waits for the one it needs and rebuilds the view. Views and repeated saves of one storage in one block
 share one copy; repeated casts of one tensor share one entry (``dedupe_casts``); autocast's weight casts are
@@ -24,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -95,15 +96,37 @@ def _held(t: torch.Tensor) -> torch.Tensor:
         return t
 
 
+def _version(t: torch.Tensor | None) -> int | None:
+    """``t``'s version counter, or ``None`` (no tensor, or a subclass without one)."""
+    try:
+        return t._version if t is not None else None
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
+# Note [A kept saved tensor keeps its version check]
+# With saved-tensor hooks installed autograd does not compare a saved tensor's version counter with the one it had
+# when saved: the hooks decide what comes back. An offloaded entry checks its own (``_Entry.modified``); a tensor
+# kept on the device is checked at unpack against the version it had when its handle (or, in an untracked block,
+# its ``(tensor, version)`` pair) was made, so an in-place change between forward and backward raises as it would
+# without the engine, instead of feeding the backward the changed values.
+def _check_version(t: torch.Tensor, version: int | None, block: int) -> None:
+    if version is not None and _version(t) != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation after "
+            f"it was saved (ActivationOffload, block {block}: saved at version {version}, now {_version(t)}).")
+
+
 class _Handle:
     """What autograd stores instead of a tensor saved inside (or after) the blocks."""
 
-    __slots__ = ("fwd", "block", "tensor", "entry", "dtype", "offset", "size", "stride")
+    __slots__ = ("fwd", "block", "tensor", "version", "entry", "dtype", "offset", "size", "stride")
 
     def __init__(self, fwd: Forward, block: int, tensor: torch.Tensor | None, entry: _Entry | None) -> None:
         self.fwd = fwd
         self.block = block
         self.tensor = tensor  # kept tensors only
+        self.version = _version(tensor)  # See Note [A kept saved tensor keeps its version check]
         self.entry = entry
         if entry is not None:
             entry.refs += 1
@@ -165,9 +188,9 @@ class Forward:
         self.marks: dict[Any, Any] = {}
         # budget mode: what this forward is measured for, the memory base and peak, the selective caches' bytes
         self.measure = measure
-        # untracked block -> the storages it saved so far (See Note [A kept block's saved tensors go untracked]);
-        # set by the engine when it installs this forward; None: every block is tracked
-        self.untracked: dict[int, set[int]] | None = None
+        # untracked block -> the storages it saved so far, by address (See Note [A kept block's saved tensors go
+        # untracked]); set by the engine when it installs this forward; None: every block is tracked
+        self.untracked: dict[int, dict[int, StorageWeakRef]] | None = None
         self.mem_base: int | None = None
         self.act_peak: int | None = None
         self.rc_cached: dict[int, int] = {}
@@ -233,9 +256,10 @@ class SavedTensorHooks:
     def _mark_backward_point(self, fwd: Forward, index: int, output: Any) -> None:
         """Reach backward point ``index`` when the gradient of the block's output is ready: the block's backward
         starts next. See Note [A kept block's saved tensors go untracked]."""
-        out = output if isinstance(output, torch.Tensor) else \
-            output[0] if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) else None
-        if out is None or not out.requires_grad:
+        items = [output] if isinstance(output, torch.Tensor) else list(output.values()) \
+            if isinstance(output, Mapping) else list(output) if isinstance(output, (tuple, list)) else []
+        out = next((x for x in items if isinstance(x, torch.Tensor) and x.requires_grad), None)
+        if out is None:  # nothing to hook: the point comes at the next tracked block's first unpack
             return
 
         def reached(grad: torch.Tensor) -> None:
@@ -346,35 +370,39 @@ class SavedTensorHooks:
     # Note [A kept block's saved tensors go untracked]
     # In a forward that neither measures nor profiles (``Forward.untracked``, set by the engine), a block whose plan
     # moves nothing and recomputes nothing hands autograd its saved tensors as they are, detached (Note [A kept saved
-    # tensor is held detached]): no handle, no entry, no dedupe by storage, since they stay on the device whatever
-    # happens. What saves memory there still runs: a parameter's dtype cast is re-made in the backward
-    # (``_Recast``), and a repeated cast of one tensor shares the first (``dedupe_casts``); both go the tracked way.
-    # Each storage's bytes still count once in ``Forward.resident`` (``stats.last_resident_bytes``); only
-    # ``stats.peak_device_saved_bytes`` and ``stats.deduplicated_saves`` leave them out. Without handles such a
+    # tensor is held detached]), in a ``(tensor, version, block)`` tuple that ``_unpack`` checks (Note [A kept saved
+    # tensor keeps its version check]): no handle, no entry, no dedupe by storage, since they stay on the device
+    # whatever happens. What saves memory there still runs: a parameter's dtype cast is re-made in the backward
+    # (``_Recast``), and a repeated cast of one tensor shares the first (``dedupe_casts``, through
+    # ``Forward.casts`` without an entry). Each storage's bytes still count once in ``Forward.resident``
+    # (``stats.last_resident_bytes``); the engine's ``_saved_bytes`` (``stats.peak_device_saved_bytes``),
+    # ``stats.deduplicated_saves`` and ``stats.skipped`` leave them out. Without handles such a
     # block's backward point, where the plan may issue other blocks' reloads, would come late (at the next tracked
     # block's first unpack), so a gradient hook on the block's output reaches it as the block's backward starts.
     # The reason for all this: the tracked way costs the host tens of microseconds per saved tensor, in every step,
     # and a step that already waits for its kernel launches pays that time in full.
-    def _untracked(self, fwd: Forward, block: int, t: torch.Tensor, castish: bool, seen: set[int]) -> torch.Tensor:
+    def _untracked(self, fwd: Forward, block: int, t: torch.Tensor, castish: bool,
+                   seen: dict[int, StorageWeakRef]) -> tuple[torch.Tensor, int | None, int]:
         ck = self._cast_key(t, block) if castish and self.options.dedupe_casts else None
         if ck is not None:
             hit = fwd.casts.get(ck[0])
             first = hit[2]() if hit is not None else None
             if first is not None and first._version == hit[3] and t._version == 0:
                 self.stats.deduplicated_casts += 1
-                return first
+                return first, hit[3], block
         try:
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
+            ref = seen.get(ptr)
+            if ref is None or ref.expired():  # a new storage (or a freed one's address reused)
+                seen[ptr] = StorageWeakRef(st)
                 fwd.resident[block] += st.nbytes()
         except (RuntimeError, NotImplementedError):  # no storage (e.g. some subclasses): counted nowhere
             pass
         held = _held(t)
         if ck is not None:
             fwd.casts[ck[0]] = (ck[1], None, weakref.ref(held), t._version)
-        return held
+        return held, _version(held), block
 
     @staticmethod
     def _cast_key(t: torch.Tensor, block: int) -> tuple[tuple[Any, ...], Any] | None:
@@ -524,6 +552,9 @@ class SavedTensorHooks:
             self._event("release", point)
 
     def _unpack(self, h: Any) -> torch.Tensor:
+        if type(h) is tuple:  # an untracked block's (tensor, version): See Note [A kept block's saved tensors go untracked]
+            _check_version(h[0], h[1], h[2])
+            return h[0]
         if isinstance(h, _Recast):
             with self._lock:
                 if h.block >= -1 and h.fwd.bwd_point > max(h.block, 0):
@@ -537,6 +568,7 @@ class SavedTensorHooks:
                 self._backward_point(fwd, max(h.block, 0))
             e = h.entry
             if e is None or not e.moved:
+                _check_version(h.tensor, h.version, h.block)  # See Note [A kept saved tensor keeps its version check]
                 return h.tensor
             if e.modified():
                 raise RuntimeError(

@@ -82,6 +82,7 @@ class _LeanCrossEntropy(torch.autograd.Function):
         mean = divisor is None
         ctx.ignore_index, ctx.chunk_rows, ctx.mean = ignore_index, chunk_rows, mean
         if fused_ce.kernel_for(logits) == "triton":
+            targets = targets.contiguous()  # the kernels read one target a row at unit stride
             with torch.autocast(logits.device.type, enabled=False):
                 lse, per_row = fused_ce.forward(logits, targets, ignore_index)
                 total = per_row.sum()

@@ -4,11 +4,11 @@
 blocks tell it which block is running; ``pack`` decides per saved storage whether it stays (parameters and
 casts or views of them, small tensors, other devices, subclasses, blocks the plan keeps, everything outside
 the blocks) or starts its device->host copy, and returns a handle (a kept block of a forward that measures
-nothing gets plain tensors: Note [A kept block's saved tensors go untracked]); the plan's release points let the compute
-stream reuse the memory once the copy is done; ``unpack`` issues the reloads the plan places at each backward
-point, waits for the one it needs and rebuilds the view. Views and repeated saves of one storage in one block
-share one copy; repeated casts of one tensor share one entry (``dedupe_casts``); autocast's weight casts are
-re-made from the parameter (``recompute_param_casts``).
+nothing gets ``(tensor, version, block)`` tuples: Note [A kept block's saved tensors go untracked]); the plan's
+release points let the compute stream reuse the memory once the copy is done; ``unpack`` issues the reloads the
+plan places at each backward point, waits for the one it needs and rebuilds the view. Views and repeated saves of
+one storage in one block share one copy; repeated casts of one tensor share one entry (``dedupe_casts``);
+autocast's weight casts are re-made from the parameter (``recompute_param_casts``).
 
 The engine (:class:`~lightning_gh.activation_offload.engine.ActivationOffloader`) sets the state these methods
 use: ``_fwd`` (the :class:`Forward` being packed), ``_lock``, ``_transport``, ``_clock``, ``_pool``,
@@ -108,8 +108,8 @@ def _version(t: torch.Tensor | None) -> int | None:
 # With saved-tensor hooks installed autograd does not compare a saved tensor's version counter with the one it had
 # when saved: the hooks decide what comes back. An offloaded entry checks its own (``_Entry.modified``); a tensor
 # kept on the device is checked at unpack against the version it had when its handle (or, in an untracked block,
-# its ``(tensor, version)`` pair) was made, so an in-place change between forward and backward raises as it would
-# without the engine, instead of feeding the backward the changed values.
+# its ``(tensor, version, block)`` tuple) was made, so an in-place change between forward and backward raises as it
+# would without the engine, instead of feeding the backward the changed values.
 def _check_version(t: torch.Tensor, version: int | None, block: int) -> None:
     if version is not None and _version(t) != version:
         raise RuntimeError(
@@ -180,7 +180,8 @@ class Forward:
         self.other = 0
         self.no_host_room = False  # the pool refused a buffer: nothing more is offloaded in this forward
         self.other_ptrs: set[int] = set()
-        # cast key -> (its source node, the entry or None in an untracked block, a weak ref to the first cast, its version)
+        # cast key -> (its source node, the entry (None in an untracked block), a weak ref to the first cast, its
+        # version)
         self.casts: dict[tuple[Any, ...], tuple[Any, _Entry | None, Any, int]] = {}
         self.pending: dict[int, list[_Entry]] = {}
         self.bwd_point = n + 1
@@ -552,7 +553,7 @@ class SavedTensorHooks:
             self._event("release", point)
 
     def _unpack(self, h: Any) -> torch.Tensor:
-        if type(h) is tuple:  # an untracked block's (tensor, version): See Note [A kept block's saved tensors go untracked]
+        if type(h) is tuple:  # (tensor, version, block): See Note [A kept block's saved tensors go untracked]
             _check_version(h[0], h[1], h[2])
             return h[0]
         if isinstance(h, _Recast):

@@ -85,9 +85,9 @@ class _LeanCrossEntropy(torch.autograd.Function):
             targets = targets.contiguous()  # the kernels read one target a row at unit stride
             with torch.autocast(logits.device.type, enabled=False):
                 lse, per_row = fused_ce.forward(logits, targets, ignore_index)
-                total = per_row.sum()
-                loss = total / (targets != ignore_index).sum().float() if mean else total / divisor
-            ctx.save_for_backward(logits, targets, divisor if divisor is not None else torch.empty(0), lse)
+                den = (targets != ignore_index).sum().float() if mean else divisor
+                loss = per_row.sum() / den
+            ctx.save_for_backward(logits, targets, den, lse)  # the backward divides by the same denominator
             ctx.fused = True
             return loss
         ctx.fused = False
@@ -111,9 +111,8 @@ class _LeanCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         if ctx.fused:
-            logits, targets, divisor, lse = ctx.saved_tensors
+            logits, targets, den, lse = ctx.saved_tensors
             with torch.autocast(logits.device.type, enabled=False):
-                den = (targets != ctx.ignore_index).sum().float() if ctx.mean else divisor
                 scale = (grad.float() / den).reshape(())
                 return fused_ce.backward(logits, targets, lse, scale, ctx.ignore_index), None, None, None, None
         logits, targets, divisor = ctx.saved_tensors

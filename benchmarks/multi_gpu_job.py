@@ -24,6 +24,10 @@ superoffload_fsdp          ``strategy="superoffload_fsdp"`` (ZeRO-3 through FSDP
 superoffload_fsdp_lean     the same with ``max_gpu_fraction=--lean-gpu-fraction``: less GPU memory, more CPU work
 superoffload_fsdp_onepass  ``superoffload_fsdp`` with ``weights_first=False`` (each unit's update in one pass);
                            ``superoffload_fsdp_lean_onepass``: ``superoffload_fsdp_lean`` with it
+fsdp_noclip_budget         ``fsdp_noclip`` with ``ActivationOffload(budget=--act-budget)`` in place of HF checkpointing
+superoffload_fsdp_lean_budget ``superoffload_fsdp_lean`` with ``ActivationOffload(budget=--act-budget)`` in place
+                           of HF checkpointing (both take ``--budget-warmup`` untimed steps: the budget's measuring
+                           steps)
 fsdp_cpu_offload           as fsdp_clip with ``fully_shard(..., offload_policy=CPUOffloadPolicy())``
 deepspeed_zero3_offload    Lightning ``strategy="deepspeed_stage_3_offload"``, ``bf16-mixed``, ``DeepSpeedCPUAdam``,
                            clipping (the model is built inside DeepSpeed's ``zero.Init``: torch's default init, so
@@ -90,6 +94,7 @@ class Variant:
     precision: str
     clip: bool
     offload: bool = False  # FSDP2's CPUOffloadPolicy
+    budget: bool = False  # ActivationOffload(budget=--act-budget) in place of HF checkpointing
     cpu: bool = False  # runs in --smoke (CPU, gloo)
 
 
@@ -102,6 +107,8 @@ VARIANTS = {
     "superoffload_fsdp_lean": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp_onepass": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp_lean_onepass": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
+    "fsdp_noclip_budget": Variant("fsdp", "bf16-mixed", clip=False, cpu=True, budget=True),
+    "superoffload_fsdp_lean_budget": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True, budget=True),
     "fsdp_cpu_offload": Variant("fsdp", "bf16-mixed", clip=True, offload=True),
     "deepspeed_zero3_offload": Variant("deepspeed_stage_3_offload", "bf16-mixed", clip=True),
 }
@@ -136,6 +143,7 @@ class MJob(Shape):
     weights_first: bool = True  # SuperOffload's option, False for the *_onepass variants
     cpu_threads: int | None = None  # SuperOffload's option (--cpu-threads), for every superoffload variant
     trace: bool = False  # profile one timed step on rank 0 (trace_step)
+    act_budget: str | None = None  # ActivationOffload's budget, for the *_budget variants
 
 
 @dataclass
@@ -224,7 +232,7 @@ def build_model(job: MJob, lm: Any) -> Any:
     else:
         with torch.device("meta"):
             model = cls(cfg)
-    if job.checkpointing:
+    if job.checkpointing and not spec.budget:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.strategy.startswith("deepspeed"):
         return model
@@ -396,6 +404,7 @@ def _child(job: MJob, out_file: Path) -> None:
     data = torch.randint(0, job.vocab, (total, job.seq), generator=g)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=job.batch)
     clock, lm, trainer = Clock(), LM(), None
+    act = lightning_gh.ActivationOffload(budget=job.act_budget) if spec.budget else None
     try:
         if spec.strategy == "fsdp":
             from lightning.pytorch.strategies import ModelParallelStrategy
@@ -413,7 +422,8 @@ def _child(job: MJob, out_file: Path) -> None:
         trainer = L.Trainer(accelerator=job.accelerator, devices=job.devices, strategy=strategy,
                             precision=spec.precision, max_steps=job.warmup + job.steps,
                             gradient_clip_val=1.0 if spec.clip else None, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[clock] + ([act] if act is not None else []))
         trainer.fit(lm, loader)
     except BaseException as e:  # the variant's failure as a user would see it: a row, not a crash
         res.error = f"{type(e).__name__}: {str(e)[:600]}"
@@ -447,6 +457,11 @@ def _child(job: MJob, out_file: Path) -> None:
         peak = peak_tflops(res.device, "bf16") if cuda else None
         res.mfu = res.model_tflops / (peak * job.devices) if peak else None
     res.losses = [float(x) for x in lm.losses]
+    ctl = getattr(getattr(act, "engine", None), "budget", None)
+    if ctl is not None:  # the budget's way from the floor, and what it reached
+        res.notes["activation_budget_log"] = [dict(e) for e in ctl.log]
+        res.notes["activation_budget"] = {"budget": job.act_budget, "achieved_bytes": ctl.achieved_bytes,
+                                          "plan": act.engine.plan.describe() if act.engine.plan else None}
     res.notes["optimizer"] = mine["optimizer"]
     if clock.tracer is not None:
         at = clock.tracer.step
@@ -693,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
                          "steps); the ZeRO-3 variants take --warmup, which should be at least 2: their auto GPU "
                          "share moves at the end of step 2")
     ap.add_argument("--no-checkpointing", action="store_true", help="no HF gradient checkpointing")
+    ap.add_argument("--act-budget", default="9.4GiB", help="ActivationOffload's budget in the *_budget variants")
+    ap.add_argument("--budget-warmup", type=int, default=30,
+                    help="untimed steps of the *_budget variants (the budget's measuring steps come first)")
     ap.add_argument("--gpu-cap-gib", type=float, help="torch.cuda.set_per_process_memory_fraction on every rank")
     ap.add_argument("--lean-gpu-fraction", type=float, default=0.35,
                     help="max_gpu_fraction of the *_lean variants")
@@ -741,10 +759,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for v in variants:
         job = make_job(v, shape, layers, devices=devices, accelerator=accel, batch=batch, seq=seq, steps=steps,
-                       warmup=args.offload_warmup if v in ("superoffload", "superoffload_lean") and not args.smoke else warmup,
+                       warmup=args.offload_warmup if v in ("superoffload", "superoffload_lean") and not args.smoke
+                       else args.budget_warmup if VARIANTS[v].budget and not args.smoke else warmup,
                        checkpointing=not args.no_checkpointing, gpu_cap_gib=args.gpu_cap_gib,
                        max_gpu_fraction=args.lean_gpu_fraction if "_lean" in v else None,
-                       weights_first=not v.endswith("_onepass"), cpu_threads=args.cpu_threads, trace=args.trace)
+                       weights_first=not v.endswith("_onepass"), cpu_threads=args.cpu_threads, trace=args.trace,
+                       act_budget=args.act_budget if VARIANTS[v].budget else None)
         left = args.wall_budget - (time.perf_counter() - t_start) if args.wall_budget else args.timeout
         why = None if args.no_fit_check else fsdp_fit_reason(v, params_of(job), devices, gpu_bytes)
         if why is None and left < 30:

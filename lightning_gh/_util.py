@@ -15,7 +15,7 @@ import os
 import warnings
 from typing import Any
 
-__all__ = ["ENV_PREFIX", "count_tokens", "env", "fmt_bytes", "reset_warnings", "warn_once"]
+__all__ = ["ENV_PREFIX", "count_tokens", "env", "fmt_bytes", "local_tensor", "reset_warnings", "warn_once"]
 
 #: The one prefix of the package's environment variables (``LGH_PROFILE_START_STOP``, ``LGH_CACHE_DIR``, ...).
 ENV_PREFIX = "LGH_"
@@ -47,6 +47,13 @@ def fmt_bytes(n: int | float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def local_tensor(t: Any) -> Any:
+    """This process's part of ``t``: a ``DTensor``'s local shard (FSDP2's sharded parameters and gradients),
+    any other tensor itself. Sizes and storages of a sharded model are read through this."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def count_tokens(batch: Any) -> int | None:

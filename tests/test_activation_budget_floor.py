@@ -42,6 +42,9 @@ class TrackedProbe:
     def activation_room(self):
         return self.free
 
+    def backward_ended(self):
+        pass
+
 
 def _engine(monkeypatch, budget, probe, **kw):
     model = _hf()

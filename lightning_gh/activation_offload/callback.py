@@ -4,8 +4,9 @@ The engine is entered when a training batch starts and left just before the back
 (``on_before_backward``), so it sees exactly the training forward: validation, prediction and anything
 under ``torch.no_grad()`` are untouched, and each micro-batch of gradient accumulation is one offloaded
 forward/backward. Works under DDP (each rank offloads its own activations), with bf16/fp16 autocast and
-with activation checkpointing (it then offloads only what checkpointing still saves: the blocks' inputs).
-FSDP and ModelParallel strategies are refused at setup (see :func:`check_strategy`), and so are the parts
+with activation checkpointing (it then offloads only what checkpointing still saves: the blocks' inputs),
+and under FSDP2 (``ModelParallelStrategy``; each rank plans for its own GPU). FSDP1 (``FSDPStrategy``) is
+refused at setup (see :func:`check_strategy`), and so are the parts
 it does not combine with (:mod:`lightning_gh.compat`). ``recompute=`` makes
 the blocks the plan does not offload recompute in the backward (see :mod:`lightning_gh.activation_offload.recompute`).
 """
@@ -31,31 +32,30 @@ __all__ = ["ActivationOffload", "check_strategy"]
 
 
 def check_strategy(strategy: Any) -> None:
-    """Raise ``MisconfigurationException`` for strategies the engine is not tested with: FSDP and
-    ModelParallel (FSDP2).
+    """Raise ``MisconfigurationException`` for ``FSDPStrategy`` (FSDP1), which the engine does not combine with.
 
-    The engine tells parameters from activations by the storages the parameters have when a forward begins.
-    FSDP gathers each block's sharded weights during the forward into new storages, so the gathered weights
-    would be offloaded as activations, and FSDP may free that storage while a side-stream copy still reads it.
-    The callback calls this in ``setup``.
+    FSDP1 gathers each unit's weights into a flat buffer and hands the modules plain tensor views of it, so the
+    engine could not tell the gathered weights from activations: it would copy them to the host, and FSDP may
+    free that buffer while a side-stream copy still reads it. FSDP2 (``ModelParallelStrategy``, and
+    ``strategy="superoffload_fsdp"`` built on it) gathers them into parameters, which the engine skips (Note
+    [FSDP2's gathered weights are parameters]). The callback calls this in ``setup``.
 
     Args:
         strategy: the trainer's strategy (``trainer.strategy``).
 
     Example::
 
-        check_strategy(DDPStrategy())   # fine
-        check_strategy(FSDPStrategy())  # MisconfigurationException naming FSDPStrategy and what is supported
+        check_strategy(ModelParallelStrategy())  # fine
+        check_strategy(FSDPStrategy())           # MisconfigurationException naming ModelParallelStrategy
     """
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import FSDPStrategy
 
-    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+    if isinstance(strategy, FSDPStrategy):
         raise MisconfigurationException(
-            f"ActivationOffload does not support strategy {type(strategy).__name__} yet: FSDP gathers the sharded "
-            "weights during the forward, so the engine would offload the gathered weights as activations and FSDP "
-            "could free their memory while a copy still reads it. Supported: one device or DDP "
-            "(strategy='auto', 'ddp', 'ddp_spawn'). Remove ActivationOffload, or use activation checkpointing "
-            "with FSDP.")
+            f"ActivationOffload does not support strategy {type(strategy).__name__}: FSDP1 gathers the sharded "
+            "weights into a flat buffer of plain tensors, so the engine would offload the gathered weights as "
+            "activations and FSDP could free their memory while a copy still reads it. Supported: one device, DDP, "
+            "and FSDP2 through ModelParallelStrategy (fully_shard in configure_model) or strategy='superoffload_fsdp'.")
 
 
 class ActivationOffload(L.Callback):

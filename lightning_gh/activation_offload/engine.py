@@ -55,7 +55,7 @@ from torch import nn
 
 from lightning_gh import _gpu_plan, hardware
 from lightning_gh._hf import checkpointing_owner
-from lightning_gh._util import fmt_bytes
+from lightning_gh._util import fmt_bytes, local_tensor
 from lightning_gh.activation_offload.auto import AutoPlanner
 from lightning_gh.activation_offload.blocks import compiled_owner, find_blocks
 from lightning_gh.activation_offload.controller import BudgetController, BudgetState, Kind, MemoryProbe, Observation
@@ -261,12 +261,25 @@ class ActivationOffloader(SavedTensorHooks):
             fwd.marks["t0"] = self._clock.mark()
         self._forwards += 1
         self.stats.forwards += 1
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        self._param_ptrs |= {b.untyped_storage().data_ptr() for b in self.model.buffers()}
+        # See Note [FSDP2's gathered weights are parameters]
+        self._param_ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._param_ptrs |= {local_tensor(b).untyped_storage().data_ptr() for b in self.model.buffers()}
         if self.options.record_timeline:
             self.timeline = []
             self._t0 = time.perf_counter()
         self._install(fwd)
+
+    # Note [FSDP2's gathered weights are parameters]
+    # The engine must not copy a weight to the host as if it were an activation: a weight is no activation (it
+    # exists for the backward anyway), and a sharded strategy may free a gathered weight's memory right after the
+    # block's forward, while a side-stream copy would still read it. A saved tensor is a weight when its storage is
+    # one a parameter or buffer had as the forward began (``_param_ptrs``, a DTensor's local shard for a sharded
+    # model), or when it is, or leads through views and casts to, an ``nn.Parameter`` leaf. FSDP2
+    # (``fully_shard``) gathers each block's weights just before its forward into new storages, but as
+    # ``nn.Parameter`` objects that it swaps into the modules, so the second test finds them; the memory probe reads
+    # a sharded model's gradients at their local size and the gradients a backward leaves on the device as the
+    # model state. FSDP1 hands its modules plain views of a flat buffer instead, which neither test can tell from
+    # activations: the callback refuses ``FSDPStrategy``. Read in ``hooks._is_param`` and ``measure.MemoryProbe``.
 
     # Note [A plan that moves nothing installs nothing]
     # ``policy="auto"`` promises a step no slower than without the engine. An ``"auto"`` plan that offloads no block,
@@ -380,6 +393,8 @@ class ActivationOffloader(SavedTensorHooks):
                 fwd.marks["bwd_end"] = self._clock.mark()
                 if fwd.measure is not None and fwd.act_peak is None:
                     fwd.act_peak = self.budget.probe.peak(fwd.mem_base)
+        if self.budget is not None:
+            self.budget.probe.backward_ended()
 
     def close(self) -> None:
         """Remove hooks, drop the free host buffers, and restore the compiler's budget if budget mode set it."""

@@ -57,6 +57,13 @@ _VIEWS = {"TBackward0", "ViewBackward0", "PermuteBackward0", "TransposeBackward0
 _KEPT, _COPYING, _OFFLOADED, _RELOADED, _DEAD = range(5)
 
 
+def _is_param(leaf: torch.Tensor, param_ptrs: set[int]) -> bool:
+    """Whether an autograd leaf is a model parameter: an ``nn.Parameter`` (FSDP2's gathered weights are
+    parameters made during the forward, see Note [FSDP2's gathered weights are parameters]) or a tensor whose
+    storage a parameter had when the forward began."""
+    return isinstance(leaf, nn.Parameter) or leaf.untyped_storage().data_ptr() in param_ptrs
+
+
 class _Entry:
     """One storage saved in one block of one forward: resident, or on its way to and from the host."""
 
@@ -287,7 +294,7 @@ class SavedTensorHooks:
             if name == "AccumulateGrad":
                 # A cast or view of a parameter (autocast's cached bf16 weights); other leaves are data.
                 leaf = getattr(fn, "variable", None)
-                if leaf is not None and leaf.untyped_storage().data_ptr() in self._param_ptrs:
+                if leaf is not None and _is_param(leaf, self._param_ptrs):
                     return "parameter"
                 break
             if name not in _PARAM_PATH:
@@ -466,7 +473,7 @@ class SavedTensorHooks:
         if acc is None or type(acc).__name__ != "AccumulateGrad":
             return None
         param = getattr(acc, "variable", None)
-        if param is None or param.untyped_storage().data_ptr() not in self._param_ptrs:
+        if param is None or not _is_param(param, self._param_ptrs):
             return None
         if not param.is_contiguous() or param.dtype == t.dtype or t.device != param.device:
             return None

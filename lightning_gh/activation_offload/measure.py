@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_gh import hardware
+from lightning_gh._util import local_tensor
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile, ModeCost
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
@@ -184,12 +185,26 @@ class MemoryProbe:
     def __init__(self, model: nn.Module, device: torch.device | None) -> None:
         self.model = model
         self.device = device if device is not None and device.type == "cuda" else None
+        self.kept_grad_bytes: int | None = None  # the gradients on the device when the last backward ended
 
     def _grad_bytes(self, present: bool) -> int:
-        ps = self.model.parameters()
         if present:
-            return sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None)
+            gs = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+            return sum(g.numel() * g.element_size() for g in gs if g.device == self.device)
+        if self.kept_grad_bytes is not None:
+            return self.kept_grad_bytes
+        ps = [local_tensor(p) for p in self.model.parameters()]  # a sharded model's gradients are its shards'
         return sum(p.numel() * p.element_size() for p in ps if p.requires_grad)
+
+    def backward_ended(self) -> None:
+        """Note the gradients the device holds now, at a backward's end: the model state's gradients from then on.
+
+        Until the first backward ends, every parameter's gradient counts at full size (its local shard's, for a
+        sharded model). A strategy that moves gradients off the device during the backward (SuperOffload) or
+        frees the gathered ones (FSDP2) keeps fewer; what it holds only within the backward is activation memory.
+        """
+        if self.device is not None:
+            self.kept_grad_bytes = self._grad_bytes(True)
 
     def start(self) -> int | None:
         """The model state now (the base of :meth:`peak`); resets the peak statistics."""

@@ -1,0 +1,143 @@
+"""ActivationOffload under FSDP2 (Lightning's ``ModelParallelStrategy``, ``fully_shard`` per block) on the CPU:
+2 processes, gloo, each forked and killed after a timeout.
+
+Under FSDP2 each block's weights are gathered just before its forward into new parameters; the engine must skip
+them as weights (Note [FSDP2's gathered weights are parameters]), so a rank offloads exactly what one process
+offloads for the same batch, and training with the engine equals training without it, bitwise.
+"""
+
+from __future__ import annotations
+
+import types
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from test_superoffload_fsdp import run_ranks
+
+from lightning_gh import ActivationOffload
+from lightning_gh.demo import LlamaLM, MarkovDataModule
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+CPU = dict(backend="host-copy", min_tensor_bytes=1024)  # a host copy stands for the GPU's link
+STEPS = 18  # the budget's way: warm-up, measuring steps, plan, correction
+TIMEOUT_S = 180
+
+
+class ShardedLlamaLM(LlamaLM):
+    """The demo decoder with each block and the whole model under ``fully_shard`` (FSDP2)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"] if self.device_mesh is not None else None
+        for block in self.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def _options(kind: str) -> dict:
+    return {"all": dict(policy="all"), "recompute": dict(policy=1, recompute="full"),
+            "budget": dict(budget=0.45, profile_steps=1, bandwidth_gbps=1000.0, min_tensor_bytes=1)}[kind]
+
+
+def _fit(rank: int, world: int, tmp: str, kind: str | None) -> None:
+    L.seed_everything(0, verbose=False)
+    model = ShardedLlamaLM.from_preset("tiny", overrides=dict(n_layers=3), lr=3e-3)
+    dm = MarkovDataModule.for_model(model)
+    cb = ActivationOffload(**{**CPU, **_options(kind)}) if kind else None
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS,
+                        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        logger=False, use_distributed_sampler=False, callbacks=[cb] if cb else [])
+    trainer.fit(model, dm)
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]
+    stats = cb.engine.stats if cb is not None else None
+    torch.save({"params": params, "offloaded": stats.offloaded_tensors if stats else 0,
+                "forwards": stats.forwards if stats else 0,
+                "skipped": dict(stats.skipped) if stats else {},
+                "reloaded": (stats.reloaded_bytes, stats.offloaded_bytes) if stats else (0, 0),
+                "plan": (list(cb.plan.offloaded_blocks), cb.plan.recompute) if cb and cb.plan else None,
+                "budget": (cb.engine.budget.achieved_bytes, cb.engine.budget.budget_bytes)
+                if cb is not None and cb.engine.budget is not None else None},
+               f"{tmp}/{kind}-rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("act-fsdp2"))
+    out = {}
+    for kind in (None, "all", "recompute", "budget"):
+        run_ranks(_fit, 2, tmp, kind, timeout=TIMEOUT_S)
+        out[kind] = [torch.load(f"{tmp}/{kind}-rank{r}.pt") for r in range(2)]
+    return out
+
+
+def _one_process_offloaded() -> int:
+    """What the engine offloads in the same steps on one process without FSDP (same model, same batch shape)."""
+    L.seed_everything(0, verbose=False)
+    model = LlamaLM.from_preset("tiny", overrides=dict(n_layers=3), lr=3e-3)
+    cb = ActivationOffload(policy="all", **CPU)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, logger=False, callbacks=[cb]).fit(model, MarkovDataModule.for_model(model))
+    return cb.engine.stats.offloaded_tensors
+
+
+def test_a_rank_offloads_what_one_process_offloads_and_skips_the_gathered_weights(runs):
+    expected = _one_process_offloaded()
+    for out in runs["all"]:
+        assert out["forwards"] == STEPS
+        assert out["offloaded"] == expected  # a gathered weight taken for an activation would add to this
+        assert out["skipped"].get("parameter", 0) > 0
+        assert out["reloaded"][0] == out["reloaded"][1] > 0
+
+
+@pytest.mark.parametrize("kind", ["all", "recompute", "budget"])
+def test_training_under_fsdp2_equals_training_without_the_engine_bitwise(runs, kind):
+    for ours, plain in zip(runs[kind], runs[None]):
+        assert ours["forwards"] == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(ours["params"], plain["params"]))
+
+
+def test_the_budget_plans_under_fsdp2(runs):
+    for out in runs["budget"]:
+        offloaded, recomputed = out["plan"]  # each rank plans from its own measurements
+        assert recomputed or offloaded, out["plan"]
+        achieved, budget = out["budget"]
+        assert achieved is not None and achieved <= budget * 1.05
+        assert out["reloaded"][0] == out["reloaded"][1]
+
+
+class _Sharded:
+    """Stands for a DTensor parameter: its local part is a smaller tensor (``to_local``)."""
+
+    def __init__(self, local):
+        self.local = local
+
+    def to_local(self):
+        return self.local
+
+
+def test_memory_probe_counts_local_shards_and_the_gradients_a_backward_leaves():
+    from lightning_gh.activation_offload.measure import MemoryProbe
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
+    probe = MemoryProbe(model, None)
+    probe.device = torch.device("cpu")  # the accounting alone; the readings need CUDA
+    assert probe._grad_bytes(False) == (64 + 32) * 4  # before any backward: every gradient at full size
+    model(torch.randn(2, 8)).sum().backward()
+    model[0].weight.grad = None  # as a strategy that moves a gradient off the device during the backward does
+    probe.backward_ended()
+    assert probe.kept_grad_bytes == 32 * 4 and probe._grad_bytes(False) == 32 * 4
+    probe.device = torch.device("meta")  # gradients on another device than the probe's are not counted
+    assert probe._grad_bytes(True) == 0
+
+    sharded = types.SimpleNamespace(parameters=lambda: iter([_Sharded(torch.zeros(4, 8, requires_grad=True))]))
+    assert MemoryProbe(sharded, None)._grad_bytes(False) == 32 * 4  # a shard's gradient is the shard's size

@@ -121,6 +121,8 @@ SHAPES = {
     "smoke": ("llama", 64, 128, 2, 4, 2, 256),
     "llama70b": ("llama", 8192, 28672, 80, 64, 8, 128256),
 }
+#: Steps of data every run draws (its first ``warmup + steps`` are used), whatever its length; see ``_child``.
+DATA_STEPS = 64
 INIT_STD = 0.02  # HF's initializer_range for the weight matrices; norms start at one, biases at zero
 #: Bytes per parameter on the GPU of a GPU-only FSDP2 run with fp32 parameters: the sharded parameter, gradient and
 #: two AdamW moments (what must fit before activations).
@@ -400,7 +402,9 @@ def _child(job: MJob, out_file: Path) -> None:
             self.stats1 = _settled_stats(trainer.optimizers[0])
 
     g = torch.Generator().manual_seed(job.seed)
-    total = (job.warmup + job.steps) * job.batch * job.devices
+    # Lightning shuffles a training set through its distributed sampler, by a permutation of the set's length: one
+    # length for every run up to DATA_STEPS steps, so that rows with more warm-up steps see the same batches.
+    total = max(job.warmup + job.steps, DATA_STEPS) * job.batch * job.devices
     data = torch.randint(0, job.vocab, (total, job.seq), generator=g)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=job.batch)
     clock, lm, trainer = Clock(), LM(), None

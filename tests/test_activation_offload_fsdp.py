@@ -8,6 +8,7 @@ offloads for the same batch, and training with the engine equals training withou
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import lightning as L
@@ -141,3 +142,65 @@ def test_memory_probe_counts_local_shards_and_the_gradients_a_backward_leaves():
 
     sharded = types.SimpleNamespace(parameters=lambda: iter([_Sharded(torch.zeros(4, 8, requires_grad=True))]))
     assert MemoryProbe(sharded, None)._grad_bytes(False) == 32 * 4  # a shard's gradient is the shard's size
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fsdp2_offload_and_recompute_match_plain_bitwise():
+    """One rank of FSDP2 (NCCL, world size 1) on a small HF Llama in ``bf16-true``: the loss and the first layer's
+    gradient with the engine offloading every block, or recomputing all of them, equal the plain step's bitwise,
+    and the gathered weights are never offloaded."""
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_gh.activation_offload.engine import offload_activations
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                                       tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).cuda()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        ids = torch.randint(0, 1024, (2, 512), generator=torch.Generator().manual_seed(1)).cuda()
+
+        def step(ctx=None):
+            with ctx if ctx is not None else contextlib.nullcontext():
+                logits = model(input_ids=ids).logits
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            loss.backward()
+            grad = model.model.layers[0].mlp.down_proj.weight.grad.full_tensor().clone()
+            model.zero_grad(set_to_none=True)
+            return loss.detach(), grad
+
+        with _deterministic():
+            loss0, grad0 = step()
+            for kw in (dict(policy="all"), dict(policy=0, recompute="full")):
+                off = offload_activations(model, backend="cuda", min_tensor_bytes=1024, **kw)
+                loss, grad = step(off)
+                off.close()
+                assert torch.equal(loss, loss0) and torch.equal(grad, grad0), kw
+                assert off.stats.skipped.get("parameter", 0) > 0 or kw["policy"] == 0
+            assert off.stats.forwards == 1
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _deterministic():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(old)

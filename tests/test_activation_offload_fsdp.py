@@ -44,17 +44,48 @@ class ShardedLlamaLM(LlamaLM):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
+class ShardedHFLM(L.LightningModule):
+    """A tiny Hugging Face Llama under ``fully_shard``, with the loss of the user's own over the shifted logits (the
+    form the lean loss catches: Note [A loss of the user's own over the logits])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from test_activation_budget import _hf
+
+        self.model = _hf("llama", 0, 3)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(input_ids=batch).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
 def _options(kind: str) -> dict:
     return {"all": dict(policy="all"), "recompute": dict(policy=1, recompute="full"),
-            "budget": dict(budget=0.45, profile_steps=1, bandwidth_gbps=1000.0, min_tensor_bytes=1)}[kind]
+            "budget": dict(budget=0.45, profile_steps=1, bandwidth_gbps=1000.0, min_tensor_bytes=1),
+            "hf": {}, "hf-lean": dict(policy="all", lean_loss=True, min_tensor_bytes=1)}[kind]
 
 
 def _fit(rank: int, world: int, tmp: str, kind: str | None) -> None:
     L.seed_everything(0, verbose=False)
-    model = ShardedLlamaLM.from_preset("tiny", overrides=dict(n_layers=3), lr=3e-3)
-    dm = MarkovDataModule.for_model(model)
-    cb = ActivationOffload(**{**CPU, **_options(kind)}) if kind else None
-    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS,
+    hf = kind is not None and kind.startswith("hf")
+    model = ShardedHFLM() if hf else ShardedLlamaLM.from_preset("tiny", overrides=dict(n_layers=3), lr=3e-3)
+    g = torch.Generator().manual_seed(1 + rank)
+    dm = torch.utils.data.DataLoader(torch.randint(0, 128, (2 * STEPS, 24), generator=g), batch_size=2) if hf \
+        else MarkovDataModule.for_model(model)
+    cb = ActivationOffload(**{**CPU, **_options(kind)}) if kind and kind != "hf" else None
+    # bf16 weights for the HF rows: the lean loss follows low-precision logits only
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS, precision="bf16-true" if hf else "32-true",
                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         logger=False, use_distributed_sampler=False, callbacks=[cb] if cb else [])
@@ -66,6 +97,7 @@ def _fit(rank: int, world: int, tmp: str, kind: str | None) -> None:
                 "skipped": dict(stats.skipped) if stats else {},
                 "reloaded": (stats.reloaded_bytes, stats.offloaded_bytes) if stats else (0, 0),
                 "plan": (list(cb.plan.offloaded_blocks), cb.plan.recompute) if cb and cb.plan else None,
+                "lean": cb is not None and cb.engine._lean is not None and cb.engine._lean.last_logits is not None,
                 "budget": (cb.engine.budget.achieved_bytes, cb.engine.budget.budget_bytes)
                 if cb is not None and cb.engine.budget is not None else None},
                f"{tmp}/{kind}-rank{rank}.pt")
@@ -75,7 +107,7 @@ def _fit(rank: int, world: int, tmp: str, kind: str | None) -> None:
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("act-fsdp2"))
     out = {}
-    for kind in (None, "all", "recompute", "budget"):
+    for kind in (None, "all", "recompute", "budget", "hf", "hf-lean"):
         run_ranks(_fit, 2, tmp, kind, timeout=TIMEOUT_S)
         out[kind] = [torch.load(f"{tmp}/{kind}-rank{r}.pt") for r in range(2)]
     return out
@@ -100,11 +132,16 @@ def test_a_rank_offloads_what_one_process_offloads_and_skips_the_gathered_weight
         assert out["reloaded"][0] == out["reloaded"][1] > 0
 
 
-@pytest.mark.parametrize("kind", ["all", "recompute", "budget"])
+@pytest.mark.parametrize("kind", ["all", "recompute", "budget", "hf-lean"])
 def test_training_under_fsdp2_equals_training_without_the_engine_bitwise(runs, kind):
-    for ours, plain in zip(runs[kind], runs[None]):
+    for ours, plain in zip(runs[kind], runs["hf" if kind.startswith("hf") else None]):
         assert ours["forwards"] == STEPS
         assert all(torch.equal(a, b) for a, b in zip(ours["params"], plain["params"]))
+
+
+def test_the_lean_loss_catches_a_loss_of_the_users_own_under_fsdp2(runs):
+    for out in runs["hf-lean"]:
+        assert out["lean"] and out["offloaded"] > 0
 
 
 def test_the_budget_plans_under_fsdp2(runs):

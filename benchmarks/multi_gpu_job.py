@@ -121,7 +121,8 @@ SHAPES = {
     "smoke": ("llama", 64, 128, 2, 4, 2, 256),
     "llama70b": ("llama", 8192, 28672, 80, 64, 8, 128256),
 }
-#: Steps of data every run draws (its first ``warmup + steps`` are used), whatever its length; see ``_child``.
+#: Steps of data every run draws (its first ``warmup + steps`` are used), whatever its length; see ``_child``. A run
+#: longer than this draws more, and its batches differ from the shorter runs' from the first.
 DATA_STEPS = 64
 INIT_STD = 0.02  # HF's initializer_range for the weight matrices; norms start at one, biases at zero
 #: Bytes per parameter on the GPU of a GPU-only FSDP2 run with fp32 parameters: the sharded parameter, gradient and

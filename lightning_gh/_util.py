@@ -52,6 +52,9 @@ def fmt_bytes(n: int | float) -> str:
 def local_tensor(t: Any) -> Any:
     """This process's part of ``t``: a ``DTensor``'s local shard (FSDP2's sharded parameters and gradients),
     any other tensor itself. Sizes and storages of a sharded model are read through this."""
+    local = getattr(t, "_local_tensor", None)  # a DTensor's shard as it is, without an autograd call
+    if local is not None:
+        return local
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 

@@ -790,7 +790,10 @@ def test_callback_refuses_fsdp1_at_setup_and_takes_fsdp2():
     cb = ActivationOffload(policy="all", **CPU)
     with pytest.raises(MisconfigurationException, match="does not support strategy FSDPStrategy.*ModelParallelStrategy"):
         cb.setup(types.SimpleNamespace(strategy=strategies.FSDPStrategy()), None, "fit")
-    for ok in (strategies.ModelParallelStrategy(), strategies.DDPStrategy(), strategies.SingleDeviceStrategy("cpu")):
+    with pytest.raises(MisconfigurationException, match="tensor_parallel_size=2.*data parallel only"):
+        cb.setup(types.SimpleNamespace(strategy=strategies.ModelParallelStrategy(tensor_parallel_size=2)), None, "fit")
+    for ok in (strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+               strategies.DDPStrategy(), strategies.SingleDeviceStrategy("cpu")):
         cb.setup(types.SimpleNamespace(strategy=ok), None, "fit")  # FSDP2, DDP and one device pass
 
 

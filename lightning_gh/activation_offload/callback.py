@@ -32,30 +32,54 @@ __all__ = ["ActivationOffload", "check_strategy"]
 
 
 def check_strategy(strategy: Any) -> None:
-    """Raise ``MisconfigurationException`` for ``FSDPStrategy`` (FSDP1), which the engine does not combine with.
+    """Raise ``MisconfigurationException`` for ``FSDPStrategy`` (FSDP1) and for tensor parallelism, which the engine
+    does not combine with.
 
     FSDP1 gathers each unit's weights into a flat buffer and hands the modules plain tensor views of it, so the
     engine could not tell the gathered weights from activations: it would copy them to the host, and FSDP may
     free that buffer while a side-stream copy still reads it. FSDP2 (``ModelParallelStrategy``, and
     ``strategy="superoffload_fsdp"`` built on it) gathers them into parameters, which the engine skips (Note
-    [FSDP2's gathered weights are parameters]). The callback calls this in ``setup``.
+    [FSDP2's gathered weights are parameters]). Each rank plans its own blocks, so a ``ModelParallelStrategy``
+    whose ``tensor_parallel_size`` is above one is refused: a block one rank recomputes would issue its
+    tensor-parallel collectives on that rank only. The callback calls this in ``setup``.
 
     Args:
         strategy: the trainer's strategy (``trainer.strategy``).
 
     Example::
 
-        check_strategy(ModelParallelStrategy())  # fine
-        check_strategy(FSDPStrategy())           # MisconfigurationException naming ModelParallelStrategy
+        check_strategy(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))  # fine
+        check_strategy(ModelParallelStrategy(tensor_parallel_size=2))  # MisconfigurationException: data parallel only
+        check_strategy(FSDPStrategy())  # MisconfigurationException naming ModelParallelStrategy
     """
-    from lightning.pytorch.strategies import FSDPStrategy
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
+    if isinstance(strategy, ModelParallelStrategy):
+        tp = _tensor_parallel_size(strategy)
+        if isinstance(tp, int) and tp > 1:
+            raise MisconfigurationException(
+                f"ActivationOffload does not support ModelParallelStrategy with tensor_parallel_size={tp}: each rank "
+                "plans its own blocks, and a tensor-parallel block that one rank recomputes and another does not "
+                "would issue collectives on one rank only. Supported: data parallel only "
+                "(ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1), fully_shard in configure_model).")
     if isinstance(strategy, FSDPStrategy):
         raise MisconfigurationException(
             f"ActivationOffload does not support strategy {type(strategy).__name__}: FSDP1 gathers the sharded "
             "weights into a flat buffer of plain tensors, so the engine would offload the gathered weights as "
             "activations and FSDP could free their memory while a copy still reads it. Supported: one device, DDP, "
             "and FSDP2 through ModelParallelStrategy (fully_shard in configure_model) or strategy='superoffload_fsdp'.")
+
+
+def _tensor_parallel_size(strategy: Any) -> Any:
+    """The tensor-parallel size of a ``ModelParallelStrategy``: its device mesh's, once built, else as given
+    (``"auto"`` before Lightning resolves it)."""
+    mesh = getattr(strategy, "_device_mesh", None)
+    if mesh is not None:
+        try:
+            return mesh["tensor_parallel"].size()
+        except (KeyError, RuntimeError, ValueError):
+            pass
+    return getattr(strategy, "_tensor_parallel_size", 1)
 
 
 class ActivationOffload(L.Callback):

@@ -274,12 +274,14 @@ class ActivationOffloader(SavedTensorHooks):
     # exists for the backward anyway), and a sharded strategy may free a gathered weight's memory right after the
     # block's forward, while a side-stream copy would still read it. A saved tensor is a weight when its storage is
     # one a parameter or buffer had as the forward began (``_param_ptrs``, a DTensor's local shard for a sharded
-    # model), or when it is, or leads through views and casts to, an ``nn.Parameter`` leaf. FSDP2
-    # (``fully_shard``) gathers each block's weights just before its forward into new storages, but as
-    # ``nn.Parameter`` objects that it swaps into the modules, so the second test finds them; the memory probe reads
-    # a sharded model's gradients at their local size and the gradients a backward leaves on the device as the
-    # model state. FSDP1 hands its modules plain views of a flat buffer instead, which neither test can tell from
-    # activations: the callback refuses ``FSDPStrategy``. Read in ``hooks._is_param`` and ``measure.MemoryProbe``.
+    # model), when it is a view of an ``nn.Parameter`` (a frozen weight's view has no autograd history), or when it
+    # is, or leads through views and casts to, an ``nn.Parameter`` leaf. FSDP2 (``fully_shard``) gathers each
+    # block's weights just before its forward into new storages, but as ``nn.Parameter`` objects that it swaps into
+    # the modules, so the last two tests find them; the memory probe reads a sharded model's gradients at their
+    # local size and the gradients a backward leaves on the device as the model state. FSDP1 hands its modules
+    # plain views of a flat buffer instead, which no test can tell from activations: the callback refuses
+    # ``FSDPStrategy``. Read in ``hooks.SavedTensorHooks._skip_reason``, ``hooks._is_param`` and
+    # ``measure.MemoryProbe``.
 
     # Note [A plan that moves nothing installs nothing]
     # ``policy="auto"`` promises a step no slower than without the engine. An ``"auto"`` plan that offloads no block,
@@ -388,13 +390,13 @@ class ActivationOffloader(SavedTensorHooks):
 
     def end_backward(self) -> None:
         """Optional: mark the backward's end (lets ``"auto"`` measure block 0's backward exactly)."""
+        if self.budget is not None:
+            self.budget.probe.backward_ended()  # before the readings: they count what the backward left
         for fwd in self._measured:
             if "bwd_end" not in fwd.marks and fwd.bwd_point <= fwd.n:
                 fwd.marks["bwd_end"] = self._clock.mark()
                 if fwd.measure is not None and fwd.act_peak is None:
                     fwd.act_peak = self.budget.probe.peak(fwd.mem_base)
-        if self.budget is not None:
-            self.budget.probe.backward_ended()
 
     def close(self) -> None:
         """Remove hooks, drop the free host buffers, and restore the compiler's budget if budget mode set it."""

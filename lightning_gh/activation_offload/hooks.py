@@ -284,8 +284,8 @@ class SavedTensorHooks:
             return "other-device"
         if t.layout != torch.strided or t.is_conj() or t.is_neg():
             return "layout"
-        if ptr in self._param_ptrs:
-            return "parameter"
+        if ptr in self._param_ptrs or isinstance(t._base, nn.Parameter):
+            return "parameter"  # a view of a weight, frozen or not (Note [FSDP2's gathered weights are parameters])
         if nbytes < self.options.min_tensor_bytes:
             return "small"
         fn, hops = t.grad_fn, 0

@@ -185,7 +185,8 @@ class MemoryProbe:
     def __init__(self, model: nn.Module, device: torch.device | None) -> None:
         self.model = model
         self.device = device if device is not None and device.type == "cuda" else None
-        self.kept_grad_bytes: int | None = None  # the gradients on the device when the last backward ended
+        self.kept_grad_bytes: int | None = None  # the most gradients on the device at a backward's end so far
+        self._assumed = 0  # the gradient bytes the last start() counted in the model state
 
     def _grad_bytes(self, present: bool) -> int:
         if present:
@@ -197,28 +198,33 @@ class MemoryProbe:
         return sum(p.numel() * p.element_size() for p in ps if p.requires_grad)
 
     def backward_ended(self) -> None:
-        """Note the gradients the device holds now, at a backward's end: the model state's gradients from then on.
+        """Note the gradients the device holds now, at a backward's end: the model state's gradients from then on
+        are the most held at any backward's end so far.
 
         Until the first backward ends, every parameter's gradient counts at full size (its local shard's, for a
         sharded model). A strategy that moves gradients off the device during the backward (SuperOffload) or
         frees the gathered ones (FSDP2) keeps fewer; what it holds only within the backward is activation memory.
+        The most so far, because under gradient accumulation such a strategy keeps the gradients on the device
+        until the last micro-batch: every micro-batch is measured against the same state.
         """
         if self.device is not None:
-            self.kept_grad_bytes = self._grad_bytes(True)
+            self.kept_grad_bytes = max(self.kept_grad_bytes or 0, self._grad_bytes(True))
 
     def start(self) -> int | None:
         """The model state now (the base of :meth:`peak`); resets the peak statistics."""
         if self.device is None:
             return None
-        base = torch.cuda.memory_allocated(self.device) - self._grad_bytes(True) + self._grad_bytes(False)
+        self._assumed = self._grad_bytes(False)
+        base = torch.cuda.memory_allocated(self.device) - self._grad_bytes(True) + self._assumed
         torch.cuda.reset_peak_memory_stats(self.device)
         return base
 
     def peak(self, base: int | None) -> int | None:
-        """The activation memory since :meth:`start` returned ``base``."""
+        """The activation memory since :meth:`start` returned ``base``, against the model state as known now (the
+        first step's gradients are known once its backward ended: :meth:`backward_ended`)."""
         if base is None or self.device is None:
             return None
-        return torch.cuda.max_memory_allocated(self.device) - base
+        return torch.cuda.max_memory_allocated(self.device) - (base - self._assumed + self._grad_bytes(False))
 
     def free_bytes(self) -> int | None:
         """What the device could still allocate (``None`` off CUDA)."""

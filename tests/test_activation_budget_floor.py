@@ -46,8 +46,8 @@ class TrackedProbe:
         pass
 
 
-def _engine(monkeypatch, budget, probe, **kw):
-    model = _hf()
+def _engine(monkeypatch, budget, probe, layers=3, **kw):
+    model = _hf(layers=layers)
     monkeypatch.setattr(engine_mod, "MemoryProbe", lambda m, device: probe)
     off = offload_activations(model, budget=budget, backend="host-copy", min_tensor_bytes=1, profile_steps=1,
                               bandwidth_gbps=1000.0, **kw)
@@ -207,3 +207,44 @@ def test_a_budget_says_it_is_sizing_gpu_memory_until_its_plan_is_done(monkeypatc
     _train(model, off, 12)
     assert off.budget.state is BudgetState.DONE and _gpu_plan.sizing() == []
     off.close()
+
+
+class PlateauProbe(TrackedProbe):
+    """The step's peak set elsewhere (as a sharded strategy's gathered weights set it) up to ``level``: relaxing a
+    block adds nothing to the reading until the tracked bytes pass it."""
+
+    level = 0
+
+    def peak(self, base):
+        value = max(super().peak(base), self.level)
+        self.readings[-1] = (self.readings[-1][0], value)
+        return value
+
+
+def test_relaxing_steps_that_add_nothing_relax_more_blocks_at_once(monkeypatch):
+    from lightning_gh.activation_offload import controller as controller_mod
+
+    probe = TrackedProbe()
+    model, off, _ = _engine(monkeypatch, "64GiB", probe, layers=8)
+    _train(model, off, 20)
+    plain = max(v for m, v in probe.readings if m.kind is Kind.RELAX)  # about what keeping every block holds
+
+    def relax(one_at_a_time):
+        widths = []
+        widen = controller_mod.widen
+        monkeypatch.setattr(controller_mod, "widen", lambda r, mix, *a: (widths.append(r.width), widen(r, mix, *a))[1])
+        if one_at_a_time:
+            monkeypatch.setattr(controller_mod, "next_width", lambda width, added, overshot: 1)
+        probe = PlateauProbe()
+        probe.level = plain
+        model, off, _ = _engine(monkeypatch, int(plain * 1.2), probe, layers=8)
+        _train(model, off, 40)
+        b = off.budget
+        assert b.state is BudgetState.DONE and b.achieved_bytes <= b.budget_bytes
+        assert all(v <= b.budget_bytes for m, v in probe.readings if m.kind is not Kind.RELAX)
+        return widths, sum(m.kind is Kind.RELAX for m, _ in probe.readings)
+
+    widths, steps = relax(one_at_a_time=False)
+    assert max(widths) >= 4, widths  # doubled while the reading stayed at the plateau
+    _, steps_one = relax(one_at_a_time=True)
+    assert steps < steps_one, (steps, steps_one)

@@ -9,8 +9,9 @@ The controller moves through :class:`BudgetState`. ``MEASURE`` walks the measuri
 a warm-up step, a step with no engine effect at all (the reference of a fraction budget), ``profile_steps`` plain
 steps, the lean loss's step where it is weighed, one step per recompute mode with every block in it; a size budget's
 :func:`floor_schedule` starts from the floor instead). The planner of :mod:`lightning_gh.activation_offload.budget`
-then picks the plan; ``RELAX`` walks a size budget from the floor to it block by block (planning again from the
-measurement where it ends well under the budget: :func:`~.measure.retarget`); ``CORRECT`` measures planned steps and
+then picks the plan; ``RELAX`` walks a size budget from the floor to it block by block, more blocks a step while
+steps add nothing (:func:`~.measure.widen`; planning again from the measurement where it ends well under the
+budget: :func:`~.measure.retarget`); ``CORRECT`` measures planned steps and
 corrects the overhead estimate (at most two rounds); ``DONE`` keeps the plan. On a ``torch.compile``'d model
 ``COMPILED_MEASURE`` measures one compiled step, ``COMPILED`` has handed the budget to the compiler's own knob.
 
@@ -33,24 +34,30 @@ from typing import Any, Callable
 from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload import budget as _budget
 from lightning_gh.activation_offload.measure import (
+    MAX_CORRECTIONS,
     MAX_OVERSHOOTS,
+    WITHIN,
     CompilerKnob,
+    Correction,
     Kind,
     Measure,
     MemoryProbe,
     Observation,
     Relaxation,
     block0_ms,
+    correction,
     device_allows,
     fill_step,
     floor_costs,
     floor_mode,
     floor_schedule,
     measuring_schedule,
+    next_width,
     relax_end,
     relax_guard,
     retarget,
     sample_copy_points,
+    widen,
 )
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import (
@@ -63,37 +70,10 @@ from lightning_gh.activation_offload.policy import (
     simulate,
 )
 
-__all__ = ["BudgetController", "BudgetState", "Correction", "Kind", "Measure", "MemoryProbe", "Observation",
-           "correction", "floor_schedule", "measuring_schedule"]
+__all__ = ["MAX_CORRECTIONS", "WITHIN", "BudgetController", "BudgetState", "Correction", "Kind", "Measure",
+           "MemoryProbe", "Observation", "correction", "floor_schedule", "measuring_schedule"]
 
 log = logging.getLogger(__name__)
-
-#: Correction rounds after the first planned step: the overhead estimate is corrected at most this often.
-MAX_CORRECTIONS = 2
-#: A planned step's activation memory is "within the budget" from this share of it up to the budget itself.
-WITHIN = 0.95
-
-
-class Correction(enum.Enum):
-    """What a measured planned step means for the plan (see :func:`correction`)."""
-
-    WITHIN = "within"  # the step's activation memory is within the budget: keep the plan
-    LAST_ROUND = "last-round"  # off the budget, but the correction rounds are spent: keep the plan
-    REPLAN = "replan"  # off the budget: correct the overhead estimate by the error and plan again
-
-
-def correction(achieved_bytes: int, budget_bytes: int, round: int) -> Correction:
-    """The decision after a planned step of correction round ``round`` measured ``achieved_bytes``.
-
-    Example::
-
-        >>> correction(96, 100, 0), correction(120, 100, 0), correction(120, 100, MAX_CORRECTIONS)
-        (<Correction.WITHIN: 'within'>, <Correction.REPLAN: 'replan'>, <Correction.LAST_ROUND: 'last-round'>)
-    """
-    if WITHIN * budget_bytes <= achieved_bytes <= budget_bytes:
-        return Correction.WITHIN
-    return Correction.LAST_ROUND if round >= MAX_CORRECTIONS else Correction.REPLAN
-
 
 class BudgetState(enum.Enum):
     """Where the controller stands."""
@@ -512,10 +492,12 @@ class BudgetController:
                 continue
             step = (mix, replace(plan, lean_loss=self.lean), fc)
             if r.measured + relax_guard(r, r.target[i]) <= self.budget_bytes:
+                wide = widen(r, mix, self.budget_bytes, room, lambda m: _budget.evaluate(r.bp, m, d2h, h2d, margin))
+                step = step if wide is None else (wide[0], replace(wide[1], lean_loss=self.lean), wide[2])
                 r.pending, r.past_guard, r.filling = step, False, False
                 return r.pending
             held_back = held_back or step
-        if held_back is not None and len(r.skipped) < MAX_OVERSHOOTS:
+        if held_back is not None and r.overshoots < MAX_OVERSHOOTS:
             r.pending, r.past_guard, r.filling = held_back, True, False
             return r.pending
         fill = fill_step(r, self.budget_bytes, room, lambda mix: _budget.evaluate(r.bp, mix, d2h, h2d, margin))
@@ -534,15 +516,23 @@ class BudgetController:
                          "activation_budget/achieved_gib": measured / 2**30,
                          "activation_budget/predicted_gib": (fc.activation_bytes + r.correction) / 2**30,
                          "activation_budget/target_gib": self.budget_bytes / 2**30})
-        i = next(j for j, (a, b) in enumerate(zip(mix, r.current)) if a != b)
-        if measured > r.measured and not r.filling:  # what such a step adds (a finer step is not one)
+        changed = [j for j, (a, b) in enumerate(zip(mix, r.current)) if a != b]
+        i = changed[0]
+        if measured > r.measured and not r.filling and len(changed) == 1:  # what such a step adds (not a finer one)
             r.step_bytes[mix[i]] = max(r.step_bytes.get(mix[i], 0), measured - r.measured)
+        if measured > self.budget_bytes and len(changed) > 1:  # undone; its blocks are tried one at a time
+            r.wide_overshoot, r.width = True, 1
+            log.info("ActivationOffload budget: relaxing step %d (blocks %s) measured %s, above the budget of %s; "
+                     "undone", r.steps, changed, fmt_bytes(measured), fmt_bytes(self.budget_bytes))
+            return
         if measured > self.budget_bytes:  # undone: the block keeps its choice and is not tried again
             r.skipped.add(i)
             log.info("ActivationOffload budget: relaxing step %d (block %d%s) measured %s, above the budget of %s; "
                      "undone", r.steps, i, ", past the guard" if r.past_guard else "", fmt_bytes(measured),
                      fmt_bytes(self.budget_bytes))
             return
+        if not r.filling:
+            r.width = next_width(r.width, measured - r.measured, r.wide_overshoot)
         r.current, r.measured, r.correction = mix, measured, measured - fc.activation_bytes
         if r.filling:  # a finer step is part of the plan now; the next forward's _relax_next goes on or ends
             r.target[i], r.fills = mix[i], r.fills + 1

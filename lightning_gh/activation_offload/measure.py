@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -27,9 +27,37 @@ from lightning_gh._util import local_tensor
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile, ModeCost
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
-__all__ = ["FILL_FRACTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "CompilerKnob", "Kind", "Measure", "MemoryProbe",
-           "Observation", "Relaxation", "block0_ms", "device_allows", "fill_step", "floor_costs", "floor_mode",
-           "floor_schedule", "measuring_schedule", "relax_end", "relax_guard", "sample_copy_points", "sample_guard"]
+__all__ = ["FILL_FRACTIONS", "MAX_CORRECTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "MAX_WIDTH", "WITHIN", "CompilerKnob", "Correction", "Kind", "Measure",
+           "MemoryProbe", "Observation", "Relaxation", "block0_ms", "correction", "device_allows", "fill_step", "floor_costs",
+           "floor_mode", "floor_schedule", "measuring_schedule", "next_width", "relax_end", "relax_guard",
+           "sample_copy_points", "sample_guard", "widen"]
+
+
+#: Correction rounds after the first planned step: the overhead estimate is corrected at most this often.
+MAX_CORRECTIONS = 2
+#: A planned step's activation memory is "within the budget" from this share of it up to the budget itself.
+WITHIN = 0.95
+
+
+class Correction(enum.Enum):
+    """What a measured planned step means for the plan (see :func:`correction`)."""
+
+    WITHIN = "within"  # the step's activation memory is within the budget: keep the plan
+    LAST_ROUND = "last-round"  # off the budget, but the correction rounds are spent: keep the plan
+    REPLAN = "replan"  # off the budget: correct the overhead estimate by the error and plan again
+
+
+def correction(achieved_bytes: int, budget_bytes: int, round: int) -> Correction:
+    """The decision after a planned step of correction round ``round`` measured ``achieved_bytes``.
+
+    Example::
+
+        >>> correction(96, 100, 0), correction(120, 100, 0), correction(120, 100, MAX_CORRECTIONS)
+        (<Correction.WITHIN: 'within'>, <Correction.REPLAN: 'replan'>, <Correction.LAST_ROUND: 'last-round'>)
+    """
+    if WITHIN * budget_bytes <= achieved_bytes <= budget_bytes:
+        return Correction.WITHIN
+    return Correction.LAST_ROUND if round >= MAX_CORRECTIONS else Correction.REPLAN
 
 
 class Kind(enum.Enum):
@@ -290,6 +318,13 @@ class Relaxation:
     retargets: int = 0  # times planned again on reaching a plan (see :func:`retarget`)
     filling: bool = False  # the pending step is a finer one of :func:`fill_step`
     fills: int = 0  # finer steps kept
+    width: int = 1  # the most blocks the next relaxing step relaxes at once (:func:`widen`, :func:`next_width`)
+    wide_overshoot: bool = False  # a step of several blocks measured above the budget (then widening ended)
+
+    @property
+    def overshoots(self) -> int:
+        """Relaxing steps that measured above the budget (each undone)."""
+        return len(self.skipped) + self.wide_overshoot
 
     @property
     def block_bytes(self) -> int:
@@ -343,6 +378,70 @@ def relax_guard(r: Relaxation, choice: tuple[str | None, float]) -> int:
         (1, 9, 9)
     """
     return r.step_bytes.get(choice, sample_guard(r, choice))
+
+
+#: The most blocks one relaxing step relaxes at once (:func:`widen`).
+MAX_WIDTH = 8
+
+
+def next_width(width: int, added: int, overshot: bool) -> int:
+    """How many blocks the relaxing step after a kept one may relax: twice as many as ``width`` while the kept step
+    ``added`` nothing to the measured activation memory (the step's peak is set elsewhere, as when a sharded
+    strategy's gathered weights set it), one after a step that added memory, and one for good once a step of
+    several blocks measured above the budget (``overshot``).
+
+    Example::
+
+        >>> next_width(1, 0, False), next_width(4, 0, False), next_width(8, 0, False), next_width(4, 10, False)
+        (2, 8, 8, 1)
+        >>> next_width(4, 0, True)
+        1
+    """
+    return 1 if overshot or added > 0 else min(2 * width, MAX_WIDTH)
+
+
+def widen(r: Relaxation, mix: list[tuple[str | None, float]], budget: int, room: int | None,
+          evaluate: Callable[[list[tuple[str | None, float]]], tuple[Any, BudgetForecast]]
+          ) -> tuple[list[tuple[str | None, float]], Any, BudgetForecast] | None:
+    """``mix`` (one block relaxed beyond ``r.current``) with up to ``r.width - 1`` more blocks relaxed to their
+    planned choices, in block order: each block added only where the planner's model corrected by the current
+    measurement (``evaluate`` then ``r.correction``) keeps the mix within ``budget``, where the current measurement
+    plus what the first block is expected to add (:func:`relax_guard`) plus every further block's samples' bound
+    (:func:`sample_guard`) stays within ``budget`` (so that a wide step is no likelier to measure above it than a
+    step of one block), and where ``room`` (the activation memory the device can hold; ``None``: unknown, as on a
+    CPU) holds the current measurement plus every relaxed block's samples' bound at once (:func:`device_allows`
+    summed). ``None`` when no block could be added. A step of several blocks that measures above the budget anyway
+    is undone without holding its blocks back, and the relaxation goes on one block at a time (:func:`next_width`).
+
+    Example::
+
+        >>> r = Relaxation(None, [("k", 0.0)] * 3, [("f", 1.0)] * 3, 0, mode_bytes={"k": 4}, width=2)
+        >>> fits = lambda mix: (None, BudgetForecast(sum(4 for m in mix if m[0] == "k"), 0.0, 0.0, 0.0, 0.0))
+        >>> widen(r, [("k", 0.0), ("f", 1.0), ("f", 1.0)], 10, None, fits)[0]
+        [('k', 0.0), ('k', 0.0), ('f', 1.0)]
+        >>> widen(r, [("k", 0.0), ("f", 1.0), ("f", 1.0)], 10, 7, fits) is None  # the device holds one block more
+        True
+        >>> widen(r, [("k", 0.0), ("f", 1.0), ("f", 1.0)], 7, None, fits) is None  # two blocks' bound over the budget
+        True
+    """
+    changed = [i for i, (a, b) in enumerate(zip(mix, r.current)) if a != b]
+    held = sum(sample_guard(r, mix[i]) for i in changed)  # what the device must hold at once
+    expected = relax_guard(r, mix[changed[0]]) + held - sample_guard(r, mix[changed[0]])  # what it may add
+    out = None
+    for j in range(len(mix)):
+        if len(changed) >= r.width:
+            break
+        if j in changed or j in r.skipped or mix[j] == r.target[j]:
+            continue
+        wider = [r.target[j] if k == j else c for k, c in enumerate(mix)]
+        plan, fc = evaluate(wider)
+        g = sample_guard(r, r.target[j])
+        if fc.activation_bytes + r.correction > budget or r.measured + expected + g > budget or \
+                (room is not None and r.measured + held + g > room):
+            continue
+        mix, held, expected, out = wider, held + g, expected + g, (wider, plan, fc)
+        changed.append(j)
+    return out
 
 
 def device_allows(r: Relaxation, choice: tuple[str | None, float], room: int | None) -> bool:
@@ -419,7 +518,7 @@ def fill_step(r: Relaxation, budget: int, room: int | None,
         >>> fill_step(r, 100, None, ev) is None  # within the band already
         True
     """
-    if r.measured >= RETARGET_BELOW * budget or len(r.skipped) >= MAX_OVERSHOOTS or r.fills >= MAX_FILLS:
+    if r.measured >= RETARGET_BELOW * budget or r.overshoots >= MAX_OVERSHOOTS or r.fills >= MAX_FILLS:
         return None
     aim = (1 + RETARGET_BELOW) / 2 * budget - r.measured
     found = []
@@ -461,7 +560,7 @@ def relax_end(r: Relaxation) -> str:
     if not left:
         return "the plan is reached" + f" (planned {r.retargets} more time(s) from the measurement)" * \
             (r.retargets > 0) + fills
-    if all(i in r.skipped for i in left) or len(r.skipped) >= MAX_OVERSHOOTS:
+    if all(i in r.skipped for i in left) or r.overshoots >= MAX_OVERSHOOTS:
         return "relaxing steps measured above the budget" + fills
     return "the next block's plan would not fit" + fills
 

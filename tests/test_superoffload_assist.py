@@ -20,8 +20,16 @@ from lightning_gh.superoffload.worker import take_shared
 @pytest.mark.parametrize("speculative,rollback", [(False, "auto"), (True, "auto"), (True, "copy")])
 def test_assisted_updates_match_torch_adamw_bitwise(speculative, rollback):
     ref_model, ref_opt, clipped = train_reference()
-    model, opt = train_ours(speculative=speculative, rollback=rollback, device_assist=True, gpu_fraction=0.0,
-                            force_speculation=True)
+    # Buckets are shared only in a run whose step decision is known when the CPU worker reaches it, which the
+    # threads' timing decides (on a loaded machine every run can be speculated before its decision): trained again,
+    # each run checked bitwise, until the GPU's worker took part.
+    for _ in range(5):
+        model, opt = train_ours(speculative=speculative, rollback=rollback, device_assist=True, gpu_fraction=0.0,
+                                force_speculation=True)
+        if opt.stats["assisted_buckets"] > 0:
+            break
+        assert_same(ref_model, ref_opt, model, opt)  # bitwise all the same
+        opt.close()
     assert 0 < clipped < STEPS - 1
     assert opt.stats["assisted_buckets"] > 0  # the GPU's worker took part
     assert 0 < opt.stats["assisted_numel"]

@@ -476,7 +476,8 @@ class BudgetController:
         self.state = BudgetState.RELAX
 
     def _relax_next(self) -> tuple[list[tuple[str | None, float]], OffloadPlan, _budget.BudgetForecast] | None:
-        """The next mix to measure: the current one with one more block at the plan's choice, if it is predicted to fit
+        """The next mix to measure: the current one with one more block at the plan's choice (more while steps add
+        nothing: :func:`~.measure.widen`), if it is predicted to fit
         the budget both ways (the planner's model corrected by the current mix's measurement, and the current
         measurement plus what such a block is expected to add, :func:`relax_guard`) and the device could hold the
         samples' bound on top (:func:`device_allows`); one held back by the guard alone is tried anyway while fewer
@@ -527,12 +528,13 @@ class BudgetController:
             return
         if measured > self.budget_bytes:  # undone: the block keeps its choice and is not tried again
             r.skipped.add(i)
+            r.width = 1
             log.info("ActivationOffload budget: relaxing step %d (block %d%s) measured %s, above the budget of %s; "
                      "undone", r.steps, i, ", past the guard" if r.past_guard else "", fmt_bytes(measured),
                      fmt_bytes(self.budget_bytes))
             return
-        if not r.filling:
-            r.width = next_width(r.width, measured - r.measured, r.wide_overshoot)
+        if not r.filling or measured > r.measured:  # a finer step that added memory ends a plateau too
+            r.width = 1 if r.filling else next_width(r.width, measured - r.measured, r.wide_overshoot)
         r.current, r.measured, r.correction = mix, measured, measured - fc.activation_bytes
         if r.filling:  # a finer step is part of the plan now; the next forward's _relax_next goes on or ends
             r.target[i], r.fills = mix[i], r.fills + 1

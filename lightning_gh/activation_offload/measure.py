@@ -27,10 +27,10 @@ from lightning_gh._util import local_tensor
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile, ModeCost
 from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
-__all__ = ["FILL_FRACTIONS", "MAX_CORRECTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "MAX_WIDTH", "WITHIN", "CompilerKnob", "Correction", "Kind", "Measure",
-           "MemoryProbe", "Observation", "Relaxation", "block0_ms", "correction", "device_allows", "fill_step", "floor_costs",
-           "floor_mode", "floor_schedule", "measuring_schedule", "next_width", "relax_end", "relax_guard",
-           "sample_copy_points", "sample_guard", "widen"]
+__all__ = ["FILL_FRACTIONS", "MAX_CORRECTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "MAX_WIDTH", "WITHIN", "CompilerKnob",
+           "Correction", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "correction",
+           "device_allows", "fill_step", "floor_costs", "floor_mode", "floor_schedule", "measuring_schedule",
+           "next_width", "relax_end", "relax_guard", "sample_copy_points", "sample_guard", "widen"]
 
 
 #: Correction rounds after the first planned step: the overhead estimate is corrected at most this often.
@@ -333,9 +333,9 @@ class Relaxation:
 
 
 #: Relaxing steps of a size budget that may measure above the budget before the relaxation ends. Each such step is
-#: undone (its block keeps its choice); while there are any left, a block that :func:`relax_guard` holds back but
-#: the planner's corrected model and :func:`device_allows` let through is tried, since most relaxing steps add far
-#: less than the most one added.
+#: undone (a block of one keeps its choice; a step of several, see :func:`widen`, counts once and ends widening);
+#: while there are any left, a block that :func:`relax_guard` holds back but the planner's corrected model and
+#: :func:`device_allows` let through is tried, since most relaxing steps add far less than the most one added.
 MAX_OVERSHOOTS = 2
 
 
@@ -406,8 +406,8 @@ def widen(r: Relaxation, mix: list[tuple[str | None, float]], budget: int, room:
     """``mix`` (one block relaxed beyond ``r.current``) with up to ``r.width - 1`` more blocks relaxed to their
     planned choices, in block order: each block added only where the planner's model corrected by the current
     measurement (``evaluate`` then ``r.correction``) keeps the mix within ``budget``, where the current measurement
-    plus what the first block is expected to add (:func:`relax_guard`) plus every further block's samples' bound
-    (:func:`sample_guard`) stays within ``budget`` (so that a wide step is no likelier to measure above it than a
+    plus what the first block is expected to add (:func:`relax_guard`) plus every further block's bound (the larger
+    of :func:`relax_guard` and :func:`sample_guard`) stays within ``budget`` (so that a wide step is no likelier to measure above it than a
     step of one block), and where ``room`` (the activation memory the device can hold; ``None``: unknown, as on a
     CPU) holds the current measurement plus every relaxed block's samples' bound at once (:func:`device_allows`
     summed). ``None`` when no block could be added. A step of several blocks that measures above the budget anyway
@@ -435,11 +435,11 @@ def widen(r: Relaxation, mix: list[tuple[str | None, float]], budget: int, room:
             continue
         wider = [r.target[j] if k == j else c for k, c in enumerate(mix)]
         plan, fc = evaluate(wider)
-        g = sample_guard(r, r.target[j])
-        if fc.activation_bytes + r.correction > budget or r.measured + expected + g > budget or \
+        g, e = sample_guard(r, r.target[j]), max(relax_guard(r, r.target[j]), sample_guard(r, r.target[j]))
+        if fc.activation_bytes + r.correction > budget or r.measured + expected + e > budget or \
                 (room is not None and r.measured + held + g > room):
             continue
-        mix, held, expected, out = wider, held + g, expected + g, (wider, plan, fc)
+        mix, held, expected, out = wider, held + g, expected + e, (wider, plan, fc)
         changed.append(j)
     return out
 

@@ -51,7 +51,9 @@ Usage (on a machine with 2 or 4 GPUs)::
 steps, the median absorbs its profiler overhead) and writes ``trace-<variant>.json``, the step's GPU time by stream,
 kernel, copy and idle gap (:func:`trace_summary.trace_summary`), with the raw trace as ``trace-<variant>.json.gz``
 where it is small enough; with two or more variants traced, ``trace-compare.md`` sets them side by side against the
-anchor. Exporting and reading a large model's trace takes its time: allow for it in ``--timeout``.
+anchor. ``--trace-ranks 0 1`` profiles the same step on rank 1 too (``trace-<variant>-rank1.json``, set beside rank
+0's in ``trace-compare.md``): two ranks' idle times side by side show which rank the collectives wait for.
+Exporting and reading a large model's trace takes its time: allow for it in ``--timeout``.
 
 The variant's child is ``multi_gpu_job.py --child <json> --child-out <file>``; Lightning's "popen" launcher re-runs
 it for the other ranks. Every rank writes ``<file>.rank<r>.json``; rank 0 also writes the row to ``<file>``.
@@ -145,7 +147,8 @@ class MJob(Shape):
     max_gpu_fraction: float | None = None  # SuperOffload's option, for the *_lean variants
     weights_first: bool = True  # SuperOffload's option, False for the *_onepass variants
     cpu_threads: int | None = None  # SuperOffload's option (--cpu-threads), for every superoffload variant
-    trace: bool = False  # profile one timed step on rank 0 (trace_step)
+    trace: bool = False  # profile one timed step (trace_step) on the ranks of trace_ranks
+    trace_ranks: tuple[int, ...] = (0,)  # --trace-ranks (rank r > 0 writes trace-<variant>-rank<r>.json)
     act_budget: str | None = None  # ActivationOffload's budget, for the *_budget variants
 
 
@@ -376,7 +379,7 @@ def _child(job: MJob, out_file: Path) -> None:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_cap_gib * 2**30 / total), dev)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
-            if job.trace and trainer.global_rank == 0:
+            if job.trace and trainer.global_rank in job.trace_ranks:
                 self.tracer = StepTracer(trace_step(job), cuda)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -447,6 +450,11 @@ def _child(job: MJob, out_file: Path) -> None:
     mine["optimizer"] = {"type": type(opt).__name__ if opt is not None else None, "timed_steps": len(timed) - 1,
                          "cpu_threads": getattr(opt, "cpu_threads", None), "local_params": local,
                          "stats": clock.stats1, "timed_delta": delta}
+    if clock.tracer is not None and rank != 0:  # another rank's profile of the same step, under its own name
+        try:
+            clock.tracer.analyze(out_file.parent, f"{job.variant}-rank{rank}")
+        except Exception as e:
+            print(f"trace {job.variant} rank {rank}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     rank_file = Path(f"{out_file}.rank{rank}.json")
     rank_file.write_text(json.dumps(mine, default=str))
     if rank != 0:
@@ -500,7 +508,7 @@ def run_variant(job: MJob, out: Path, timeout_s: float, grace_s: float = 30.0) -
     for stale in out.glob(out_file.name + "*"):
         stale.unlink()
     if job.trace:
-        for stale in out.glob(f"trace-{job.variant}.*"):
+        for stale in [*out.glob(f"trace-{job.variant}.*"), *out.glob(f"trace-{job.variant}-rank*")]:
             stale.unlink()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(asdict(job)), "--child-out",
            str(out_file)]
@@ -730,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="profile one timed step per variant on rank 0: trace-<variant>.json (and .json.gz), "
                          "trace-compare.md over the variants traced")
+    ap.add_argument("--trace-ranks", type=int, nargs="+", default=[0],
+                    help="the ranks that profile the traced step (--trace); another rank's summary is "
+                         "trace-<variant>-rank<r>.json, compared beside rank 0's")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder of the JSON lines and logs")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -769,6 +780,7 @@ def main(argv: list[str] | None = None) -> int:
                        checkpointing=not args.no_checkpointing, gpu_cap_gib=args.gpu_cap_gib,
                        max_gpu_fraction=args.lean_gpu_fraction if "_lean" in v else None,
                        weights_first=not v.endswith("_onepass"), cpu_threads=args.cpu_threads, trace=args.trace,
+                       trace_ranks=tuple(args.trace_ranks),
                        act_budget=args.act_budget if VARIANTS[v].budget else None)
         left = args.wall_budget - (time.perf_counter() - t_start) if args.wall_budget else args.timeout
         why = None if args.no_fit_check else fsdp_fit_reason(v, params_of(job), devices, gpu_bytes)
@@ -787,8 +799,9 @@ def main(argv: list[str] | None = None) -> int:
     report = f"anchor: {anchor}\n\n" + table(rows, anchor) + "\n\n" + forecast_text(rows, batch, seq)
     print(report)
     (out / "multi_gpu_job.md").write_text(report + "\n")
-    traced = [(v, json.loads((out / f"trace-{v}.json").read_text())) for v in variants
-              if args.trace and (out / f"trace-{v}.json").exists()]
+    names = [n for v in variants for n in [v] + [f"{v}-rank{r}" for r in sorted(set(args.trace_ranks)) if r != 0]]
+    traced = [(n, json.loads((out / f"trace-{n}.json").read_text())) for n in names
+              if args.trace and (out / f"trace-{n}.json").exists()]
     if len(traced) >= 2:
         traced.sort(key=lambda t: t[0] != anchor)  # the anchor first, if traced
         text = compare_markdown(traced)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
+from test_activation_offload import CPU, _deterministic  # the engine suite's CPU options and GPU determinism
 from test_superoffload_fsdp import run_ranks
 
 from lightning_gh import ActivationOffload
@@ -24,7 +25,6 @@ from lightning_gh.demo import LlamaLM, MarkovDataModule
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
-CPU = dict(backend="host-copy", min_tensor_bytes=1024)  # a host copy stands for the GPU's link
 STEPS = 18  # the budget's way: warm-up, measuring steps, plan, correction
 TIMEOUT_S = 180
 
@@ -259,16 +259,3 @@ def test_gpu_fsdp2_offload_and_recompute_match_plain_bitwise():
             assert off.stats.forwards == 1
     finally:
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _deterministic():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        torch.use_deterministic_algorithms(old)

@@ -533,8 +533,10 @@ class BudgetController:
                      "undone", r.steps, i, ", past the guard" if r.past_guard else "", fmt_bytes(measured),
                      fmt_bytes(self.budget_bytes))
             return
-        if not r.filling or measured > r.measured:  # a finer step that added memory ends a plateau too
-            r.width = 1 if r.filling else next_width(r.width, measured - r.measured, r.wide_overshoot)
+        if not r.filling:
+            r.width = next_width(r.width, measured - r.measured, r.wide_overshoot)
+        elif measured > r.measured:  # a finer step that added memory ends a plateau too
+            r.width = 1
         r.current, r.measured, r.correction = mix, measured, measured - fc.activation_bytes
         if r.filling:  # a finer step is part of the plan now; the next forward's _relax_next goes on or ends
             r.target[i], r.fills = mix[i], r.fills + 1

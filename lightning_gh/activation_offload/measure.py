@@ -407,10 +407,10 @@ def widen(r: Relaxation, mix: list[tuple[str | None, float]], budget: int, room:
     planned choices, in block order: each block added only where the planner's model corrected by the current
     measurement (``evaluate`` then ``r.correction``) keeps the mix within ``budget``, where the current measurement
     plus what the first block is expected to add (:func:`relax_guard`) plus every further block's bound (the larger
-    of :func:`relax_guard` and :func:`sample_guard`) stays within ``budget`` (so that a wide step is no likelier to measure above it than a
-    step of one block), and where ``room`` (the activation memory the device can hold; ``None``: unknown, as on a
-    CPU) holds the current measurement plus every relaxed block's samples' bound at once (:func:`device_allows`
-    summed). ``None`` when no block could be added. A step of several blocks that measures above the budget anyway
+    of :func:`relax_guard` and :func:`sample_guard`) stays within ``budget`` (so that a wide step is no likelier to
+    measure above it than a step of one block), and where ``room`` (the activation memory the device can hold;
+    ``None``: unknown, as on a CPU) holds the current measurement plus every relaxed block's samples' bound at once
+    (:func:`device_allows` summed). ``None`` when no block could be added. A step of several blocks that measures above the budget anyway
     is undone without holding its blocks back, and the relaxation goes on one block at a time (:func:`next_width`).
 
     Example::
@@ -424,9 +424,9 @@ def widen(r: Relaxation, mix: list[tuple[str | None, float]], budget: int, room:
         >>> widen(r, [("k", 0.0), ("f", 1.0), ("f", 1.0)], 7, None, fits) is None  # two blocks' bound over the budget
         True
     """
-    changed = [i for i, (a, b) in enumerate(zip(mix, r.current)) if a != b]
-    held = sum(sample_guard(r, mix[i]) for i in changed)  # what the device must hold at once
-    expected = relax_guard(r, mix[changed[0]]) + held - sample_guard(r, mix[changed[0]])  # what it may add
+    changed = [i for i, (a, b) in enumerate(zip(mix, r.current)) if a != b]  # the one block ``mix`` relaxes
+    held = sample_guard(r, mix[changed[0]])  # what the device must hold at once
+    expected = relax_guard(r, mix[changed[0]])  # what the step may add to the measurement
     out = None
     for j in range(len(mix)):
         if len(changed) >= r.width:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_gh._host import HostBuffer
+from lightning_gh._util import local_tensor
 from lightning_gh.superoffload.cpu_adamw import _TAIL as _UNIT  # torch's fused CPU AdamW's unit of work
 from lightning_gh.superoffload.options import SuperOffloadOptions
 
@@ -303,8 +304,7 @@ class HostUnit:
 
 def local_rows(p: torch.Tensor) -> torch.Tensor:
     """The DTensor's local rows, as the tensor FSDP2 all-gathers from (fetched each time: FSDP2 may re-point it)."""
-    with torch.no_grad():
-        return p.to_local()
+    return local_tensor(p)
 
 
 def host_dtensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,12 @@ def test_options_budget_validation():
         ActivationOffloadOptions(budget=0.5, policy="all")
     with pytest.raises(ValueError, match="recompute='full'"):
         ActivationOffload(budget=0.5, recompute="full")
+    assert ActivationOffloadOptions(budget="6GiB", budget_offload=False).budget_offload is False
+    with pytest.raises(ValueError, match="budget_offload=False decides whether a budget's plan may offload; there is "
+                                         "no budget"):
+        ActivationOffloadOptions(budget_offload=False)
+    with pytest.raises(TypeError, match="budget_offload"):
+        ActivationOffload(budget="6GiB", budget_offload="no")
 
 
 # ------------------------------------------------------------------------------------------ planner
@@ -232,6 +238,41 @@ def test_hf_budget_plan_mixes_recompute_and_offload_losses_bitwise():
     assert e.plan.offloaded_blocks and (modes - {None}), e.plan.describe()  # offload and recompute both used
     assert b.achieved_bytes <= b.budget_bytes * 1.05  # the goal: within 5%
     assert torch.equal(plain, ours), (plain - ours).abs().max()
+
+
+def test_hf_budget_beside_superoffload_recomputes_only_losses_bitwise(caplog):
+    """SuperOffload updates on the host CPU: the budget's plan offloads nothing (the host's memory is its update's),
+    reaches the budget by recomputing, trains bitwise as SuperOffload alone, and says so in one line; with
+    budget_offload=True it may offload all the same."""
+    from lightning_gh import SuperOffloadStrategy
+
+    def fit(callbacks):
+        module = HFModule()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=9, precision="32-true", logger=False,
+                            strategy=SuperOffloadStrategy(gpu_fraction=0.0), enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                            deterministic=True)
+        trainer.fit(module, _data())
+        assert trainer.optimizers[0].updates_on_host
+        return torch.stack(module.losses)
+
+    plain = fit([])
+    cb = ActivationOffload(budget=0.5, backend="host-copy", min_tensor_bytes=1, profile_steps=1,
+                           bandwidth_gbps=1000.0)
+    with caplog.at_level(logging.INFO):
+        ours = fit([cb])
+    e, b = cb.engine, cb.engine.budget
+    assert cb.options.budget_offload is None and e.options.budget_offload is False
+    assert b.forecast is not None and b.achieved_bytes <= b.budget_bytes * 1.05
+    assert not e.plan.offloaded_blocks and e.plan.recompute, e.plan.describe()
+    assert sum("the plan recomputes and offloads nothing (budget_offload=False), since HeterogeneousAdamW "
+               "updates parameters on the host CPU" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(plain, ours), (plain - ours).abs().max()
+    # offload allowed: on this fast link a lower budget's plan offloads (as without SuperOffload, above)
+    cb = ActivationOffload(budget=0.3, backend="host-copy", min_tensor_bytes=1, profile_steps=1,
+                           bandwidth_gbps=1000.0, budget_offload=True)
+    assert torch.equal(plain, fit([cb]))
+    assert cb.engine.options.budget_offload is True and cb.engine.plan.offloaded_blocks, cb.engine.plan.describe()
 
 
 def test_hf_budget_plain_offload_activations_loop():

@@ -121,6 +121,35 @@ def test_size_budget_below_the_floor_is_refused_after_the_floor_warmup(monkeypat
     assert off.budget.state is BudgetState.FAILED
 
 
+def test_size_budget_without_offload_plans_from_the_floor_with_nothing_offloaded(monkeypatch):
+    """budget_offload=False: the floor keeps the block inputs on the device, no measuring step but a one-block sample
+    offloads, and the plan reaches the budget by recomputing; a size below that floor is refused naming it."""
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, "1GiB", probe)
+    _train(model, off, 1)
+    floor = probe.readings[0][1]  # the floor with offload, from its warm-up
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, "1GiB", probe, budget_offload=False)
+    _train(model, off, 1)
+    kept_floor = probe.readings[0][1]
+    assert kept_floor > floor and not plans[0].offloaded_blocks and plans[0].recompute
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, kept_floor - 1, probe, budget_offload=False)
+    with pytest.raises(ValueError, match=r"below the floor of full recompute with nothing offloaded "
+                                         r"\(budget_offload=False\)"):
+        _train(model, off, 4)
+    probe = TrackedProbe()
+    model, off, plans = _engine(monkeypatch, int(kept_floor * 4.5), probe, budget_offload=False)  # room for a block
+    _train(model, off, 16)
+    b = off.budget
+    assert b.state is BudgetState.DONE and b.achieved_bytes <= b.budget_bytes
+    measured = [m.kind for m, _ in probe.readings]
+    assert all(not p.offloaded_blocks for p, k in zip(plans, measured) if k is not Kind.SAMPLE), \
+        [(p.policy, p.offloaded_blocks, k) for p, k in zip(plans, measured)]
+    assert Kind.RELAX in measured and not off.plan.offloaded_blocks and not _is_plain(off.plan)
+    assert set(off.plan.modes) - {"full"}, off.plan.describe()  # a block relaxed above the floor, none offloaded
+
+
 def test_fraction_whose_plain_step_would_not_fit_names_the_size_form(monkeypatch):
     probe = TrackedProbe(free=1)  # a device with no free memory left
     model, off, plans = _engine(monkeypatch, 0.5, probe)

@@ -302,7 +302,7 @@ def _module_run(rank: int, world: int, tmp: str, fraction: float | str = "auto",
     out = {"params": _full(model), "state": _full_state(opt), "stats": dict(opt.stats), "losses": losses,
            "sharded_at_wait": list(SpyAdamW.test_sharded_at_wait), "control": control,
            "host_numel": sum(u.state.tensor.numel() // 3 for u in opt._units if not u.on_device),
-           "device_units": opt.device_units, "released": released}
+           "device_units": opt.device_units, "released": released, "updates_on_host": opt.updates_on_host}
     opt.close()
 
     # resume on the same 2 ranks from the step-MID checkpoint
@@ -386,6 +386,7 @@ def test_two_ranks_equal_one_process_adamw_bitwise(module_runs):
         _assert_equals_reference(out, ref, rank)
     total = sum(p.numel() for p in ref["params"])
     assert sum(out["host_numel"] for out in module_runs["ranks"]) == total  # each rank holds its rows only
+    assert all(out["updates_on_host"] for out in module_runs["ranks"])
 
 
 @pytest.fixture(scope="module")
@@ -402,6 +403,7 @@ def test_gpu_share_equals_one_process_adamw_bitwise_and_resumes(share_runs, modu
     ref = module_runs["ref"]
     for rank, out in enumerate(share_runs):
         assert out["device_units"] == [0, 1] and out["resumed_device_units"] == [0, 1]
+        assert out["updates_on_host"]  # model[1]'s units stay on the host
         assert out["stats"]["weights_first"] is False and out["stats"]["writeback_ms"] == 0
         _assert_equals_reference(out, ref, rank)
         assert out["released"] == [False] * STEPS  # the device units' gradients stay in param.grad for step()

@@ -320,8 +320,9 @@ def plan_budget(
     floor = plan_floor(bp, d2h_gbps, h2d_gbps, margin, skip_last_blocks)
     if floor.activation_bytes > budget_bytes:
         raise ValueError(
-            f"budget={fmt_bytes(budget_bytes)} of activation memory is below the floor of full recompute plus "
-            f"offload, {fmt_bytes(floor.activation_bytes)} measured on this model and batch (the plain step needs "
+            f"budget={fmt_bytes(budget_bytes)} of activation memory is below the floor of full recompute"
+            f"{' plus offload' if eligible else ' (nothing offloaded)'}, {fmt_bytes(floor.activation_bytes)} measured "
+            "on this model and batch (the plain step needs "
             f"{fmt_bytes(act)}). Raise the budget to at least {fmt_bytes(floor.activation_bytes)}, or shrink "
             "the batch or sequence.")
     opts = [_options(bp, i, eligible) for i in range(n)]

@@ -13,7 +13,7 @@ the blocks the plan does not offload recompute in the backward (see :mod:`lightn
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Sequence
 
 import lightning as L
@@ -89,7 +89,8 @@ class ActivationOffload(L.Callback):
     Args:
         policy, min_tensor_bytes, blocks, skip_last_blocks, prefetch_blocks, max_inflight_blocks, margin,
         profile_steps, host_memory_fraction, backend, bandwidth_gbps, record_timeline, dedupe_casts,
-        recompute_param_casts, recompute, budget, lean_loss, causal_sdpa: the options, documented once in
+        recompute_param_casts, recompute, budget, lean_loss, budget_offload, causal_sdpa: the options, documented
+            once in
             :class:`ActivationOffloadOptions` (``profile_steps`` counts training batches here); they build
             ``options``.
         options: all of them as one :class:`ActivationOffloadOptions` instead (then pass no other option).
@@ -128,6 +129,7 @@ class ActivationOffload(L.Callback):
         recompute: str | None = None,
         budget: str | int | float | None = None,
         lean_loss: bool | None = None,
+        budget_offload: bool | None = None,
         causal_sdpa: bool = True,
         options: ActivationOffloadOptions | None = None,
     ) -> None:
@@ -139,7 +141,7 @@ class ActivationOffload(L.Callback):
             host_memory_fraction=host_memory_fraction, backend=backend, bandwidth_gbps=bandwidth_gbps,
             record_timeline=record_timeline, dedupe_casts=dedupe_casts,
             recompute_param_casts=recompute_param_casts, recompute=recompute, budget=budget,
-            lean_loss=lean_loss, causal_sdpa=causal_sdpa)
+            lean_loss=lean_loss, budget_offload=budget_offload, causal_sdpa=causal_sdpa)
         self.engine: ActivationOffloader | None = None
         self.plan: OffloadPlan | None = None
         self._restored: dict[str, Any] | None = None
@@ -177,7 +179,8 @@ class ActivationOffload(L.Callback):
             check_strategy(trainer.strategy)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.engine = ActivationOffloader(pl_module, options=self.options, on_plan=self._on_plan)
+        options = beside_optimizers(self.options, trainer.optimizers)
+        self.engine = ActivationOffloader(pl_module, options=options, on_plan=self._on_plan)
         if self.engine.enabled and self._restored is not None and self.policy == "auto" \
                 and (self.budget is None) == (self._restored.get("policy") != "budget"):
             self.engine.set_plan(_plan_from_dict(self._restored))
@@ -248,6 +251,30 @@ class ActivationOffload(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict.get("plan")
+
+
+def beside_optimizers(options: ActivationOffloadOptions, optimizers: Sequence[Any]) -> ActivationOffloadOptions:
+    """``options`` with ``budget_offload`` decided where the user left it to the run: ``False`` when a budget plans
+    beside an optimizer that updates parameters on the host CPU (its ``updates_on_host`` is true: SuperOffload's),
+    whose update the activation copies into host memory would slow; otherwise ``options`` unchanged.
+
+    >>> import torch
+    >>> opts = ActivationOffloadOptions(budget="8GiB")
+    >>> host = type("HostAdamW", (torch.optim.SGD,), {"updates_on_host": True})([torch.zeros(1)], lr=0.1)
+    >>> beside_optimizers(opts, [host]).budget_offload, beside_optimizers(opts, []).budget_offload
+    (False, None)
+    >>> beside_optimizers(ActivationOffloadOptions(budget="8GiB", budget_offload=True), [host]).budget_offload
+    True
+    """
+    if options.budget is None or options.budget_offload is not None:
+        return options
+    host = [type(o).__name__ for o in optimizers if getattr(o, "updates_on_host", False)]
+    if not host:
+        return options
+    rank_zero_info(f"ActivationOffload budget={options.budget!r}: the plan recomputes and offloads nothing "
+                   f"(budget_offload=False), since {host[0]} updates parameters on the host CPU and activation copies "
+                   "into host memory would slow its update. Pass budget_offload=True to offload all the same.")
+    return replace(options, budget_offload=False)
 
 
 def _plan_from_dict(d: dict[str, Any]) -> OffloadPlan:

@@ -50,6 +50,7 @@ from lightning_gh.activation_offload.measure import (
     fill_step,
     floor_costs,
     floor_mode,
+    floor_name,
     floor_schedule,
     measuring_schedule,
     next_width,
@@ -390,7 +391,7 @@ class BudgetController:
             f" ({self.budget.describe()}; the plain step measured {fmt_bytes(self.plain_activation_bytes)})"
         raise ValueError(
             f"ActivationOffload budget={self.options.budget!r}: {fmt_bytes(budget)}{of} of activation memory is below "
-            f"the floor of full recompute plus offload, which is at least {fmt_bytes(other)} on this model and batch: "
+            f"the floor of {floor_name(self.options)}, which is at least {fmt_bytes(other)} on this model and batch: "
             "what the step saves outside the transformer blocks (embedding, final norm, head and logits) stays "
             f"on the device under every plan. Raise the budget above {fmt_bytes(other)} (the exact floor is measured "
             f"in the next steps), or shrink the batch or sequence. Checked after {self._issued} step(s).")
@@ -405,7 +406,7 @@ class BudgetController:
         self.state = BudgetState.FAILED
         raise ValueError(
             f"ActivationOffload budget={self.options.budget!r}: {fmt_bytes(self.budget.bytes)} of activation memory "
-            f"is below the floor of full recompute plus offload, {fmt_bytes(floor)} measured on this model and batch "
+            f"is below the floor of {floor_name(self.options)}, {fmt_bytes(floor)} measured on this model and batch "
             f"(the warm-up step ran the floor). Raise the budget to at least {fmt_bytes(floor)}, or shrink the batch "
             f"or sequence. Checked after {self._issued} step(s), before any step above the floor.")
 

@@ -537,7 +537,10 @@ class ActivationOffloader(SavedTensorHooks):
     # ---------------------------------------------------------------------------------- measuring
 
     def _setup_budget(self) -> None:
-        self.budget = ctl = BudgetController(self.options, len(self.blocks), self._link_gbps, self._adopt,
+        # budget_offload=False: no block is eligible to offload, in the plan or at the floor
+        opts = self.options if self.options.budget_offload is not False else \
+            replace(self.options, skip_last_blocks=len(self.blocks))
+        self.budget = ctl = BudgetController(opts, len(self.blocks), self._link_gbps, self._adopt,
                                              MemoryProbe(self.model, self._device), self._lean_overhead_ms)
         owner = compiled_owner(self.model, self.blocks)
         if owner is not None:

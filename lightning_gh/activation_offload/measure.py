@@ -29,7 +29,7 @@ from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
 
 __all__ = ["FILL_FRACTIONS", "MAX_CORRECTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "MAX_WIDTH", "WITHIN", "CompilerKnob",
            "Correction", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "correction",
-           "device_allows", "fill_step", "floor_costs", "floor_mode", "floor_schedule", "measuring_schedule",
+           "device_allows", "fill_step", "floor_costs", "floor_mode", "floor_name", "floor_schedule", "measuring_schedule",
            "next_width", "relax_end", "relax_guard", "sample_copy_points", "sample_guard", "widen"]
 
 
@@ -173,6 +173,18 @@ def sample_copy_points(plan: OffloadPlan, n: int) -> dict[str, tuple[int, ...]]:
 def floor_mode(modes: tuple[str, ...]) -> str | None:
     """The recompute mode that keeps least of a block: full, else selective, else norm-act, else none."""
     return next((m for m in ("full", "selective", "norm-act") if m in modes), None)
+
+
+def floor_name(options: Any) -> str:
+    """What a budget's floor is made of, for its errors: with ``budget_offload=False`` nothing is offloaded.
+
+    >>> from lightning_gh.activation_offload import ActivationOffloadOptions
+    >>> floor_name(ActivationOffloadOptions(budget="1GiB")), floor_name(ActivationOffloadOptions(budget="1GiB",
+    ...                                                                  budget_offload=False))
+    ('full recompute plus offload', 'full recompute with nothing offloaded (budget_offload=False)')
+    """
+    return "full recompute with nothing offloaded (budget_offload=False)" if options.budget_offload is False \
+        else "full recompute plus offload"
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,9 @@ Note [ZeRO-3 step and the forward's wait]
        forward; the root module first) once the decision is known, then copies each unit's new master rows back
        into the parameters' local shards (on CUDA a thread of its own copies them, one piece queued at a time, and
        marks the unit ready after their event: Note [Paced weight copies] in :mod:`.paced_copy`; with the kernel,
-       in two passes: see Note [Weights first, state after] in :mod:`.weights_first`). Rows of bf16
-       parameters are cast on the host, into the unit's (pinned) gradient buffer, which the update has just read:
-       the next write into that buffer is the next backward's copy, which step 1 queues behind this copy's event.
+       in two passes: see Note [Weights first, state after] in :mod:`.weights_first`). Rows of bf16 parameters
+       are cast on the host, into the unit's (pinned) gradient buffer, which the update has just read: the next
+       write into that buffer is the next backward's copy, which step 1 queues behind this copy's event.
     4. The next forward: a forward pre-hook on every FSDP module, registered with ``prepend=True`` after
        ``fully_shard`` registered FSDP2's own pre-forward hook (which all-gathers the module's parameters), so it
        runs first, waits on the host for that unit to be ready, then makes FSDP2's all-gather streams and the
@@ -55,10 +55,9 @@ Note [ZeRO-3 step and the forward's wait]
        pre-forward. Where those streams cannot be read (:func:`~.fsdp_units.gather_streams`: before the root's
        first forward, or another torch's layout), the host waits for the copy instead. The CPU update of later
        units therefore overlaps the forward of earlier ones, and no all-gather can read a shard before its update
-       is in place. FSDP2's explicit forward prefetching
-       (``FSDPModule.set_modules_to_forward_prefetch``) all-gathers a later module from an earlier module's
-       pre-forward, before the later module's own hook runs; it is refused (see
-       :func:`~.fsdp_units.check_no_forward_prefetch`).
+       is in place. FSDP2's explicit forward prefetching (``FSDPModule.set_modules_to_forward_prefetch``)
+       all-gathers a later module from an earlier module's pre-forward, before the later module's own hook runs;
+       it is refused (see :func:`~.fsdp_units.check_no_forward_prefetch`).
 
     GPU share (``gpu_fraction=f``, a float): the fp32 master and moments of the first units in forward order,
     about ``f`` of the elements (:func:`~.fsdp_units.device_share`, over every rank's elements, so every rank
@@ -79,11 +78,10 @@ Note [ZeRO-3 step and the forward's wait]
 
 The state dict is ``torch.optim.AdamW``'s (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter, the moments as
 ``DTensor`` s sharded like their parameter, backed by the host buffers themselves, or by the device tensors of the
-GPU share), plus ``master`` (the fp32 master
-rows, sharded the same way) for the parameters that are not fp32: for fp32 parameters the master copy equals the
-parameter bit for bit and is re-derived from it. That is the format ``torch.distributed.checkpoint``'s
-``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and Lightning's ``ModelParallelStrategy`` save and load,
-at any number of ranks (DCP reshards).
+GPU share), plus ``master`` (the fp32 master rows, sharded the same way) for the parameters that are not fp32: for
+fp32 parameters the master copy equals the parameter bit for bit and is re-derived from it. That is the format
+``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and Lightning's
+``ModelParallelStrategy`` save and load, at any number of ranks (DCP reshards).
 """
 
 from __future__ import annotations
@@ -98,6 +96,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_gh._util import fmt_bytes
@@ -325,14 +324,17 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         self.stats["gpu_share_decision"] = text = share_decision(
             self._units, fmt_bytes(max(room, 0)) if measured else None, measured[1] if measured else None,
             bool(failed.item()))
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info  # Lightning's rank-0 logger
-
         rank_zero_info(text)
 
     @property
     def device_units(self) -> list[int]:
         """The units (indices in :func:`~.fsdp_units.fsdp_units` order) whose state lives on the device."""
         return [u.index for u in self._units if u.on_device]
+
+    @property
+    def updates_on_host(self) -> bool:
+        """Whether some units are updated on the host CPU (ActivationOffload's budget plans around it)."""
+        return not all(u.on_device for u in self._units)
 
     def _hook(self, unit: HostUnit) -> None:
         ref = weakref.ref(self)

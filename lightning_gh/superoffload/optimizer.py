@@ -83,7 +83,6 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
-from lightning_gh import hardware
 from lightning_gh.superoffload import memory
 from lightning_gh.superoffload.assist import DeviceAssist, assist_enabled
 from lightning_gh.superoffload.layout import (
@@ -118,16 +117,9 @@ from lightning_gh.superoffload.tail_mover import (
     update_device_tail,
 )
 from lightning_gh.superoffload.worker import CpuUpdater
-from lightning_gh.superoffload.zero import RankShard, current_group, rank_cpu_threads
+from lightning_gh.superoffload.zero import RankShard, current_group, default_cpu_threads
 
 __all__ = ["HeterogeneousAdamW"]
-
-def _default_cpu_threads(cuda: bool, shard_local_size: int | None) -> int:
-    if shard_local_size is not None:  # this rank's share of the host's CPUs
-        return rank_cpu_threads(cuda, shard_local_size)
-    # leave two CPUs to the training loop and the data loader's main thread
-    return max(1, hardware.cpus_available() - 2) if cuda else torch.get_num_threads()
-
 
 class HeterogeneousAdamW(torch.optim.Optimizer):
     """AdamW whose fp32 master weights and moments live in pinned host memory and are updated on the CPU
@@ -218,7 +210,7 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
                                       "tail_moves_back": 0, "tail_limited": 0, "tail_move_failures": 0,
                                       "tail_decision": None, "cpu_phases_ms": {}, "last_grad_norm": None,
                                       "loop_phases_ms": {"grad_hooks": 0.0, "forward_hooks": 0.0}}
-        threads = opts.cpu_threads or _default_cpu_threads(cuda, None if group is None else group.local_size)
+        threads = opts.cpu_threads or default_cpu_threads(cuda, None if group is None else group.local_size)
         self.stats.update(assisted_buckets=0, assisted_numel=0, writeback_ms=0.0)
         on = assist_enabled(opts.device_assist, cuda, group is not None, torch.are_deterministic_algorithms_enabled())
         assist = DeviceAssist(layout, self.stats) if on else None
@@ -456,6 +448,11 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
     def host_numel(self) -> int:
         """Parameters whose state lives in this rank's host memory (after the first step)."""
         return self._layout.host_numel()
+
+    @property
+    def updates_on_host(self) -> bool:
+        """Whether this rank updates some parameters on the host CPU (ActivationOffload's budget plans around it)."""
+        return self.host_numel > 0
 
     @property
     def device_numel(self) -> int:

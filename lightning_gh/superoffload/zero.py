@@ -52,7 +52,7 @@ from lightning_gh.superoffload.layout import Bucket, HostLayout, Slot, chunk_by_
 from lightning_gh.superoffload.step import GradNorms, StepCtx
 from lightning_gh.superoffload.tail_mover import TAIL_UPDATE_CHUNK
 
-__all__ = ["RankGroup", "RankShard", "current_group", "deal", "rank_cpu_threads"]
+__all__ = ["RankGroup", "RankShard", "current_group", "deal", "default_cpu_threads", "rank_cpu_threads"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,15 @@ def rank_cpu_threads(cuda: bool, local_ranks: int) -> int:
     bound = numa.bound_cpus()  # already this rank's own share: See Note [A rank's CPUs near its GPU]
     share = len(bound) if bound is not None else hardware.cpus_available() // max(1, local_ranks)
     return max(1, share - 2 if cuda else share)
+
+
+def default_cpu_threads(cuda: bool, local_ranks: int | None) -> int:
+    """CPU threads for the CPU AdamW when the options leave them open: a rank's share over several ranks
+    (:func:`rank_cpu_threads`), else this process's CPUs less two with CUDA (the training loop and the data
+    loader's main thread), torch's own thread count on the CPU."""
+    if local_ranks is not None:
+        return rank_cpu_threads(cuda, local_ranks)
+    return max(1, hardware.cpus_available() - 2) if cuda else torch.get_num_threads()
 
 
 class _Slice:

@@ -60,8 +60,10 @@ def test_options_budget_validation():
     with pytest.raises(ValueError, match="budget_offload=False decides whether a budget's plan may offload; there is "
                                          "no budget"):
         ActivationOffloadOptions(budget_offload=False)
-    with pytest.raises(TypeError, match="budget_offload"):
+    with pytest.raises(ValueError, match="budget_offload='no' is not valid; use None .* True, 'last' or False"):
         ActivationOffload(budget="6GiB", budget_offload="no")
+    with pytest.raises(TypeError, match="budget_offload"):
+        ActivationOffloadOptions(budget="6GiB", budget_offload=1.0)
 
 
 # ------------------------------------------------------------------------------------------ planner
@@ -140,6 +142,25 @@ def test_plan_prefers_offload_on_a_fast_link():
     fast = plan_budget(bp, budget, 450.0, 450.0)[1]
     assert fast.step_ms <= slow.step_ms
     assert sum(f for _, f in fast.choices) >= sum(f for _, f in slow.choices)
+
+
+@pytest.mark.parametrize("share, offloads", [(0.9, False), (0.5, False), (0.2, False), (-0.5, True)])
+def test_offload_last_offloads_only_below_what_recompute_alone_reaches(share, offloads):
+    """offload_last: the plan without offload wherever one fits (the link-heavy profile's fastest plans offload);
+    below recompute's own floor, offload as well, and the plan still fits."""
+    bp = _deep_profile()
+    kept = plan_floor(bp, 55.0, 55.0, 0.25, skip_last_blocks=bp.step.n_blocks)  # full recompute, nothing offloaded
+    floor = plan_floor(bp, 55.0, 55.0, 0.25)
+    top = _plain(bp).activation_bytes
+    budget = int(kept.activation_bytes + share * ((top if share > 0 else kept.activation_bytes)
+                                                   - (kept.activation_bytes if share > 0 else floor.activation_bytes)))
+    free = plan_budget(bp, budget, 55.0, 55.0, 0.25)
+    plan, fc = plan_budget(bp, budget, 55.0, 55.0, 0.25, offload_last=True)
+    assert fc.activation_bytes <= budget
+    assert bool(plan.offloaded_blocks) is offloads, fc.describe_choices()
+    assert fc.step_ms >= free[1].step_ms - 1e-9  # never faster than offloading freely
+    if offloads:
+        assert plan.offloaded_blocks == free[0].offloaded_blocks  # below recompute's floor: the free plan
 
 
 def test_impossible_budget_names_the_floor():
@@ -241,9 +262,9 @@ def test_hf_budget_plan_mixes_recompute_and_offload_losses_bitwise():
 
 
 def test_hf_budget_beside_superoffload_recomputes_only_losses_bitwise(caplog):
-    """SuperOffload updates on the host CPU: the budget's plan offloads nothing (the host's memory is its update's),
-    reaches the budget by recomputing, trains bitwise as SuperOffload alone, and says so in one line; with
-    budget_offload=True it may offload all the same."""
+    """SuperOffload updates on the host CPU: where recomputing reaches the budget, the plan offloads nothing (the
+    host's memory is the update's), trains bitwise as SuperOffload alone, and says so in one line; with
+    budget_offload=True it offloads where that is fastest."""
     from lightning_gh import SuperOffloadStrategy
 
     def fit(callbacks):
@@ -262,11 +283,11 @@ def test_hf_budget_beside_superoffload_recomputes_only_losses_bitwise(caplog):
     with caplog.at_level(logging.INFO):
         ours = fit([cb])
     e, b = cb.engine, cb.engine.budget
-    assert cb.options.budget_offload is None and e.options.budget_offload is False
+    assert cb.options.budget_offload is None and e.options.budget_offload == "last"
     assert b.forecast is not None and b.achieved_bytes <= b.budget_bytes * 1.05
     assert not e.plan.offloaded_blocks and e.plan.recompute, e.plan.describe()
-    assert sum("the plan recomputes and offloads nothing (budget_offload=False), since HeterogeneousAdamW "
-               "updates parameters on the host CPU" in r.getMessage() for r in caplog.records) == 1
+    assert sum("the plan offloads only what recomputing cannot fit (budget_offload='last'), since "
+               "HeterogeneousAdamW updates parameters on the host CPU" in r.getMessage() for r in caplog.records) == 1
     assert torch.equal(plain, ours), (plain - ours).abs().max()
     # offload allowed: on this fast link a lower budget's plan offloads (as without SuperOffload, above)
     cb = ActivationOffload(budget=0.3, backend="host-copy", min_tensor_bytes=1, profile_steps=1,

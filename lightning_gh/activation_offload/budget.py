@@ -288,9 +288,10 @@ def plan_budget(
     h2d_gbps: float,
     margin: float = 0.25,
     skip_last_blocks: int = 1,
+    offload_last: bool = False,
 ) -> tuple[OffloadPlan, BudgetForecast]:
     """The per-block mix of keep / offload / recompute whose predicted activation memory fits ``budget_bytes`` at
-    the lowest predicted step time.
+    the lowest predicted step time (with ``offload_last``, the mix without offload where one fits).
 
     Greedy: from "keep everything", repeatedly take the option (one block's mode and offload share) with the
     fewest predicted milliseconds per byte of predicted peak saved, until the prediction fits; then, while some
@@ -302,6 +303,7 @@ def plan_budget(
         d2h_gbps / h2d_gbps: link bandwidth each way (GB/s); a forecast for another link takes its figure here.
         margin: transfer times are counted ``1 + margin`` times.
         skip_last_blocks: blocks at the end never offloaded.
+        offload_last: plan with no block offloaded first, and offload only where that does not fit.
 
     Raises:
         ValueError: the budget is below what full recompute plus offload reaches (the floor, named in GiB).
@@ -312,6 +314,11 @@ def plan_budget(
         print(plan.describe(), forecast.ratio)
     """
     n = bp.step.n_blocks
+    if offload_last and skip_last_blocks < n:
+        try:
+            return plan_budget(bp, budget_bytes, d2h_gbps, h2d_gbps, margin, n)
+        except ValueError:
+            pass  # below what recomputing alone reaches: offload as well
     eligible = max(0, n - skip_last_blocks)
     choices: list[tuple[str | None, float]] = [(None, 0.0)] * n
     act, ms, plan, fc = _evaluate(bp, choices, d2h_gbps, h2d_gbps, margin)

@@ -254,15 +254,16 @@ class ActivationOffload(L.Callback):
 
 
 def beside_optimizers(options: ActivationOffloadOptions, optimizers: Sequence[Any]) -> ActivationOffloadOptions:
-    """``options`` with ``budget_offload`` decided where the user left it to the run: ``False`` when a budget plans
-    beside an optimizer that updates parameters on the host CPU (its ``updates_on_host`` is true: SuperOffload's),
-    whose update the activation copies into host memory would slow; otherwise ``options`` unchanged.
+    """``options`` with ``budget_offload`` decided where the user left it to the run: ``"last"`` (offload only what
+    recomputing cannot fit) when a budget plans beside an optimizer that updates parameters on the host CPU (its
+    ``updates_on_host`` is true: SuperOffload's), whose update the activation copies into host memory would slow;
+    otherwise ``options`` unchanged.
 
     >>> import torch
     >>> opts = ActivationOffloadOptions(budget="8GiB")
     >>> host = type("HostAdamW", (torch.optim.SGD,), {"updates_on_host": True})([torch.zeros(1)], lr=0.1)
     >>> beside_optimizers(opts, [host]).budget_offload, beside_optimizers(opts, []).budget_offload
-    (False, None)
+    ('last', None)
     >>> beside_optimizers(ActivationOffloadOptions(budget="8GiB", budget_offload=True), [host]).budget_offload
     True
     """
@@ -271,10 +272,10 @@ def beside_optimizers(options: ActivationOffloadOptions, optimizers: Sequence[An
     host = [type(o).__name__ for o in optimizers if getattr(o, "updates_on_host", False)]
     if not host:
         return options
-    rank_zero_info(f"ActivationOffload budget={options.budget!r}: the plan recomputes and offloads nothing "
-                   f"(budget_offload=False), since {host[0]} updates parameters on the host CPU and activation copies "
-                   "into host memory would slow its update. Pass budget_offload=True to offload all the same.")
-    return replace(options, budget_offload=False)
+    rank_zero_info(f"ActivationOffload budget={options.budget!r}: the plan offloads only what recomputing cannot fit "
+                   f"(budget_offload='last'), since {host[0]} updates parameters on the host CPU and activation "
+                   "copies into host memory slow its update. budget_offload=True offloads whatever is fastest.")
+    return replace(options, budget_offload="last")
 
 
 def _plan_from_dict(d: dict[str, Any]) -> OffloadPlan:

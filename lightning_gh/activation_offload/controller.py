@@ -280,6 +280,10 @@ class BudgetController:
         return all(len(self._seen.get(m, ())) >= enough(m, k) for m, k in need.items()) \
             and sum(len(v) for m, v in self._seen.items() if m.kind is counted) >= self.options.profile_steps
 
+    @property
+    def offload_last(self) -> bool:  # the plans offload only what recomputing cannot fit
+        return self.options.budget_offload == "last"
+
     def _link(self) -> tuple[float, float, float, int]:
         d2h, h2d = self.link()
         return d2h, h2d, self.options.margin, self.options.skip_last_blocks
@@ -331,7 +335,7 @@ class BudgetController:
         best, err = None, None
         for vbp, use_lean in variants:
             try:
-                plan, fc = _budget.plan_budget(vbp, budget, d2h, h2d, margin, skip)
+                plan, fc = _budget.plan_budget(vbp, budget, d2h, h2d, margin, skip, self.offload_last)
             except ValueError as e:
                 err = e  # the last variant's floor is the lowest (the lean loss's, when weighed)
                 continue
@@ -463,7 +467,7 @@ class BudgetController:
         self.lean = self.schedule[0].lean_loss
         self.plain_activation_bytes = _budget.evaluate(bp, [(None, 0.0)] * self.n, d2h, h2d, margin)[1].activation_bytes
         try:
-            _, fc = _budget.plan_budget(bp, budget, d2h, h2d, margin, skip)
+            _, fc = _budget.plan_budget(bp, budget, d2h, h2d, margin, skip, self.offload_last)
         except ValueError as e:
             self.state = BudgetState.FAILED
             raise ValueError(f"ActivationOffload budget={self.options.budget!r}: {e} Checked after the {self._issued} "
@@ -542,8 +546,8 @@ class BudgetController:
         if r.filling:  # a finer step is part of the plan now; the next forward's _relax_next goes on or ends
             r.target[i], r.fills = mix[i], r.fills + 1
         elif r.current == r.target:
-            retarget(r, self.budget_bytes, lambda bp: _budget.plan_budget(bp, self.budget_bytes,
-                                                                        *self._link())[1].choices)
+            retarget(r, self.budget_bytes, lambda bp: _budget.plan_budget(bp, self.budget_bytes, *self._link(),
+                                                                        self.offload_last)[1].choices)
 
     def _finish_relax(self, why: str) -> None:
         r = self._relax
@@ -630,7 +634,7 @@ class BudgetController:
         bp = self.profile.with_overhead(self.profile.overhead_bytes + achieved - fc.activation_bytes)
         d2h, h2d, margin, skip = self._link()
         try:
-            plan, new_fc = _budget.plan_budget(bp, budget, d2h, h2d, margin, skip)
+            plan, new_fc = _budget.plan_budget(bp, budget, d2h, h2d, margin, skip, self.offload_last)
         except ValueError as e:
             self.state = BudgetState.DONE
             log.warning("%s; no correction fits: %s", msg, e)

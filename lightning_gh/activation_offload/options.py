@@ -37,6 +37,7 @@ from lightning_gh.activation_offload.recompute import RECOMPUTE_MODES
 __all__ = ["BACKENDS", "POLICIES", "ActivationOffloadOptions"]
 
 MIB = 2**20
+BUDGET_OFFLOAD = "None (decided beside the optimizer), True, 'last' or False"
 POLICIES = "'auto', 'all', or an int K >= 0 (offload the first K transformer blocks)"
 BACKENDS = ("auto", "cuda", "host-copy")
 
@@ -111,12 +112,13 @@ class ActivationOffloadOptions:
             (measured in one step) and turns it on only where its plan needs it; off without a budget. ``True``:
             on in every training forward (an error when the model holds no Hugging Face causal LM). ``False``:
             never.
-        budget_offload: whether a budget's plan may offload. ``None``: yes, unless an optimizer in the same process
-            updates parameters on the host CPU (SuperOffload's, which say so through ``updates_on_host``): its
-            update streams through host memory every step, and activation copies into host memory beside it slow
-            it down, so the plan then recomputes only (the lean loss included) and says so in one line. ``True``:
-            offload all the same; ``False``: never (the floor is then full recompute with the block inputs kept on
-            the device). The measuring steps that sample one block's modes still offload that block.
+        budget_offload: what a budget's plan may offload. ``True``: whatever is fastest; ``"last"``: nothing
+            where recomputing alone fits the budget, else as ``True``; ``False``: never (the floor is then full
+            recompute with the block inputs kept on the device; the measuring steps that sample one block's modes
+            still offload that block). ``None``: ``"last"`` beside an optimizer in the same process that updates
+            parameters on the host CPU (SuperOffload's, which say so through ``updates_on_host``), whose update
+            streams through host memory every step and slows down beside activation copies into it (said in one
+            line); else ``True``.
         causal_sdpa: in budget mode on a ``torch.compile``'d model, keep SDPA's causal path in the Hugging Face
             decoders it holds (:func:`lightning_gh._hf.keep_causal_sdpa`): under ``torch.compile`` some
             transformers releases build an explicit causal mask and repeat the KV heads, which costs attention
@@ -146,15 +148,14 @@ class ActivationOffloadOptions:
     recompute: str | None = None
     budget: str | int | float | None = None
     lean_loss: bool | None = None
-    budget_offload: bool | None = None
+    budget_offload: bool | str | None = None
     causal_sdpa: bool = True
 
     def __post_init__(self) -> None:
         # TypeError first; see Note [Wrong type, wrong value] in lightning_gh._options
         check_types(self, skip=("blocks",), allowed={"policy": POLICIES,
                                                      "lean_loss": "None (the budget planner decides), True or False",
-                                                     "budget_offload": "None (off beside a host-updating optimizer), "
-                                                                       "True or False"})
+                                                     "budget_offload": BUDGET_OFFLOAD})
         policy = self.policy
         if not (policy in ("auto", "all") or (isinstance(policy, int) and policy >= 0)):
             raise ValueError(f"policy={policy!r} is not valid; use {POLICIES}.")
@@ -183,6 +184,8 @@ class ActivationOffloadOptions:
                 raise ValueError(f"budget={self.budget!r} chooses offload and recompute per block itself; it cannot be "
                                  f"combined with policy={self.policy!r} and recompute={self.recompute!r}. Pass "
                                  "budget alone (policy='auto', recompute=None), or a policy without a budget.")
+        if isinstance(self.budget_offload, str) and self.budget_offload != "last":
+            raise ValueError(f"budget_offload={self.budget_offload!r} is not valid; use {BUDGET_OFFLOAD}.")
         if self.budget_offload is not None and self.budget is None:
             raise ValueError(f"budget_offload={self.budget_offload!r} decides whether a budget's plan may offload; "
                              "there is no budget. Pass budget=... with it, or leave budget_offload at None.")

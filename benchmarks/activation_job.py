@@ -40,6 +40,7 @@ Usage (on the GPU machine)::
     python benchmarks/activation_job.py --family qwen2 --variants plain auto --iters 30
     python benchmarks/activation_job.py --device cpu --smoke              # every code path on a tiny model, CPU
     python benchmarks/activation_job.py --family llama --profile plain budget_0.7   # + two profiled steps each
+    python benchmarks/activation_job.py --family llama --precision fp8-ao-tensorwise  # every variant under fp8
 
 Output in ``--out`` (default ``$OUT``, else ``bench_out/``): ``activation_job.jsonl``, one JSON object a line, written as
 each row ends (``"kind"``: ``"run"`` for the run and for each family's process, with the machine and the measured link,
@@ -72,8 +73,10 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import lightning_gh  # noqa: E402
 from common import machine_info, reset_memory  # noqa: E402
 from lightning_gh.activation_offload import ActivationOffload  # noqa: E402
+from lightning_gh.precision.names import canonical  # noqa: E402
 from suites.offload import (  # noqa: E402
     HF_BATCH,
     HF_BATCH_CPU,
@@ -335,7 +338,11 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
         probe = StepProbe(args.warmup, args.iters, args.max_warmup, offload, trace)
         steps = probe.max_warmup + args.iters + (2 if trace is not None else 0)
         loader = make_loader(config["vocab_size"], batch, seq, steps, args.seed, pin=cuda)
-        trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed", max_steps=steps,
+        prec = getattr(args, "precision", "bf16-mixed")
+        # an fp8 name is one of the package's plugins; Lightning's own strings go to Trainer(precision=...)
+        plugin = {"plugins": [lightning_gh.precision(prec)]} if prec.startswith("fp8") else {"precision": prec}
+        row["precision"] = prec
+        trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=steps, **plugin,
                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[probe, *([offload] if offload else [])])
@@ -546,6 +553,7 @@ def family_process(family: str, args: argparse.Namespace, out_dir: Path) -> tupl
     cmd = [sys.executable, str(Path(__file__).resolve()), "--family", family, "--variants", *args.variants,
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--max-warmup", str(args.max_warmup),
            "--kv-heads", str(args.kv_heads), "--seed", str(args.seed), "--device", args.device,
+           "--precision", args.precision,
            "--out", str(out_dir), "--child", name, *(["--smoke"] if args.smoke else []),
            *(["--profile", *args.profile] if getattr(args, "profile", None) else [])]
     why = None
@@ -612,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=HF_CFG["num_key_value_heads"],
                     help=f"KV heads of the {HF_CFG['num_attention_heads']} attention heads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", default="bf16-mixed",
+                    help="Lightning's precision string, or one of the package's fp8 plugins by name "
+                         "(lightning_gh.precision(name), e.g. fp8-ao-tensorwise): every variant runs under it")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--smoke", action="store_true",
                     help=f"a tiny model ({SMOKE_CFG['num_hidden_layers']} layers, hidden {SMOKE_CFG['hidden_size']}, "
@@ -627,6 +638,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.iters <= 0 or args.warmup < 0:
         ap.error(f"--iters={args.iters} must be > 0 and --warmup={args.warmup} >= 0")
+    try:
+        canonical(args.precision)
+    except ValueError as e:
+        ap.error(f"--precision={args.precision!r}: {e}")
     if (args.device == "cpu" and not args.smoke) or (args.device == "cuda" and not torch.cuda.is_available()):
         print("activation_job: measures GPU memory and step time on a CUDA GPU, and none is in use here "
               f"(--device {args.device}{'' if torch.cuda.is_available() else ', no CUDA GPU visible'}). Run it on the "

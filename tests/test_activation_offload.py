@@ -587,6 +587,31 @@ def test_per_block_compile_with_aot_eager_is_bitwise_equal():
     assert off.stats.reloaded_bytes == off.stats.offloaded_bytes and off.stats.on_demand_reloads == 0
 
 
+def test_blocks_compiled_in_place_run_their_boundaries_around_the_compiled_call():
+    """``block.compile()`` (the fp8 plugins' regional compilation) traces the block's own hooks into the compiled
+    function; the engine runs its boundaries around the compiled call instead, and puts the call back after the
+    forward. Gradients bitwise those of the same compiled model without the engine."""
+    model, cfg = _llama()
+    for blk in model.layers:
+        blk.compile(backend="aot_eager")
+    calls = [blk._compiled_call_impl for blk in model.layers]
+    batch = _batch(cfg)
+    _, grads0 = _step(model, batch)
+    off = offload_activations(model, "all", **CPU)
+    for _ in range(2):
+        _, grads = _step(model, batch, off)
+        assert _equal(grads, grads0)
+    assert off.stats.offloaded_tensors > 0 and off.stats.last_offloaded_by_block[0] > 0
+    assert off.stats.reloaded_bytes == off.stats.offloaded_bytes and off.stats.on_demand_reloads == 0
+    assert [blk._compiled_call_impl for blk in model.layers] == calls  # the compiled calls are back
+    assert not any(blk._forward_pre_hooks or blk._forward_hooks for blk in model.layers)
+    # a module compiled in place that runs the blocks is still refused
+    model.compile(backend="aot_eager")
+    off = offload_activations(model, "all", **CPU)
+    with pytest.raises(RuntimeError, match="torch.compile'd module '<the model itself"):
+        off.begin_forward()
+
+
 def test_find_blocks():
     model, _ = _llama()
     name, blocks = find_blocks(model)

@@ -67,8 +67,10 @@ def compiled_owner(model: nn.Module, blocks: list[nn.Module]) -> str | None:
     """Name of a compiled module whose forward runs a block (its hooks would be traced, not run), or ``None``.
 
     A module counts when it is a ``torch.compile`` wrapper (``OptimizedModule``) or was compiled in place
-    (``module.compile()``) and contains a block; and a LightningModule that Lightning unwrapped from a compiled
-    one (:func:`lightning_gh._lightning.is_compiled`) when no compiled submodule explains that.
+    (``module.compile()``) and contains a block (a block compiled in place itself does not count: the engine runs
+    its boundaries around its compiled call, :class:`~lightning_gh._compiled.AroundCompiledCall`); and a
+    LightningModule that Lightning unwrapped from a compiled one (:func:`lightning_gh._lightning.is_compiled`) when
+    no compiled submodule explains that.
     """
     block_ids = {id(b) for b in blocks}
     compiled_inside = False
@@ -79,7 +81,8 @@ def compiled_owner(model: nn.Module, blocks: list[nn.Module]) -> str | None:
                 return name or f"<the model itself, {type(model).__name__}>"
         if getattr(m, "_compiled_call_impl", None) is not None:
             compiled_inside = True
-            if any(id(x) in block_ids for x in m.modules()):
+            # a block compiled in place itself is not one: the engine runs its boundaries around the compiled call
+            if any(id(x) in block_ids for x in m.modules() if x is not m):
                 return name or f"<the model itself, {type(model).__name__}>"
     if not compiled_inside and is_compiled(model):
         return f"<the model itself, {type(model).__name__}, compiled before Trainer.fit>"

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from lightning_gh import _gpu_plan, hardware
+from lightning_gh._compiled import AroundCompiledCall, is_compiled_in_place
 from lightning_gh._hf import checkpointing_owner
 from lightning_gh._util import fmt_bytes, local_tensor
 from lightning_gh.activation_offload.auto import AutoPlanner
@@ -233,7 +234,7 @@ class ActivationOffloader(SavedTensorHooks):
             raise RuntimeError(
                 f"ActivationOffload cannot see block boundaries inside the torch.compile'd module '{owner}': "
                 "its forward hooks would be traced, not run. Compile each block instead "
-                f"(`for i, b in enumerate(<{self.blocks_name}>): <{self.blocks_name}>[i] = torch.compile(b)`), "
+                f"(`for b in <{self.blocks_name}>: b.compile()`, or `<{self.blocks_name}>[i] = torch.compile(b)`), "
                 "or turn compilation off for this model.")
         if self._transport is not None and self._transport.name == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("ActivationOffload cannot run inside a CUDA graph capture (e.g. CUDAGraphCapture): "
@@ -319,6 +320,9 @@ class ActivationOffloader(SavedTensorHooks):
             rc = set(fwd.plan.recompute)
             fwd.untracked = {i: {} for i, b in enumerate(fwd.plan.budgets) if b == 0 and i not in rc}
         for i, blk in enumerate(self.blocks):
+            if is_compiled_in_place(blk):  # its own hooks would be traced into the compiled function
+                self._module_hooks.append(AroundCompiledCall(blk, self._make_pre(i), self._make_post(i)))
+                continue
             self._module_hooks.append(blk.register_forward_pre_hook(self._make_pre(i)))
             self._module_hooks.append(blk.register_forward_hook(self._make_post(i), always_call=True))
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

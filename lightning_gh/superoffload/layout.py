@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_gh._compiled import AroundCompiledCall
 from lightning_gh._util import fmt_bytes
 from lightning_gh.superoffload import memory
 from lightning_gh.superoffload.memory import HostBuffer
@@ -192,34 +193,13 @@ def forward_hook_sites(module: torch.nn.Module,
     return sites
 
 
-class WaitBeforeCompiledCall:
-    """Runs ``wait()`` before each call of a module compiled in place, outside the compiled function.
-
-    ``module.compile()`` sets ``module._compiled_call_impl``, which ``nn.Module.__call__`` calls instead of
-    ``_call_impl``; this wraps that attribute. A handle like a hook's: :meth:`remove` puts the compiled call back
-    (unless the module was compiled again since), :attr:`installed` says whether the wrapper is still the one
-    called. See Note [Forward hooks stay out of compiled regions].
+class WaitBeforeCompiledCall(AroundCompiledCall):
+    """Runs ``wait()`` before each call of a module compiled in place, outside the compiled function
+    (:class:`~lightning_gh._compiled.AroundCompiledCall`). See Note [Forward hooks stay out of compiled regions].
     """
 
     def __init__(self, module: torch.nn.Module, wait: Callable[[], None]) -> None:
-        self.module = module
-        self.inner = module._compiled_call_impl
-        inner = self.inner
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            wait()
-            return inner(*args, **kwargs)
-
-        self.call = call
-        module._compiled_call_impl = call
-
-    @property
-    def installed(self) -> bool:
-        return getattr(self.module, "_compiled_call_impl", None) is self.call
-
-    def remove(self) -> None:
-        if self.installed:
-            self.module._compiled_call_impl = self.inner
+        super().__init__(module, before=lambda m, args: wait())
 
 
 class HostLayout:

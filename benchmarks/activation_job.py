@@ -553,7 +553,7 @@ def family_process(family: str, args: argparse.Namespace, out_dir: Path) -> tupl
     cmd = [sys.executable, str(Path(__file__).resolve()), "--family", family, "--variants", *args.variants,
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--max-warmup", str(args.max_warmup),
            "--kv-heads", str(args.kv_heads), "--seed", str(args.seed), "--device", args.device,
-           "--precision", args.precision,
+           "--precision", getattr(args, "precision", "bf16-mixed"),
            "--out", str(out_dir), "--child", name, *(["--smoke"] if args.smoke else []),
            *(["--profile", *args.profile] if getattr(args, "profile", None) else [])]
     why = None

@@ -605,6 +605,13 @@ def test_blocks_compiled_in_place_run_their_boundaries_around_the_compiled_call(
     assert off.stats.reloaded_bytes == off.stats.offloaded_bytes and off.stats.on_demand_reloads == 0
     assert [blk._compiled_call_impl for blk in model.layers] == calls  # the compiled calls are back
     assert not any(blk._forward_pre_hooks or blk._forward_hooks for blk in model.layers)
+    # full recompute around the compiled call (Hugging Face's checkpointing calls a block the same way)
+    off = offload_activations(model, 1, recompute="full", **CPU)
+    _, grads = _step(model, batch, off)
+    assert _equal(grads, grads0) and off.stats.last_recompute_blocks == [1, 2]
+    assert [blk._compiled_call_impl for blk in model.layers] == calls
+    with pytest.raises(ValueError, match="recompute='selective'.*'full' also for a block compiled in place"):
+        offload_activations(model, 1, recompute="selective", **CPU).begin_forward()
     # a module compiled in place that runs the blocks is still refused
     model.compile(backend="aot_eager")
     off = offload_activations(model, "all", **CPU)

@@ -320,23 +320,26 @@ class ActivationOffloader(SavedTensorHooks):
             rc = set(fwd.plan.recompute)
             fwd.untracked = {i: {} for i, b in enumerate(fwd.plan.budgets) if b == 0 and i not in rc}
         for i, blk in enumerate(self.blocks):
-            if is_compiled_in_place(blk):  # its own hooks would be traced into the compiled function
-                self._module_hooks.append(AroundCompiledCall(blk, self._make_pre(i), self._make_post(i)))
-                continue
-            self._module_hooks.append(blk.register_forward_pre_hook(self._make_pre(i)))
-            self._module_hooks.append(blk.register_forward_hook(self._make_post(i), always_call=True))
+            if not is_compiled_in_place(blk):  # see below for the others
+                self._module_hooks.append(blk.register_forward_pre_hook(self._make_pre(i)))
+                self._module_hooks.append(blk.register_forward_hook(self._make_post(i), always_call=True))
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         plan = fwd.plan
-        if plan.recompute:
-            try:
-                for mode, idx in plan.recompute_groups().items():
-                    rc = self._rc_for(mode)
-                    rc.reset_counts()
-                    rc.apply(idx)
-            except BaseException:
-                self.end_forward()
-                raise
+        try:
+            for mode, idx in plan.recompute_groups().items():
+                rc = self._rc_for(mode)
+                rc.reset_counts()
+                rc.apply(idx)
+            for i, blk in enumerate(self.blocks):
+                # a block compiled in place would trace its own hooks into the compiled function: its boundaries
+                # run around the compiled call, outside a recompute's checkpoint of that call (applied above), as
+                # a hook runs outside a recomputed forward (removed first in end_forward)
+                if is_compiled_in_place(blk):
+                    self._module_hooks.append(AroundCompiledCall(blk, self._make_pre(i), self._make_post(i)))
+        except BaseException:
+            self.end_forward()
+            raise
         if self._lean is not None and (plan.lean_loss or (self.options.lean_loss is True and not fwd.raw)):
             self._lean.__enter__()
 

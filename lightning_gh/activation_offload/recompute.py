@@ -100,9 +100,9 @@ def check_recomputable(block: nn.Module, index: int, mode: str) -> None:
         what = f"is wrapped in {type(block).__name__} (activation checkpointing or offload already)"
     elif any(getattr(m.__dict__.get("forward"), _MARK, False) for m in block.modules()):
         what = "already recomputes under another ActivationOffload engine"
-    elif "OptimizedModule" in mro or getattr(block, "_compiled_call_impl", None) is not None:
+    elif "OptimizedModule" in mro or (getattr(block, "_compiled_call_impl", None) is not None and mode != "full"):
         what = ("is torch.compile'd (the compiler's partitioner already recomputes cheap pointwise ops; "
-                "recompute= is for eager blocks)")
+                f"recompute={mode!r} is for eager blocks, 'full' also for a block compiled in place)")
     else:
         try:
             from torch.distributed._composable.contract import _get_registry
@@ -271,6 +271,12 @@ class BlockRecompute:
             targets = self.regions[i] if self.mode == "norm-act" else [block]
             done: list[tuple[nn.Module, Any]] = []
             self._applied[i] = done
+            if getattr(block, "_compiled_call_impl", None) is not None:  # "full" (check_recomputable)
+                # compiled in place: an instance forward would be traced into the compiled call (a recompile);
+                # the checkpoint goes around the compiled call, as Hugging Face's checkpointing calls the block
+                done.append((block, (_COMPILED, block._compiled_call_impl)))
+                block._compiled_call_impl = self._wrap(i, block._compiled_call_impl)
+                continue
             for m in targets:
                 done.append((m, m.__dict__.get("forward", _ABSENT)))
                 m.forward = self._wrap(i, m.forward) if m is block else self._wrap_region(m, m.forward)
@@ -279,7 +285,9 @@ class BlockRecompute:
     def remove(self) -> None:
         for done in self._applied.values():
             for m, prev in reversed(done):
-                if prev is _ABSENT:
+                if isinstance(prev, tuple) and prev[0] is _COMPILED:
+                    m._compiled_call_impl = prev[1]
+                elif prev is _ABSENT:
                     m.__dict__.pop("forward", None)
                 else:
                     m.forward = prev
@@ -334,6 +342,7 @@ class BlockRecompute:
 
 
 _ABSENT = object()
+_COMPILED = object()  # marks a block compiled in place whose compiled call the recompute wrapped
 
 
 def _drop_kv_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -76,7 +76,7 @@ import torch.nn.functional as F  # noqa: E402
 import lightning_gh  # noqa: E402
 from common import machine_info, reset_memory  # noqa: E402
 from lightning_gh.activation_offload import ActivationOffload  # noqa: E402
-from lightning_gh.precision.names import canonical  # noqa: E402
+from lightning_gh.precision.names import LIGHTNING_NAMES, canonical  # noqa: E402
 from suites.offload import (  # noqa: E402
     HF_BATCH,
     HF_BATCH_CPU,
@@ -338,9 +338,9 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
         probe = StepProbe(args.warmup, args.iters, args.max_warmup, offload, trace)
         steps = probe.max_warmup + args.iters + (2 if trace is not None else 0)
         loader = make_loader(config["vocab_size"], batch, seq, steps, args.seed, pin=cuda)
-        prec = getattr(args, "precision", "bf16-mixed")
-        # an fp8 name is one of the package's plugins; Lightning's own strings go to Trainer(precision=...)
-        plugin = {"plugins": [lightning_gh.precision(prec)]} if prec.startswith("fp8") else {"precision": prec}
+        prec = canonical(getattr(args, "precision", "bf16-mixed"))
+        # Lightning's own strings go to Trainer(precision=...); the package's other names are plugins
+        plugin = {"precision": prec} if prec in LIGHTNING_NAMES else {"plugins": [lightning_gh.precision(prec)]}
         row["precision"] = prec
         trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=steps, **plugin,
                             limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,

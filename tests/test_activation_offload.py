@@ -605,10 +605,30 @@ def test_blocks_compiled_in_place_run_their_boundaries_around_the_compiled_call(
     assert off.stats.reloaded_bytes == off.stats.offloaded_bytes and off.stats.on_demand_reloads == 0
     assert [blk._compiled_call_impl for blk in model.layers] == calls  # the compiled calls are back
     assert not any(blk._forward_pre_hooks or blk._forward_hooks for blk in model.layers)
-    # full recompute around the compiled call (Hugging Face's checkpointing calls a block the same way)
+    # full recompute around the compiled call (Hugging Face's checkpointing calls a block the same way), under a
+    # wait of another part's (SuperOffload's) installed first: both chained, the boundaries outside the checkpoint
+    from lightning_gh._compiled import compiled_call_wrappers
+    from lightning_gh.superoffload.layout import WaitBeforeCompiledCall
+
+    waits = []
+    held = [WaitBeforeCompiledCall(blk, lambda i=i: waits.append(i)) for i, blk in enumerate(model.layers)]
     off = offload_activations(model, 1, recompute="full", **CPU)
+    starts = []
+    pre = off._make_pre
+    off._make_pre = lambda i: (lambda m, a: (starts.append(i), pre(i)(m, a)))
     _, grads = _step(model, batch, off)
     assert _equal(grads, grads0) and off.stats.last_recompute_blocks == [1, 2]
+    assert starts == [0, 1, 2]  # once per block: the backward's recompute runs inside the boundaries
+    assert waits == [0, 1, 2, 2, 1]  # the wait is inside the checkpoint: the recomputed blocks wait again
+    assert [compiled_call_wrappers(blk) for blk in model.layers] == [[h] for h in held]
+    # a second engine cannot recompute a block the first recomputes (as on eager blocks)
+    off2 = offload_activations(model, 0, recompute="full", **CPU)
+    off.begin_forward()
+    with pytest.raises(ValueError, match="already recomputes under another ActivationOffload engine"):
+        off2.begin_forward()
+    off.end_forward()
+    for h in held:
+        h.remove()
     assert [blk._compiled_call_impl for blk in model.layers] == calls
     with pytest.raises(ValueError, match="recompute='selective'.*'full' also for a block compiled in place"):
         offload_activations(model, 1, recompute="selective", **CPU).begin_forward()

@@ -298,3 +298,16 @@ def test_tuner_scales_the_batch_size_on_one_device_but_several_stay_distributed(
     assert several._accelerator_connector.is_distributed is True
     plain_ddp = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
     assert plain_ddp._accelerator_connector.is_distributed is True  # Lightning's answer for its own strategies
+
+
+def test_updates_on_host_is_known_before_the_first_step():
+    """ActivationOffload reads it at fit start, before the layout is built (no module: built at the first step)."""
+    p = [torch.nn.Parameter(torch.randn(4, 4))]
+    opt = HeterogeneousAdamW(p, gpu_fraction=0.0)
+    assert not opt.layout.built and opt.updates_on_host
+    assert not HeterogeneousAdamW([torch.nn.Parameter(torch.randn(4, 4))], gpu_fraction=1.0).updates_on_host
+    p[0].grad = torch.randn(4, 4)
+    opt.step()
+    opt.synchronize()
+    assert opt.layout.built and opt.updates_on_host
+    opt.close()

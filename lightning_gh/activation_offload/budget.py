@@ -317,8 +317,11 @@ def plan_budget(
     if offload_last and skip_last_blocks < n:
         try:
             return plan_budget(bp, budget_bytes, d2h_gbps, h2d_gbps, margin, n)
-        except ValueError:
-            pass  # below what recomputing alone reaches: offload as well
+        except ValueError:  # below what recomputing alone reaches: the least offload that fits
+            floor = plan_floor(bp, d2h_gbps, h2d_gbps, margin, skip_last_blocks)
+            if floor.activation_bytes <= budget_bytes:
+                return _least_offload(bp, list(floor.choices), budget_bytes,
+                                      lambda ch: _evaluate(bp, ch, d2h_gbps, h2d_gbps, margin))
     eligible = max(0, n - skip_last_blocks)
     choices: list[tuple[str | None, float]] = [(None, 0.0)] * n
     act, ms, plan, fc = _evaluate(bp, choices, d2h_gbps, h2d_gbps, margin)
@@ -392,6 +395,34 @@ def plan_budget(
     if climbed is not None and climbed[1].step_ms < fc.step_ms:
         return climbed
     return plan, fc
+
+
+def _least_offload(
+    bp: BudgetProfile,
+    choices: list[tuple[str | None, float]],
+    budget_bytes: int,
+    evaluate: Callable[[list[tuple[str | None, float]]], tuple[int, float, OffloadPlan, BudgetForecast]],
+) -> tuple[OffloadPlan, BudgetForecast]:
+    """From the floor (``choices``, which fits), lower one block's offloaded share at a time, the move that keeps
+    the most bytes off the link first (the faster on a tie), while the mix still fits: :func:`plan_budget`'s
+    ``offload_last`` plan below what recomputing alone reaches."""
+    fracs = _fracs(bp.step.n_blocks)
+    offl = [min(bp.costs[i][m].offloadable_bytes, bp.costs[i][m].kept_bytes) for i, (m, _) in enumerate(choices)]
+    _, ms, plan, fc = evaluate(choices)
+    while True:
+        best = None
+        for i, (mode, f) in enumerate(choices):
+            lower = [g for g in fracs if g < f]
+            if not lower:
+                continue
+            cand = choices[:i] + [(mode, lower[-1])] + choices[i + 1:]
+            a, t, p, c = evaluate(cand)
+            key = (-(f - lower[-1]) * offl[i], t)
+            if a <= budget_bytes and (best is None or key < best[0]):
+                best = (key, cand, p, c)
+        if best is None:
+            return plan, fc
+        _, choices, plan, fc = best
 
 
 #: Blocks above which a budget nearer the floor than the plain step is planned by the climb from the floor alone.

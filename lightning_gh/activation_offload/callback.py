@@ -129,7 +129,7 @@ class ActivationOffload(L.Callback):
         recompute: str | None = None,
         budget: str | int | float | None = None,
         lean_loss: bool | None = None,
-        budget_offload: bool | None = None,
+        budget_offload: bool | str | None = None,
         causal_sdpa: bool = True,
         options: ActivationOffloadOptions | None = None,
     ) -> None:

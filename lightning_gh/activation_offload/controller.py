@@ -339,14 +339,15 @@ class BudgetController:
             except ValueError as e:
                 err = e  # the last variant's floor is the lowest (the lean loss's, when weighed)
                 continue
-            if best is None or fc.step_ms < best[1].step_ms - 1e-6:
-                best = (plan, fc, vbp, use_lean)
+            key = (self.offload_last and bool(plan.offloaded_blocks), fc.step_ms)  # offload_last: none first
+            if best is None or key < (best[0], best[2].step_ms - 1e-6):
+                best = (key[0], plan, fc, vbp, use_lean)
         if best is None:
             self.state = BudgetState.FAILED
             raise ValueError(f"ActivationOffload budget={self.options.budget!r} ({self.budget.describe()}; the "
                              f"plain step measured {fmt_bytes(raw)}): {err} Checked after the {self._issued} "
                              "measuring steps, before any planned step.") from None
-        plan, fc, self.profile, self.lean = best
+        _, plan, fc, self.profile, self.lean = best
         self.state, self._round = BudgetState.CORRECT, 0
         self._adopt_plan(plan, fc)
 

@@ -351,7 +351,7 @@ class ActivationOffloader(SavedTensorHooks):
             ctx.__exit__(None, None, None)
         if self._lean is not None:
             self._lean.__exit__()  # the loss's backward needs nothing installed
-        for h in self._module_hooks:
+        for h in reversed(self._module_hooks):  # last installed first: a compiled call's wrappers chain
             h.remove()
         self._module_hooks = []
         applied: dict[int, int] = {}  # recomputing block -> bytes its selective cache held

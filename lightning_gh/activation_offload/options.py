@@ -113,9 +113,9 @@ class ActivationOffloadOptions:
             on in every training forward (an error when the model holds no Hugging Face causal LM). ``False``:
             never.
         budget_offload: what a budget's plan may offload. ``True``: whatever is fastest; ``"last"``: nothing
-            where recomputing alone fits the budget, else as ``True``; ``False``: never (the floor is then full
-            recompute with the block inputs kept on the device; the measuring steps that sample one block's modes
-            still offload that block). ``None``: ``"last"`` beside an optimizer in the same process that updates
+            where recomputing alone fits the budget, else the least offload that fits; ``False``: never (the floor
+            is then full recompute with the block inputs kept on the device; the measuring steps that sample one
+            block's modes still offload that block). ``None``: ``"last"`` beside an optimizer in the same process that updates
             parameters on the host CPU (SuperOffload's, which say so through ``updates_on_host``), whose update
             streams through host memory every step and slows down beside activation copies into it (said in one
             line); else ``True``.

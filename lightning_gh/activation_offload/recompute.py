@@ -50,6 +50,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_gh._compiled import WrappedCompiledCall, compiled_call_wrappers, is_compiled_in_place
+
 __all__ = ["RECOMPUTE_MODES", "RECOMPUTE_ATTR", "BlockRecompute", "check_recomputable", "compute_heavy_ops",
            "is_norm_act_module", "selective_policy"]
 
@@ -98,7 +100,8 @@ def check_recomputable(block: nn.Module, index: int, mode: str) -> None:
     mro = {c.__name__ for c in type(block).__mro__}
     if mro & {"CheckpointWrapper", "OffloadWrapper", "ActivationWrapper"}:
         what = f"is wrapped in {type(block).__name__} (activation checkpointing or offload already)"
-    elif any(getattr(m.__dict__.get("forward"), _MARK, False) for m in block.modules()):
+    elif any(getattr(m.__dict__.get("forward"), _MARK, False) for m in block.modules()) or \
+            any(h.tag == "recompute" for h in compiled_call_wrappers(block)):
         what = "already recomputes under another ActivationOffload engine"
     elif "OptimizedModule" in mro or (getattr(block, "_compiled_call_impl", None) is not None and mode != "full"):
         what = ("is torch.compile'd (the compiler's partitioner already recomputes cheap pointwise ops; "
@@ -271,11 +274,12 @@ class BlockRecompute:
             targets = self.regions[i] if self.mode == "norm-act" else [block]
             done: list[tuple[nn.Module, Any]] = []
             self._applied[i] = done
-            if getattr(block, "_compiled_call_impl", None) is not None:  # "full" (check_recomputable)
+            if is_compiled_in_place(block):  # "full" (check_recomputable)
                 # compiled in place: an instance forward would be traced into the compiled call (a recompile);
                 # the checkpoint goes around the compiled call, as Hugging Face's checkpointing calls the block
-                done.append((block, (_COMPILED, block._compiled_call_impl)))
-                block._compiled_call_impl = self._wrap(i, block._compiled_call_impl)
+                handle = WrappedCompiledCall(block, lambda inner, a, k, i=i: self._wrap(i, inner)(*a, **k),
+                                             tag="recompute")
+                done.append((block, (_COMPILED, handle)))
                 continue
             for m in targets:
                 done.append((m, m.__dict__.get("forward", _ABSENT)))
@@ -283,10 +287,10 @@ class BlockRecompute:
             self.cached_bytes[i] = 0 if self.mode == "norm-act" else self.cached_bytes[i]
 
     def remove(self) -> None:
-        for done in self._applied.values():
+        for done in reversed(list(self._applied.values())):
             for m, prev in reversed(done):
                 if isinstance(prev, tuple) and prev[0] is _COMPILED:
-                    m._compiled_call_impl = prev[1]
+                    prev[1].remove()  # also from under a wrapper installed since
                 elif prev is _ABSENT:
                     m.__dict__.pop("forward", None)
                 else:
@@ -342,7 +346,7 @@ class BlockRecompute:
 
 
 _ABSENT = object()
-_COMPILED = object()  # marks a block compiled in place whose compiled call the recompute wrapped
+_COMPILED = object()  # marks a block compiled in place whose compiled call the recompute wrapped (its handle next)
 
 
 def _drop_kv_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

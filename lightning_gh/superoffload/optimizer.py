@@ -451,8 +451,9 @@ class HeterogeneousAdamW(torch.optim.Optimizer):
 
     @property
     def updates_on_host(self) -> bool:
-        """Whether this rank updates some parameters on the host CPU (ActivationOffload's budget plans around it)."""
-        return self.host_numel > 0
+        """Whether some parameters are updated on the host CPU, on any rank (ActivationOffload's budget plans around
+        it): the layout's host buckets once built, else unless ``gpu_fraction=1.0`` keeps all the state on the GPU."""
+        return bool(self._layout.buckets) if self._layout.built else self.options.gpu_fraction != 1.0
 
     @property
     def device_numel(self) -> int:

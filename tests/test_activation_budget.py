@@ -462,3 +462,41 @@ def test_a_float_budget_that_is_no_size_suggests_a_real_size(value):
         parse_budget(value)
     assert "nanGiB" not in str(err.value) and "infGiB" not in str(err.value) and "'-2GiB'" not in str(err.value)
     assert "'24GiB'" in str(err.value)
+
+
+class _FixedProbe:
+    """A CUDA-like probe whose measured step needs ``act`` bytes."""
+
+    def __init__(self, act):
+        self.act = act
+
+    def start(self):
+        return 0
+
+    def peak(self, base):
+        return self.act
+
+
+@pytest.mark.parametrize("act_gib, knob", [(4.0, 0.5), (1.0, None)])
+def test_a_size_budget_on_a_compiled_model_sets_the_knob_or_says_there_is_nothing_to_do(act_gib, knob):
+    """A size on a compiled model: the third compiled call reads the second's activation memory; a budget below it
+    becomes the compiler's fraction, one above it a plan that does nothing (either way the measuring ends in a plan
+    the callback logs)."""
+    from lightning_gh.activation_offload.controller import BudgetController, BudgetState
+
+    plans = []
+    ctl = BudgetController(ActivationOffloadOptions(budget="2GiB"), 4, lambda: (50.0, 50.0), plans.append,
+                           _FixedProbe(int(act_gib * GIB)))
+    ctl.start_compiled("model", on_cuda=True)
+    try:
+        for _ in range(3):
+            ctl.compiled_forward("model")
+        assert ctl.state is BudgetState.COMPILED and len(plans) == 1 and plans[0].policy == "budget-compiled"
+        if knob is None:
+            assert "2.00 GiB >= the compiled step's measured 1.00 GiB: nothing to do" in plans[0].notes[0]
+        else:
+            import torch._functorch.config as fc
+
+            assert fc.activation_memory_budget == pytest.approx(knob)
+    finally:
+        ctl.close()

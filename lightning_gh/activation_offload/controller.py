@@ -667,19 +667,19 @@ class BudgetController:
         if self.state is not BudgetState.COMPILED_MEASURE:
             return
         self.knob.calls += 1
-        if self.knob.calls == 1:
-            return  # the first call compiles: not a step to measure
-        if self.knob.calls == 2:
-            self.knob.base = self.probe.start()
+        if self.knob.calls <= 2:  # the first call compiles (not a step to measure); the second is measured
+            if self.knob.calls == 2:
+                self.knob.base = self.probe.start()
             return
         act = self.probe.peak(self.knob.base)
         self.plain_activation_bytes = act
         self.budget_bytes = self.budget.resolve(act)
         self.state = BudgetState.COMPILED
         frac = min(1.0, self.budget_bytes / max(act, 1))
-        if frac >= 1.0:
-            log.info("ActivationOffload budget %s >= the compiled step's %s: nothing to do", self.budget.describe(),
-                     fmt_bytes(act))
+        if frac >= 1.0:  # said as a plan, as for an eager model (the budget's measuring is over)
+            self.plan = replace(plan_none(self.n, "budget-compiled"), notes=(
+                f"budget {self.budget.describe()} >= the compiled step's measured {fmt_bytes(act)}: nothing to do",))
+            self.on_plan(self.plan)
             return
         self._set_knob(_budget.compiler_budget(frac), owner,
                        f"{fmt_bytes(self.budget_bytes)} of the compiled step's measured {fmt_bytes(act)} "

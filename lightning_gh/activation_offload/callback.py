@@ -90,8 +90,7 @@ class ActivationOffload(L.Callback):
         policy, min_tensor_bytes, blocks, skip_last_blocks, prefetch_blocks, max_inflight_blocks, margin,
         profile_steps, host_memory_fraction, backend, bandwidth_gbps, record_timeline, dedupe_casts,
         recompute_param_casts, recompute, budget, lean_loss, budget_offload, causal_sdpa: the options, documented
-            once in
-            :class:`ActivationOffloadOptions` (``profile_steps`` counts training batches here); they build
+            once in :class:`ActivationOffloadOptions` (``profile_steps`` counts training batches here); they build
             ``options``.
         options: all of them as one :class:`ActivationOffloadOptions` instead (then pass no other option).
 

@@ -21,7 +21,9 @@ the recompute, which can cost far more than those ops' GPU time (measured in doc
 The offload engine (:mod:`lightning_gh.activation_offload.engine`) applies this to the blocks its plan does not
 offload, and only while its forward runs: :meth:`BlockRecompute.apply` sets an instance ``forward`` on
 each chosen block that calls the original through a non-reentrant checkpoint, and :meth:`BlockRecompute.remove`
-takes it away again, so the model is untouched outside the engine's ``with`` (validation, ``state_dict``).
+takes it away again, so the model is untouched outside the engine's ``with`` (validation, ``state_dict``). A block
+compiled in place (``block.compile()``) would trace an instance ``forward`` into its compiled call: for ``"full"``
+the checkpoint goes in front of the compiled call instead (:class:`~lightning_gh._compiled.WrappedCompiledCall`).
 
 How it meets the offload hooks: inside a checkpoint, autograd's saved tensors go to the checkpoint's own
 ``saved_tensors_hooks``, which shadow the engine's, and selective checkpointing keeps the heavy outputs in
@@ -103,7 +105,7 @@ def check_recomputable(block: nn.Module, index: int, mode: str) -> None:
     elif any(getattr(m.__dict__.get("forward"), _MARK, False) for m in block.modules()) or \
             any(h.tag == "recompute" for h in compiled_call_wrappers(block)):
         what = "already recomputes under another ActivationOffload engine"
-    elif "OptimizedModule" in mro or (getattr(block, "_compiled_call_impl", None) is not None and mode != "full"):
+    elif "OptimizedModule" in mro or (is_compiled_in_place(block) and mode != "full"):
         what = ("is torch.compile'd (the compiler's partitioner already recomputes cheap pointwise ops; "
                 f"recompute={mode!r} is for eager blocks, 'full' also for a block compiled in place)")
     else:

@@ -573,10 +573,9 @@ def test_whole_model_compile_is_a_clear_error():
     assert off._hooks_ctx is None
 
 
-def test_per_block_compile_with_aot_eager_is_bitwise_equal():
-    model, cfg = _llama()
-    for i, blk in enumerate(model.layers):
-        model.layers[i] = torch.compile(blk, backend="aot_eager")
+def _offload_all_matches_the_compiled_model(model, cfg):
+    """Offload every block of ``model`` (its blocks compiled) for two steps: gradients bitwise those of the same
+    model without the engine, every offloaded byte reloaded ahead of use. Returns the batch and those gradients."""
     batch = _batch(cfg)
     _, grads0 = _step(model, batch)
     off = offload_activations(model, "all", **CPU)
@@ -585,6 +584,14 @@ def test_per_block_compile_with_aot_eager_is_bitwise_equal():
         assert _equal(grads, grads0)
     assert off.stats.offloaded_tensors > 0 and off.stats.last_offloaded_by_block[0] > 0
     assert off.stats.reloaded_bytes == off.stats.offloaded_bytes and off.stats.on_demand_reloads == 0
+    return batch, grads0
+
+
+def test_per_block_compile_with_aot_eager_is_bitwise_equal():
+    model, cfg = _llama()
+    for i, blk in enumerate(model.layers):
+        model.layers[i] = torch.compile(blk, backend="aot_eager")
+    _offload_all_matches_the_compiled_model(model, cfg)
 
 
 def test_blocks_compiled_in_place_run_their_boundaries_around_the_compiled_call():
@@ -595,14 +602,7 @@ def test_blocks_compiled_in_place_run_their_boundaries_around_the_compiled_call(
     for blk in model.layers:
         blk.compile(backend="aot_eager")
     calls = [blk._compiled_call_impl for blk in model.layers]
-    batch = _batch(cfg)
-    _, grads0 = _step(model, batch)
-    off = offload_activations(model, "all", **CPU)
-    for _ in range(2):
-        _, grads = _step(model, batch, off)
-        assert _equal(grads, grads0)
-    assert off.stats.offloaded_tensors > 0 and off.stats.last_offloaded_by_block[0] > 0
-    assert off.stats.reloaded_bytes == off.stats.offloaded_bytes and off.stats.on_demand_reloads == 0
+    batch, grads0 = _offload_all_matches_the_compiled_model(model, cfg)
     assert [blk._compiled_call_impl for blk in model.layers] == calls  # the compiled calls are back
     assert not any(blk._forward_pre_hooks or blk._forward_hooks for blk in model.layers)
     # full recompute around the compiled call (Hugging Face's checkpointing calls a block the same way), under a

@@ -408,7 +408,7 @@ def _least_offload(
     ``offload_last`` plan below what recomputing alone reaches."""
     fracs = _fracs(bp.step.n_blocks)
     offl = [min(bp.costs[i][m].offloadable_bytes, bp.costs[i][m].kept_bytes) for i, (m, _) in enumerate(choices)]
-    _, ms, plan, fc = evaluate(choices)
+    _, _, plan, fc = evaluate(choices)
     while True:
         best = None
         for i, (mode, f) in enumerate(choices):

@@ -299,7 +299,17 @@ def _child(job: Job, out_file: Path) -> None:
 # ------------------------------------------------------------------------------------------------ the parent
 
 
+def read_row(out_file: Path) -> Outcome:
+    """The row a child wrote, removed once read (it is folded into ``one_gpu_job.json``)."""
+    res = Outcome(**json.loads(out_file.read_text()))
+    out_file.unlink()
+    return res
+
+
 def run_variant(job: Job, out: Path, timeout_s: float) -> Outcome:
+    """Run one variant in a process of its own. A child killed at ``timeout_s`` after it wrote its row (a 7B
+    SuperOffload process may take tens of seconds to give its pinned host memory back) keeps that row, with a note
+    saying so; one killed before is an error row."""
     out_file = out / f"child-{job.variant}-{job.layers}l-{job.vocab}v.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(asdict(job)), "--child-out",
            str(out_file)]
@@ -310,16 +320,22 @@ def run_variant(job: Job, out: Path, timeout_s: float) -> Outcome:
         proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
     except subprocess.TimeoutExpired as e:  # keep what it printed (and the stacks it dumped) for the post-mortem
         text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        written = out_file.exists()  # the row was written: only the exit (freeing pinned host memory) ran late
         with open(out / "logs.txt", "a") as log:
             log.write(f"===== {job.variant} ({job.layers} layers, vocab {job.vocab}): timed out after "
-                      f"{timeout_s:.0f} s\n" + "\n".join(text.splitlines()[-120:]) + "\n")
-        return Outcome(job.variant, params=param_count(job), error=f"timed out after {timeout_s:.0f} s")
+                      f"{timeout_s:.0f} s{' after writing its row' if written else ''}\n"
+                      + "\n".join(text.splitlines()[-120:]) + "\n")
+        if not written:
+            return Outcome(job.variant, params=param_count(job), error=f"timed out after {timeout_s:.0f} s")
+        res = read_row(out_file)
+        res.notes["exit"] = f"killed after {timeout_s:.0f} s, after writing its row (the process's exit ran late)"
+        res.notes["wall_s"] = round(time.perf_counter() - t0, 1)
+        return res
     with open(out / "logs.txt", "a") as log:  # one file for every variant: the device returns few files
         log.write(f"===== {job.variant} ({job.layers} layers, vocab {job.vocab}): exit code {proc.returncode}\n")
         log.write("\n".join((proc.stdout + proc.stderr).splitlines()[-80:]) + "\n")
     if out_file.exists():
-        res = Outcome(**json.loads(out_file.read_text()))
-        out_file.unlink()  # folded into one_gpu_job.json
+        res = read_row(out_file)
     else:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         res = Outcome(job.variant, params=param_count(job),

@@ -80,3 +80,31 @@ def test_loss_gaps_against_the_anchor(rows, gaps):
     assert out.keys() == gaps.keys()
     for v, (n, gap) in gaps.items():
         assert out[v][0] == n and out[v][1] == pytest.approx(gap)
+
+
+@pytest.mark.parametrize("writes_row", [True, False])
+def test_a_child_killed_after_writing_its_row_keeps_it(tmp_path, monkeypatch, writes_row):
+    """A 7B child may outlive the timeout while it gives its pinned memory back: its row counts; without one, an
+    error row."""
+    import dataclasses
+    import json
+    import subprocess
+
+    j = job.Job("superoffload", layers=2)
+
+    def fake_run(cmd, timeout, **kwargs):
+        out_file = Path(cmd[cmd.index("--child-out") + 1])
+        if writes_row:
+            out_file.write_text(json.dumps(dataclasses.asdict(job.Outcome("superoffload", params=7, step_ms=2140.0))))
+        raise subprocess.TimeoutExpired(cmd, timeout, output=b"steps done\n", stderr=b"")
+
+    monkeypatch.setattr(job.subprocess, "run", fake_run)
+    res = job.run_variant(j, tmp_path, 5.0)
+    log = (tmp_path / "logs.txt").read_text()
+    if writes_row:
+        assert res.error is None and res.step_ms == 2140.0
+        assert "after writing its row" in res.notes["exit"] and "after writing its row" in log
+        assert not list(tmp_path.glob("child-*.json"))  # folded in, as for a child that exits in time
+    else:
+        assert res.error == "timed out after 5 s" and res.step_ms is None
+        assert "steps done" in log

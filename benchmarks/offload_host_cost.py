@@ -52,9 +52,17 @@ from typing import Any
 
 import torch
 
+HERE = Path(__file__).resolve().parent
+for _p in (str(HERE.parent), str(HERE)):  # the repository root (lightning_gh) and benchmarks/ (activation_job)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from activation_job import FAMILIES, build_model  # noqa: E402
+
+from suites.offload import HF_BATCH, HF_CFG, HF_SEQ  # noqa: E402
+
 MIB = 2**20
 VARIANTS = ("plain", "untracked", "plan", "plan_late", "plan_nocopy", "dma", "dma_d2h", "dma_h2d", "dma_late")
-FAMILIES = ("llama", "mistral", "qwen2")
 
 
 class NoCopy:
@@ -79,15 +87,9 @@ class NoCopy:
 
 
 def build(family: str) -> torch.nn.Module:
-    import transformers as tf
-
-    cfg_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-                          "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-                          "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[family]
-    cfg = cfg_cls(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=4, vocab_size=32000, attn_implementation="sdpa", max_position_embeddings=4096)
+    """The activation job's medium model of ``family`` on the GPU (:func:`activation_job.build_model`)."""
     torch.manual_seed(0)
-    return model_cls(cfg).cuda()
+    return build_model(family, HF_CFG, torch.device("cuda"))
 
 
 def fixed_plan(first: int, second: int, plan_mib: tuple[int, int]) -> Any:
@@ -197,7 +199,7 @@ def find_syncs(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--family", nargs="+", default=["llama"], choices=FAMILIES)
+    ap.add_argument("--family", nargs="+", default=["llama"], choices=sorted(FAMILIES))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--steps", type=int, default=25, help="steps per variant and repetition")
     ap.add_argument("--warmup", type=int, default=6, help="untimed steps among --steps")
@@ -220,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.family:
         model = build(family)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        bufs = {"x": torch.randint(0, 32000, (4, 2048), device="cuda"), "side": torch.cuda.Stream(),
+        bufs = {"x": torch.randint(0, HF_CFG["vocab_size"], (HF_BATCH, HF_SEQ), device="cuda"),
+                "side": torch.cuda.Stream(),
                 "dev": torch.empty(total, dtype=torch.uint8, device="cuda"),
                 "host": torch.empty(total, dtype=torch.uint8, pin_memory=True)}
         if args.find_syncs:

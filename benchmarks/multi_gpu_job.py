@@ -28,6 +28,8 @@ fsdp_noclip_budget         ``fsdp_noclip`` with ``ActivationOffload(budget=--act
 superoffload_fsdp_lean_budget ``superoffload_fsdp_lean`` with ``ActivationOffload(budget=--act-budget)`` in place
                            of HF checkpointing (both take ``--budget-warmup`` untimed steps: the budget's measuring
                            steps)
+superoffload_fsdp_lean_plainloss  ``superoffload_fsdp_lean`` with ``lean_loss=False``: the module's loss as written, the
+                           A/B of the lean loss the SuperOffload strategies take by default on CUDA
 fsdp_cpu_offload           as fsdp_clip with ``fully_shard(..., offload_policy=CPUOffloadPolicy())``
 deepspeed_zero3_offload    Lightning ``strategy="deepspeed_stage_3_offload"``, ``bf16-mixed``, ``DeepSpeedCPUAdam``,
                            clipping (the model is built inside DeepSpeed's ``zero.Init``: torch's default init, so
@@ -107,6 +109,7 @@ VARIANTS = {
     "superoffload_lean": Variant("superoffload", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp_lean": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
+    "superoffload_fsdp_lean_plainloss": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp_onepass": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "superoffload_fsdp_lean_onepass": Variant("superoffload_fsdp", "bf16-true", clip=True, cpu=True),
     "fsdp_noclip_budget": Variant("fsdp", "bf16-mixed", clip=False, cpu=True, budget=True),
@@ -138,7 +141,6 @@ class MJob(Shape):
 
     variant: str
     shape: str = "mistral7b"
-    arch: str = "llama"
     devices: int = 2
     accelerator: str = "gpu"
     steps: int = 8  # timed
@@ -181,9 +183,8 @@ def trace_step(j: MJob) -> int:
 
 
 def params_of(j: MJob) -> int:
-    """Parameters of the decoder: Llama-shaped, plus Qwen2's q/k/v biases."""
-    bias = j.layers * (j.hidden + 2 * j.kv_heads * (j.hidden // j.heads)) if j.arch == "qwen2" else 0
-    return param_count(j) + bias  # type: ignore[arg-type]  # MJob has the fields param_count reads
+    """Parameters of the decoder: Llama-shaped, plus Qwen2's q/k/v biases (:func:`one_gpu_job.param_count`)."""
+    return param_count(j)  # type: ignore[arg-type]  # MJob has the fields param_count reads
 
 
 def fused_adamw(precision: str, clip: bool) -> bool:
@@ -413,15 +414,17 @@ def _child(job: MJob, out_file: Path) -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=job.batch)
     clock, lm, trainer = Clock(), LM(), None
     act = lightning_gh.ActivationOffload(budget=job.act_budget) if spec.budget else None
+    plain_loss = job.variant.endswith("_plainloss")
     try:
         if spec.strategy == "fsdp":
             from lightning.pytorch.strategies import ModelParallelStrategy
             strategy: Any = ModelParallelStrategy(data_parallel_size=job.devices, tensor_parallel_size=1)
         elif spec.strategy == "superoffload_fsdp" and (job.max_gpu_fraction is not None or not job.weights_first
-                                                       or job.cpu_threads is not None):
+                                                       or job.cpu_threads is not None or plain_loss):
             strategy = lightning_gh.SuperOffloadFSDPStrategy(max_gpu_fraction=job.max_gpu_fraction,
                                                              weights_first=job.weights_first,
-                                                             cpu_threads=job.cpu_threads)
+                                                             cpu_threads=job.cpu_threads,
+                                                             lean_loss=False if plain_loss else "auto")
         elif spec.strategy == "superoffload" and (job.max_gpu_fraction is not None or job.cpu_threads is not None):
             strategy = lightning_gh.SuperOffloadStrategy(max_gpu_fraction=job.max_gpu_fraction,
                                                          cpu_threads=job.cpu_threads)
@@ -476,6 +479,9 @@ def _child(job: MJob, out_file: Path) -> None:
         res.notes["activation_budget"] = {"budget": job.act_budget, "achieved_bytes": ctl.achieved_bytes,
                                           "plan": act.engine.plan.describe() if act.engine.plan else None}
     res.notes["optimizer"] = mine["optimizer"]
+    loss = getattr(getattr(trainer, "strategy", None), "loss", None)
+    if loss is not None:  # the SuperOffload strategies' lean-loss decision
+        res.notes["lean_loss"] = loss.why
     if clock.tracer is not None:
         at = clock.tracer.step
         res.notes["trace"] = {"step": at, "file": f"trace-{job.variant}.json",

@@ -18,6 +18,9 @@ superoffload_assist as superoffload with ``device_assist=True`` (the GPU shares 
 superoffload_fp8_assist  as superoffload_fp8 with ``device_assist=True``
 superoffload_onepass as superoffload with ``weights_first=False`` (a bucket's update in one pass): the A/B of that
                     option
+superoffload_plainloss  as superoffload with ``lean_loss=False``: the module's own loss as written (an fp32
+                    log-softmax of the logits kept for the backward): the A/B of the lean loss the strategy takes
+                    by default on CUDA
 superoffload_rareclip    as superoffload with ``gradient_clip_val=--rare-clip``, a threshold above this job's
                     gradient norm: a fine-tune whose norm stays under the threshold, so the CPU update may run
                     during backward (validated every step; ``clipped_steps`` and ``last_grad_norm`` in the notes)
@@ -39,7 +42,8 @@ on a GPU not in it).
 Usage (on the GPU machine)::
 
     python benchmarks/one_gpu_job.py --variants gpu_bf16_ckpt superoffload --layers 32 --steps 12 --out $OUT
-    python benchmarks/one_gpu_job.py --variants superoffload --vocab 128256        # Llama-3.1-8B's shape
+    python benchmarks/one_gpu_job.py --variants superoffload --shape llama3.1-8b
+    python benchmarks/one_gpu_job.py --variants gpu_bf16_ckpt superoffload superoffload_plainloss --shape qwen2.5-7b
     python benchmarks/one_gpu_job.py --check-loss --layers 4 --steps 50              # losses vs an fp32-master run
     python benchmarks/one_gpu_job.py --variants gpu_bf16_budget gpu_bf16_ckpt --budget 9.4GiB --losses
     python benchmarks/one_gpu_job.py --variants superoffload --no-checkpointing --oom-knob   # OOM, then its knob
@@ -66,7 +70,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = ("gpu_bf16_ckpt", "superoffload", "superoffload_fp8", "deepspeed_offload", "torchao_offload",
             "gpu_fp32master", "gpu_bf16_budget", "superoffload_budget", "superoffload_assist",
-            "superoffload_fp8_assist", "superoffload_rareclip", "superoffload_fp8_rareclip", "superoffload_onepass")
+            "superoffload_fp8_assist", "superoffload_rareclip", "superoffload_fp8_rareclip", "superoffload_onepass",
+            "superoffload_plainloss")
+#: Published decoder shapes for ``--shape``: architecture, hidden, FFN, layers, heads, KV heads, vocabulary.
+SHAPES = {
+    "mistral7b": ("llama", 4096, 14336, 32, 32, 8, 32000),
+    "llama3.1-8b": ("llama", 4096, 14336, 32, 32, 8, 128256),
+    "qwen2.5-7b": ("qwen2", 3584, 18944, 28, 28, 4, 152064),
+}
 #: Variants that replace HF gradient checkpointing by ``ActivationOffload(budget=...)``.
 BUDGET_VARIANTS = ("gpu_bf16_budget", "superoffload_budget")
 
@@ -75,6 +86,7 @@ class Shape:
     """The decoder's shape and the tokens of a step, the learning rate and the seed: what the one-GPU and the N-GPU
     jobs share (keyword-only, so a job's own fields may come first)."""
 
+    arch: str = "llama"  # "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM: q/k/v projections with biases)
     layers: int = 32
     hidden: int = 4096
     ffn: int = 14336
@@ -126,9 +138,11 @@ class Outcome:
 
 
 def param_count(j: Job) -> int:
-    """Parameters of a Llama-shaped decoder (untied embeddings and head)."""
+    """Parameters of a Llama-shaped decoder (untied embeddings and head), plus Qwen2's q/k/v biases."""
     head_dim = j.hidden // j.heads
     attn = j.hidden * j.hidden * 2 + 2 * j.hidden * j.kv_heads * head_dim
+    if j.arch == "qwen2":
+        attn += j.hidden + 2 * j.kv_heads * head_dim
     mlp = 3 * j.hidden * j.ffn
     norms = 2 * j.hidden
     return j.layers * (attn + mlp + norms) + 2 * j.vocab * j.hidden + j.hidden
@@ -150,8 +164,8 @@ def _child(job: Job, out_file: Path) -> None:
     import lightning as L
     import torch
     import torch.nn.functional as F
+    import transformers
     from lightning.pytorch.callbacks import Callback
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import lightning_gh as lgh
     from lightning_gh.profiling.throughput import peak_tflops
@@ -170,11 +184,13 @@ def _child(job: Job, out_file: Path) -> None:
         def configure_model(self) -> None:
             if self.model is not None:
                 return
-            cfg = LlamaConfig(hidden_size=job.hidden, intermediate_size=job.ffn, num_hidden_layers=job.layers,
-                              num_attention_heads=job.heads, num_key_value_heads=job.kv_heads,
-                              vocab_size=job.vocab, max_position_embeddings=job.seq, attn_implementation="sdpa",
-                              use_cache=False)
-            self.model = LlamaForCausalLM(cfg)
+            qwen = job.arch == "qwen2"
+            conf = transformers.Qwen2Config if qwen else transformers.LlamaConfig
+            cfg = conf(hidden_size=job.hidden, intermediate_size=job.ffn, num_hidden_layers=job.layers,
+                       num_attention_heads=job.heads, num_key_value_heads=job.kv_heads, vocab_size=job.vocab,
+                       max_position_embeddings=job.seq, attn_implementation="sdpa", use_cache=False,
+                       tie_word_embeddings=False)
+            self.model = (transformers.Qwen2ForCausalLM if qwen else transformers.LlamaForCausalLM)(cfg)
             if job.checkpointing and job.variant not in BUDGET_VARIANTS:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -225,6 +241,8 @@ def _child(job: Job, out_file: Path) -> None:
         kw = {"precision": "bf16-true", "strategy": "superoffload"}
     elif job.variant in ("superoffload_fp8", "superoffload_fp8_rareclip"):
         kw = {"plugins": [lgh.precision("fp8-ao-tensorwise")], "strategy": "superoffload"}
+    elif job.variant == "superoffload_plainloss":
+        kw = {"precision": "bf16-true", "strategy": lgh.SuperOffloadStrategy(lean_loss=False)}
     elif job.variant == "superoffload_onepass":
         kw = {"precision": "bf16-true", "strategy": lgh.SuperOffloadStrategy(weights_first=False)}
     elif job.variant == "superoffload_assist":
@@ -274,6 +292,9 @@ def _child(job: Job, out_file: Path) -> None:
     stats = getattr(opt, "stats", None)
     if isinstance(stats, dict):
         res.notes["optimizer_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+    loss = getattr(trainer.strategy, "loss", None)
+    if loss is not None:  # SuperOffload's lean-loss decision
+        res.notes["lean_loss"] = loss.why
     if memory.plan is not None:
         res.notes["memory_plan"] = memory.plan.as_dict()
     if memory.oom_knobs:  # the out-of-memory report: its knobs, and the report itself beside the results
@@ -426,10 +447,12 @@ def table(rows: list[Outcome], anchor: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["gpu_bf16_ckpt", "superoffload"], choices=VARIANTS)
-    ap.add_argument("--layers", type=int, nargs="+", default=[32], help="decoder layers (one run per value)")
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=14336)
-    ap.add_argument("--vocab", type=int, default=32000, help="32000: Mistral-7B's shape; 128256: Llama-3.1-8B's")
+    ap.add_argument("--shape", default="mistral7b", choices=sorted(SHAPES),
+                    help="a published decoder's shape; --layers, --hidden, --ffn and --vocab override its fields")
+    ap.add_argument("--layers", type=int, nargs="+", help="decoder layers (one run per value; default: the shape's)")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--ffn", type=int)
+    ap.add_argument("--vocab", type=int, help="32000: Mistral-7B's shape; 128256: Llama-3.1-8B's")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=12)
@@ -472,11 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     variants = ["gpu_fp32master", "superoffload"] if args.check_loss else args.variants
+    arch, hidden, ffn, depth, heads, kv_heads, vocab = SHAPES[args.shape]
     rows: list[Outcome] = []
-    for layers in args.layers:
+    for layers in args.layers or [depth]:
         for v in variants:
             ours = (v.startswith("superoffload") or v in BUDGET_VARIANTS) and not args.check_loss
-            job = Job(v, layers=layers, hidden=args.hidden, ffn=args.ffn, vocab=args.vocab, batch=args.batch,
+            job = Job(v, arch=arch, layers=layers, hidden=args.hidden or hidden, ffn=args.ffn or ffn,
+                      heads=heads, kv_heads=kv_heads, vocab=args.vocab or vocab, batch=args.batch,
                       seq=args.seq, steps=args.offload_steps if ours else args.steps,
                       warmup=args.offload_warmup if ours else args.warmup,
                       checkpointing=not args.no_checkpointing, record_losses=args.check_loss or args.losses,
@@ -485,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                       out=str(out))
             r = run_variant(job, out, args.timeout)
             r.notes["layers"] = layers
+            r.notes["shape"] = args.shape
             rows.append(r)
             print(f"{v} ({layers} layers): {r.step_ms and round(r.step_ms)} ms, error={r.error}", flush=True)
             ran_out = args.oom_knob and r.error and "OutOfMemoryError" in r.error

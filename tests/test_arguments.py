@@ -89,13 +89,15 @@ KNOWN: dict[str, dict[str, list[tuple[Any, type[Exception]]]]] = {
         "bind_numa": [("yes", V), (1, T)],
     },
     "SuperOffloadFSDPStrategy": {"data_parallel_size": [("x", V), (0, V), (-1, V), (1.5, T)],
-                                 "device_assist": [("no", V), (1, T)], "bind_numa": [("yes", V), (1, T)]},
+                                 "device_assist": [("no", V), (1, T)], "bind_numa": [("yes", V), (1, T)],
+                                 "lean_loss": [("yes", V), (1, T), (0.0, T)]},
     "SuperOffloadStrategy": {
         "gpu_fraction": [(-0.1, V), (1.5, V), ("most", V), (float("nan"), V)],
         "cpu_threads": [(0, V), (-2, V), (1.5, T), ("4", T)],
         "max_gpu_fraction": [(-0.1, V), (1.5, V), ("x", T)],
         "device_assist": [("no", V), (1, T)],
         "bind_numa": [("yes", V), (1, T)],
+        "lean_loss": [("yes", V), (1, T), (0.0, T)],
     },
     "SelectiveProfiler": {"ranks": [(-1, T), (1.5, T), ("zero", V), (object(), T)]},  # a string of ranks
     "NVTXRangeCallback": {"ranks": [(-1, T), (1.5, T), ("zero", V), (object(), T)]},

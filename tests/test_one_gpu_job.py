@@ -21,12 +21,23 @@ def test_param_count_matches_the_published_shapes(kw, billions):
     assert job.param_count(job.Job("superoffload", **kw)) / 1e9 == pytest.approx(billions, abs=0.01)
 
 
-def test_param_count_equals_transformers_own_count():
+@pytest.mark.parametrize(("shape", "billions"), [("mistral7b", 7.24), ("llama3.1-8b", 8.03), ("qwen2.5-7b", 7.62)])
+def test_shape_presets_match_the_published_models(shape, billions):
+    arch, hidden, ffn, layers, heads, kv, vocab = job.SHAPES[shape]
+    j = job.Job("superoffload", arch=arch, layers=layers, hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv,
+                vocab=vocab)
+    assert job.param_count(j) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+@pytest.mark.parametrize(("arch", "conf", "cls"), [("llama", "LlamaConfig", "LlamaForCausalLM"),
+                                                   ("qwen2", "Qwen2Config", "Qwen2ForCausalLM")])
+def test_param_count_equals_transformers_own_count(arch, conf, cls):
     transformers = pytest.importorskip("transformers")
-    j = job.Job("superoffload", layers=2, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=100)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=100)
-    model = transformers.LlamaForCausalLM(cfg)
+    j = job.Job("superoffload", arch=arch, layers=2, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=100)
+    cfg = getattr(transformers, conf)(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                      tie_word_embeddings=False)
+    model = getattr(transformers, cls)(cfg)
     assert job.param_count(j) == sum(p.numel() for p in model.parameters())
 
 

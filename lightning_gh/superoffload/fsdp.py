@@ -47,6 +47,7 @@ from lightning_gh import _lightning, compat
 from lightning_gh._options import check_type
 from lightning_gh.superoffload import numa
 from lightning_gh.superoffload.fsdp_optimizer import ShardedHostAdamW
+from lightning_gh.superoffload.loss import StepLoss
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options
 from lightning_gh.superoffload.strategy import SuperOffloadStrategy, clip_handler
 
@@ -95,6 +96,9 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
             forward order on the GPU, ``"auto"`` keeps it all in host memory (no sizing from measured GPU memory
             on this path yet); see :func:`~.fsdp_units.unsupported_options`).
         **option_kwargs: the same options as keywords instead.
+        lean_loss: as for :class:`~lightning_gh.superoffload.strategy.SuperOffloadStrategy`: a causal LM's loss
+            through the lean loss (``"auto"``: on CUDA, without ``ActivationOffload``); the decision is
+            ``strategy.loss.why``.
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
 
     Tensor parallelism is not supported (``tensor_parallel_size`` is 1).
@@ -110,8 +114,9 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
 
     def __init__(self, *, data_parallel_size: int | str = "auto", save_distributed_checkpoint: bool = True,
                  options: SuperOffloadOptions | None = None, process_group_backend: str | None = None,
-                 timeout: Any = default_pg_timeout, **option_kwargs: Any) -> None:
+                 timeout: Any = default_pg_timeout, lean_loss: bool | str = "auto", **option_kwargs: Any) -> None:
         self.options = resolve_options(options, "SuperOffloadFSDPStrategy", **option_kwargs)
+        self.loss = StepLoss("SuperOffloadFSDPStrategy", lean_loss)
         check_type("SuperOffloadFSDPStrategy", "data_parallel_size", data_parallel_size, int | str)
         check_type("SuperOffloadFSDPStrategy", "save_distributed_checkpoint", save_distributed_checkpoint, bool)
         if not (data_parallel_size == "auto" or (isinstance(data_parallel_size, int) and data_parallel_size >= 1)):
@@ -151,6 +156,11 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
         _lightning.route_clip_gradients(self.precision_plugin, _clip_gradients)
         for opt in self._ours():
             opt.publish_state()
+        self.loss.setup(trainer, self.lightning_module, self.root_device)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.loss.context():  # the forward and the loss; the backward needs nothing installed
+            return super().training_step(*args, **kwargs)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -174,6 +184,7 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         for opt in self._ours():
             opt.close()
+        self.loss.teardown()
         numa.unbind_rank()
         super().teardown()
 

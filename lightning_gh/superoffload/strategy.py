@@ -60,6 +60,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from lightning_gh import _lightning, compat
 from lightning_gh.superoffload import numa
+from lightning_gh.superoffload.loss import StepLoss
 from lightning_gh.superoffload.optimizer import HeterogeneousAdamW
 from lightning_gh.superoffload.options import SuperOffloadOptions, resolve_options
 
@@ -79,6 +80,12 @@ class SuperOffloadStrategy(DDPStrategy):
         start_method: how ``devices=N`` starts its processes, as for ``DDPStrategy``: ``"popen"`` (re-runs the
             script, the usual choice on GPUs) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``.
         process_group_backend: ``None`` (NCCL on GPUs, gloo on CPUs) or a backend name.
+        lean_loss: compute a Hugging Face causal LM's loss (``labels=``, or the module's own cross-entropy over the
+            logits) through the lean loss, which keeps only the low-precision logits for the backward: the GPU
+            memory it gives back goes to the GPU tail. ``"auto"`` (default): on CUDA, where the module holds a
+            transformers ``*ForCausalLM`` and no ``ActivationOffload`` is attached (its plan owns the loss then);
+            ``True``: also off CUDA; ``False``: the loss as written (bitwise the plain run's). See
+            :mod:`lightning_gh.superoffload.loss`; the decision is ``strategy.loss.why``.
         accelerator, checkpoint_io, precision_plugin, cluster_environment, timeout: as for Lightning's
             ``DDPStrategy``.
 
@@ -104,9 +111,11 @@ class SuperOffloadStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         cluster_environment: Any = None,
         timeout: Any = None,
+        lean_loss: bool | str = "auto",
         **option_kwargs: Any,
     ) -> None:
         self.options = resolve_options(options, "SuperOffloadStrategy", **option_kwargs)
+        self.loss = StepLoss("SuperOffloadStrategy", lean_loss)
         extra = {} if timeout is None else {"timeout": timeout}
         super().__init__(accelerator=accelerator, parallel_devices=None if device is None else [torch.device(device)],
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -223,11 +232,16 @@ class SuperOffloadStrategy(DDPStrategy):
             Strategy.setup(self, trainer)
         self._install_clipping()
         self._check_precision_plugin()
+        self.loss.setup(trainer, self.lightning_module, self.root_device)
         if self.root_device.type != "cuda":
             # Every other GPU part says when it steps aside; the math is the same, only nothing moves.
             rank_zero_warn(f"SuperOffloadStrategy on {self.root_device}: there is no GPU memory to relieve, so the "
                            "optimizer state simply stays in host memory and AdamW runs on the CPU as usual (same "
                            "results; use a CUDA device to offload).", category=UserWarning)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.loss.context():  # the forward and the loss; the backward needs nothing installed
+            return super().training_step(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -293,6 +307,7 @@ class SuperOffloadStrategy(DDPStrategy):
     def teardown(self) -> None:
         for opt in self._heterogeneous():
             opt.close()
+        self.loss.teardown()
         numa.unbind_rank()
         super().teardown()
 

@@ -286,6 +286,9 @@ def _child(job: Job, out_file: Path) -> None:
         peak = peak_tflops(res.device, "bf16")
         res.mfu = res.model_tflops / peak if peak else None
     res.peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30
+    mem = torch.cuda.memory_stats()  # an allocator that frees its cache and retries near the memory's end stalls
+    res.notes["allocator"] = {k: mem.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+    res.notes["reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     res.host_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
     res.host_used_gib = host_used[0] / 2**30 if host_used[0] else None
     opt = trainer.optimizers[0] if trainer.optimizers else None

@@ -28,6 +28,8 @@ _CUDA = dict(device_type="cuda", dtype=BF16, dims=2, last_stride=1, compiling=Fa
     ("auto", {"dims": 3}, "torch"),
     ("auto", {"last_stride": 2}, "torch"),
     ("auto", {"compiling": True}, "torch"),
+    ("auto", {"fake": True}, "torch"),  # a step traced on fake tensors for its memory: no kernel runs
+    ("triton", {"fake": True}, "torch"),
 ])
 def test_choose_kernel_table(setting, changes, expected):
     assert fused_ce.choose_kernel(setting, **{**_CUDA, **changes}) == expected

@@ -384,3 +384,44 @@ def test_the_gpu_check_predicts_on_the_cpu():
     assert line["predicted_peak"] > 0 and line["measured_peak"] is None and line["note"].startswith("peak in the")
     if not torch.cuda.is_available():
         assert memory_predict.main([]) == 0  # says there is no CUDA device and measures nothing
+
+
+@pytest.mark.parametrize("own_loss", [False, True])
+def test_the_trace_runs_the_strategys_lean_loss_and_holds_what_the_real_step_holds(own_loss):
+    """Under a strategy with a loss context (the SuperOffload strategies' lean loss) the traced step is the step that
+    runs: on fake tensors the lean loss takes its chunks and holds what the real step holds, and it keeps less for
+    the backward than the loss as written."""
+    import torch.nn.functional as F
+
+    from lightning_gh.superoffload import SuperOffloadStrategy
+
+    module = HFModule()
+    module.model.to(torch.bfloat16)
+    if own_loss:  # the module's own cross-entropy over the logits, in fp32
+        def step(batch, batch_idx):
+            ids = batch[0]
+            logits = module.model(input_ids=ids).logits
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        module.training_step = step
+    batch = [torch.randint(1, 512, (2, 32))]
+    traces = {}
+    for lean in (False, True):
+        trainer = L.Trainer(max_steps=1, logger=False, accelerator="cpu", precision="bf16-true",
+                            strategy=SuperOffloadStrategy(lean_loss=lean), enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False)
+        trainer.strategy.connect(module)
+        trainer.strategy.loss.setup(trainer, module, torch.device("cpu"))
+        traces[lean] = trace_training_step(trainer, module, batch)
+        loss = trainer.strategy.loss
+
+        def real_step(b, loss=loss):  # as the strategy runs it: the forward and the loss inside its context
+            with loss.context():
+                return module.training_step(b, 0)
+
+        real = trace_step(real_step, batch, device_type="cpu", fake=False)
+        module.zero_grad(set_to_none=True)  # the real trace's gradients: the next trace allocates its own
+        for name in ("retained", "forward_peak", "backward_peak", "grads"):
+            assert getattr(traces[lean], name) == getattr(real, name), (lean, name)
+    # What the backward starts from: the bf16 logits instead of an fp32 log-softmax of them. (On the CPU the lean
+    # backward recomputes the log-softmax in fp32 chunks, so its own peak is not lower at this size.)
+    assert traces[True].retained < traces[False].retained and traces[True].grads == traces[False].grads > 0

@@ -29,6 +29,7 @@ import functools
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_gh._util import env
 
@@ -59,13 +60,14 @@ def setting() -> str:
 
 
 def choose_kernel(setting: str, *, device_type: str, dtype: torch.dtype, dims: int, last_stride: int,
-                  compiling: bool, triton_ok: bool) -> str:
+                  compiling: bool, triton_ok: bool, fake: bool = False) -> str:
     """Which path computes a lean cross-entropy: ``"triton"`` or ``"torch"`` (the row chunks). Pure.
 
     ``"auto"`` takes Triton for 2-D CUDA logits in bf16, fp16 or fp32 with unit stride along the vocabulary, in
     eager mode, where Triton imports; ``"torch"`` always takes the chunks; ``"triton"`` takes Triton wherever
     ``"auto"`` would and raises on CUDA where it cannot (so a forced choice never passes silently). Logits off
-    CUDA always take the chunks.
+    CUDA always take the chunks, and so do fake logits (``fake``: a step traced for its memory, as MemoryReport's
+    prediction does, where no kernel runs; the chunks hold no more than a chunk's fp32 rows above Triton's path).
 
     Example::
 
@@ -75,7 +77,7 @@ def choose_kernel(setting: str, *, device_type: str, dtype: torch.dtype, dims: i
     """
     if setting not in KERNELS:
         raise ValueError(f"LGH_LEAN_LOSS_KERNEL={setting!r} is not valid; use one of {KERNELS}.")
-    if setting == "torch" or device_type != "cuda":
+    if setting == "torch" or device_type != "cuda" or fake:
         return "torch"
     why = None
     if not triton_ok:
@@ -98,7 +100,8 @@ def kernel_for(logits: torch.Tensor) -> str:
     return choose_kernel(setting(), device_type=logits.device.type, dtype=logits.dtype, dims=logits.dim(),
                          last_stride=logits.stride(-1) if logits.dim() else 1,
                          compiling=torch.compiler.is_compiling(),
-                         triton_ok=logits.device.type == "cuda" and triton_available())
+                         triton_ok=logits.device.type == "cuda" and triton_available(),
+                         fake=is_fake(logits))
 
 
 @functools.lru_cache(maxsize=1)

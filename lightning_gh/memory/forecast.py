@@ -130,12 +130,15 @@ def _quiet(pl_module: Any) -> Iterator[None]:
 
 def trace_training_step(trainer: Any, pl_module: Any, batch: Any) -> StepTrace:
     """``pl_module.training_step(batch, 0)`` and its backward traced on fake tensors, under the precision plugin's
-    context (autocast for ``bf16-mixed``); the random number generators are left as they were."""
+    context (autocast for ``bf16-mixed``) and the strategy's loss context where it has one (the SuperOffload
+    strategies' lean loss: ``strategy.loss.context()``); the random number generators are left as they were."""
     device = pl_module.device
     devices = [device] if device.type == "cuda" else []
+    loss = getattr(getattr(trainer, "strategy", None), "loss", None)
+    loss_context = loss.context if callable(getattr(loss, "context", None)) else contextlib.nullcontext
 
     def step(b: Any) -> Any:
-        with trainer.precision_plugin.train_step_context():
+        with loss_context(), trainer.precision_plugin.train_step_context():
             return pl_module.training_step(b, 0)
 
     with torch.random.fork_rng(devices=devices), _quiet(pl_module):

@@ -3,21 +3,15 @@ checkpointing, when it starts timing, and how it judges the goals (the measureme
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _benchmarks import load  # benchmarks/<name>.py as a module
 
 pytest.importorskip("transformers")
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "activation_job.py"
-_spec = importlib.util.spec_from_file_location("activation_job", _PATH)
-job = importlib.util.module_from_spec(_spec)
-sys.modules["activation_job"] = job
-_spec.loader.exec_module(job)
+job = load("activation_job")
 
 GIB = 2**30
 

@@ -2,7 +2,6 @@
 each variant its own multi-process job) and its pure decisions (the GPU-only FSDP fit check, fused or foreach, the
 rank folding, the four-GH200 forecast)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,12 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import load  # benchmarks/<name>.py as a module
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "multi_gpu_job.py"
-_spec = importlib.util.spec_from_file_location("multi_gpu_job", _PATH)
-job = importlib.util.module_from_spec(_spec)
-sys.modules["multi_gpu_job"] = job
-_spec.loader.exec_module(job)
+job = load("multi_gpu_job")
+_PATH = Path(job.__file__)
 
 
 def test_smoke_runs_the_zero3_variant_as_a_two_process_job(tmp_path):

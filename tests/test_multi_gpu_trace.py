@@ -4,18 +4,13 @@ NCCL, copies by direction, host ranges), the side-by-side comparison, the one-st
 and the option on the command line."""
 
 import gzip
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from _benchmarks import load  # benchmarks/<name>.py as a module
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "multi_gpu_job.py"
-_spec = importlib.util.spec_from_file_location("multi_gpu_job", _PATH)
-job = importlib.util.module_from_spec(_spec)
-sys.modules["multi_gpu_job"] = job
-_spec.loader.exec_module(job)
+job = load("multi_gpu_job")
 ts = sys.modules["trace_summary"]  # benchmarks/trace_summary.py, which the job imports from its own folder
 
 MAIN, WORKER = 100, 200  # host threads

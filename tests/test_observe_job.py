@@ -1,16 +1,11 @@
 """benchmarks/observe_job.py: the overhead table and the kept trace (the GPU runs are the benchmark's own)."""
 
 import gzip
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "observe_job.py"
-_spec = importlib.util.spec_from_file_location("observe_job", _PATH)
-obs = importlib.util.module_from_spec(_spec)
-sys.modules["observe_job"] = obs
-_spec.loader.exec_module(obs)
+from _benchmarks import load  # benchmarks/<name>.py as a module
+
+obs = load("observe_job")
 
 
 def test_overheads_take_the_median_of_the_rounds_against_plain():

@@ -1,16 +1,10 @@
 """The offload host-cost benchmark's plans and arguments, on the CPU (its runs need a GPU)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from _benchmarks import load  # benchmarks/<name>.py as a module
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "offload_host_cost.py"
-_spec = importlib.util.spec_from_file_location("offload_host_cost", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["offload_host_cost"] = bench
-_spec.loader.exec_module(bench)
+bench = load("offload_host_cost")
 
 MIB = 2**20
 

@@ -1,16 +1,11 @@
 """The one-GPU job's benchmark script: its arithmetic and its report, on the CPU (the runs themselves need a GPU)."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import load  # benchmarks/<name>.py as a module
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "one_gpu_job.py"
-_spec = importlib.util.spec_from_file_location("one_gpu_job", _PATH)
-job = importlib.util.module_from_spec(_spec)
-sys.modules["one_gpu_job"] = job
-_spec.loader.exec_module(job)
+job = load("one_gpu_job")
 
 
 @pytest.mark.parametrize(

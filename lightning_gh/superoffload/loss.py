@@ -90,6 +90,10 @@ class StepLoss:
         self.on, self.why = lean_loss_decision(self.setting, cuda=device.type == "cuda", causal_lm=lm is not None,
                                                activation_offload="ActivationOffload" in compat.parts_in(trainer))
         self._lean = LeanLoss(lm) if self.on else None
+        if device.type == "cuda" and lm is not None:  # one line where it matters: a causal LM on a GPU
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(f"{self.owner} loss: {self.why}")
 
     def context(self) -> ContextManager[Any]:
         """What a ``training_step`` runs inside: the lean loss where it is on, else nothing."""

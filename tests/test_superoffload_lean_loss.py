@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 import lightning_gh as lgh
-from lightning_gh.superoffload.loss import StepLoss, lean_loss_decision
+from lightning_gh.superoffload.loss import StepLoss, activation_offload_owns_loss, lean_loss_decision
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize(
-    ("setting", "cuda", "causal_lm", "activation_offload", "on", "why"),
+    ("setting", "cuda", "causal_lm", "loss_owner", "on", "why"),
     [
         ("auto", True, True, False, True, "on:"),
         ("auto", False, True, False, False, "not on CUDA"),
@@ -27,14 +27,14 @@ transformers = pytest.importorskip("transformers")
         (False, True, False, False, False, "lean_loss=False"),
     ],
 )
-def test_lean_loss_decision_table(setting, cuda, causal_lm, activation_offload, on, why):
-    got, reason = lean_loss_decision(setting, cuda=cuda, causal_lm=causal_lm, activation_offload=activation_offload)
+def test_lean_loss_decision_table(setting, cuda, causal_lm, loss_owner, on, why):
+    got, reason = lean_loss_decision(setting, cuda=cuda, causal_lm=causal_lm, loss_owner=loss_owner)
     assert got is on and why in reason
 
 
 def test_lean_loss_true_without_a_causal_lm_names_the_argument():
     with pytest.raises(ValueError, match=r"lean_loss=True: .*\*ForCausalLM.*'auto' or False"):
-        lean_loss_decision(True, cuda=True, causal_lm=False, activation_offload=False)
+        lean_loss_decision(True, cuda=True, causal_lm=False, loss_owner=False)
 
 
 @pytest.mark.parametrize(("value", "error"), [("yes", ValueError), (1, TypeError), (None, TypeError)])
@@ -96,12 +96,29 @@ def test_lean_loss_runs_the_users_own_loss_lean_with_the_same_parameters():
     assert "_loss_function" not in vars(lean.model) and not lean.model._forward_hooks
 
 
-def test_auto_steps_aside_on_the_cpu_and_beside_activation_offload():
+def test_auto_steps_aside_on_the_cpu():
     model, trainer = _fit("superoffload")
     assert not trainer.strategy.loss.on and "not on CUDA" in trainer.strategy.loss.why
     assert "_LeanCrossEntropyBackward" not in model.grad_fns
-    _, trainer = _fit(lgh.SuperOffloadStrategy(lean_loss=True), [lgh.ActivationOffload(policy=0)])
+
+
+@pytest.mark.parametrize(("kw", "owns"), [({"budget": "1GiB"}, True), ({"lean_loss": False}, True),
+                                          ({"lean_loss": True}, True), ({}, False)])
+def test_activation_offload_owns_the_loss_only_where_it_decides_it(kw, owns):
+    trainer = L.Trainer(accelerator="cpu", logger=False, callbacks=[lgh.ActivationOffload(**kw)])
+    assert activation_offload_owns_loss(trainer) is owns
+
+
+def test_beside_activation_offload_the_strategy_leaves_the_loss_to_it_only_where_it_decides_it():
+    _, trainer = _fit(lgh.SuperOffloadStrategy(lean_loss=True), [lgh.ActivationOffload(policy=0, lean_loss=False)])
     assert not trainer.strategy.loss.on and "ActivationOffload" in trainer.strategy.loss.why
+    # An ActivationOffload without a budget or lean_loss never touches the loss: the strategy's lean loss runs
+    # beside its hooks, and the run is the run with the loss as written.
+    plain, _ = _fit(lgh.SuperOffloadStrategy(lean_loss=False), [lgh.ActivationOffload(policy=0)])
+    lean, trainer = _fit(lgh.SuperOffloadStrategy(lean_loss=True), [lgh.ActivationOffload(policy=0)])
+    assert trainer.strategy.loss.on and set(lean.grad_fns) == {"_LeanCrossEntropyBackward"}
+    for a, b in zip(plain.parameters(), lean.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_lean_loss_true_on_a_model_without_a_causal_lm_fails_at_setup():

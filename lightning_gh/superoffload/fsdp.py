@@ -97,7 +97,7 @@ class SuperOffloadFSDPStrategy(ModelParallelStrategy):
             on this path yet); see :func:`~.fsdp_units.unsupported_options`).
         **option_kwargs: the same options as keywords instead.
         lean_loss: as for :class:`~lightning_gh.superoffload.strategy.SuperOffloadStrategy`: a causal LM's loss
-            through the lean loss (``"auto"``: on CUDA, without ``ActivationOffload``); the decision is
+            through the lean loss (``"auto"``: on CUDA, unless an ``ActivationOffload`` decides the loss); the decision is
             ``strategy.loss.why``.
         process_group_backend, timeout: as for ``ModelParallelStrategy``.
 

@@ -11,9 +11,9 @@ the backward needs nothing installed), where :func:`lean_loss_decision` says so.
 
 Example::
 
-    >>> lean_loss_decision("auto", cuda=True, causal_lm=True, activation_offload=False)[0]
+    >>> lean_loss_decision("auto", cuda=True, causal_lm=True, loss_owner=False)[0]
     True
-    >>> lean_loss_decision("auto", cuda=True, causal_lm=True, activation_offload=True)[0]
+    >>> lean_loss_decision("auto", cuda=True, causal_lm=True, loss_owner=True)[0]
     False
 """
 
@@ -27,7 +27,7 @@ import torch
 from lightning_gh import compat
 from lightning_gh._options import check_type
 
-__all__ = ["StepLoss", "check_lean_loss", "lean_loss_decision"]
+__all__ = ["StepLoss", "activation_offload_owns_loss", "check_lean_loss", "lean_loss_decision"]
 
 
 def check_lean_loss(owner: str, value: Any) -> None:
@@ -38,7 +38,7 @@ def check_lean_loss(owner: str, value: Any) -> None:
 
 
 def lean_loss_decision(setting: bool | str, *, cuda: bool, causal_lm: bool,
-                       activation_offload: bool) -> tuple[bool, str]:
+                       loss_owner: bool) -> tuple[bool, str]:
     """Whether the strategy computes the causal LM's loss through the lean loss, and why (one line).
 
     Args:
@@ -46,15 +46,17 @@ def lean_loss_decision(setting: bool | str, *, cuda: bool, causal_lm: bool,
         cuda: the run's device is a GPU.
         causal_lm: the ``LightningModule`` holds a transformers ``*ForCausalLM``
             (:func:`~lightning_gh.activation_offload.lean_loss.find_causal_lm`).
-        activation_offload: an ``ActivationOffload`` callback is attached: its plan owns the loss.
+        loss_owner: an ``ActivationOffload`` callback that decides the loss itself is attached (one with a
+            budget, whose plan turns the lean loss on where it needs the memory, or with ``lean_loss`` set):
+            see :func:`activation_offload_owns_loss`.
 
     Raises:
         ValueError: ``lean_loss=True`` and there is no causal LM to apply it to.
     """
     if setting is False:
         return False, "off: lean_loss=False"
-    if activation_offload:
-        return False, "left to ActivationOffload: its plan turns the lean loss on where it needs the memory"
+    if loss_owner:
+        return False, "left to ActivationOffload: its budget or its lean_loss decides the loss"
     if not causal_lm:
         if setting is True:
             raise ValueError("lean_loss=True: the LightningModule holds no transformers *ForCausalLM model whose "
@@ -64,6 +66,17 @@ def lean_loss_decision(setting: bool | str, *, cuda: bool, causal_lm: bool,
         return False, "off: not on CUDA (no GPU memory to give back; lean_loss=True forces it)"
     return True, ("on: the causal LM's loss, or the module's own cross-entropy over its logits, keeps only the "
                   "low-precision logits for the backward (lean_loss=False for the loss as written)")
+
+
+def activation_offload_owns_loss(trainer: Any) -> bool:
+    """Whether ``trainer`` has an ``ActivationOffload`` that decides the loss: one with a ``budget`` (its plan weighs
+    the lean loss) or an explicit ``lean_loss``; one without either never touches the loss. A stand-in of another
+    class, whose options are unknown, is taken to decide it."""
+    cb = compat.parts_in(trainer).get("ActivationOffload")
+    if cb is None:
+        return False
+    opts = getattr(cb, "options", None)
+    return opts is None or getattr(opts, "budget", None) is not None or getattr(opts, "lean_loss", None) is not None
 
 
 class StepLoss:
@@ -88,7 +101,7 @@ class StepLoss:
 
         lm = find_causal_lm(module)
         self.on, self.why = lean_loss_decision(self.setting, cuda=device.type == "cuda", causal_lm=lm is not None,
-                                               activation_offload="ActivationOffload" in compat.parts_in(trainer))
+                                               loss_owner=activation_offload_owns_loss(trainer))
         self._lean = LeanLoss(lm) if self.on else None
         if device.type == "cuda" and lm is not None:  # one line where it matters: a causal LM on a GPU
             from lightning.pytorch.utilities import rank_zero_info

@@ -83,7 +83,8 @@ class SuperOffloadStrategy(DDPStrategy):
         lean_loss: compute a Hugging Face causal LM's loss (``labels=``, or the module's own cross-entropy over the
             logits) through the lean loss, which keeps only the low-precision logits for the backward: the GPU
             memory it gives back goes to the GPU tail. ``"auto"`` (default): on CUDA, where the module holds a
-            transformers ``*ForCausalLM`` and no ``ActivationOffload`` is attached (its plan owns the loss then);
+            transformers ``*ForCausalLM`` and no ``ActivationOffload`` decides the loss (one with a ``budget`` or a
+            ``lean_loss`` of its own: see :func:`~lightning_gh.superoffload.loss.activation_offload_owns_loss`);
             ``True``: also off CUDA; ``False``: the loss as written (bitwise the plain run's). See
             :mod:`lightning_gh.superoffload.loss`; the decision is ``strategy.loss.why``.
         accelerator, checkpoint_io, precision_plugin, cluster_environment, timeout: as for Lightning's

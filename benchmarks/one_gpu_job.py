@@ -415,6 +415,18 @@ def apply_knob(job: Job, knob: str) -> Job | None:
     return None
 
 
+def wall_left(wall_budget: float | None, t_start: float, timeout: float) -> float:
+    """Seconds the next variant may take: ``timeout``, or less where ``wall_budget`` (seconds for the whole run,
+    counted from ``t_start``) has less left.
+
+    >>> wall_left(None, 0.0, 200.0)
+    200.0
+    """
+    if wall_budget is None:
+        return timeout
+    return min(timeout, wall_budget - (time.perf_counter() - t_start))
+
+
 def loss_gaps(rows: list[Outcome], anchor: str) -> dict[str, tuple[int, float]]:
     """Per row with recorded losses (the anchor aside): the steps it shares with the anchor's and the largest
     relative difference of its loss from the anchor's over them. Every variant starts from the same weights and
@@ -478,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a variant that runs out of GPU memory runs again with the first knob of MemoryReport's "
                     "out-of-memory report that this script can apply (the report goes to --out)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per variant")
+    ap.add_argument("--wall-budget", type=float,
+                    help="seconds for the whole run: each variant gets at most what is left, and one with less than "
+                         "30 s left is a row that says so (the run ends in time for what follows it to collect "
+                         "the results)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -499,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     variants = ["gpu_fp32master", "superoffload"] if args.check_loss else args.variants
     arch, hidden, ffn, depth, heads, kv_heads, vocab = SHAPES[args.shape]
+    t_start = time.perf_counter()
     rows: list[Outcome] = []
     for layers in args.layers or [depth]:
         for v in variants:
@@ -511,7 +528,11 @@ def main(argv: list[str] | None = None) -> int:
                       budget=args.budget,
                       clip=args.rare_clip if v.endswith("_rareclip") else 1.0, profile_step=args.profile_step,
                       out=str(out))
-            r = run_variant(job, out, args.timeout)
+            left = wall_left(args.wall_budget, t_start, args.timeout)
+            if left < 30:
+                r = Outcome(v, params=param_count(job), error="not run: --wall-budget spent")
+            else:
+                r = run_variant(job, out, left)
             r.notes["layers"] = layers
             r.notes["shape"] = args.shape
             rows.append(r)
@@ -519,8 +540,8 @@ def main(argv: list[str] | None = None) -> int:
             ran_out = args.oom_knob and r.error and "OutOfMemoryError" in r.error
             knobs = (r.notes.get("oom_knobs") or []) if ran_out else []
             again = next((j for j in (apply_knob(job, k) for k in knobs) if j is not None), None)
-            if again is not None:
-                r2 = run_variant(again, out, args.timeout)
+            if again is not None and wall_left(args.wall_budget, t_start, args.timeout) >= 30:
+                r2 = run_variant(again, out, wall_left(args.wall_budget, t_start, args.timeout))
                 r2.variant = f"{v} + {again.knob}"
                 r2.notes["layers"] = layers
                 rows.append(r2)

@@ -114,3 +114,15 @@ def test_a_child_killed_after_writing_its_row_keeps_it(tmp_path, monkeypatch, wr
     else:
         assert res.error == "timed out after 5 s" and res.step_ms is None
         assert "steps done" in log
+
+
+def test_a_spent_wall_budget_leaves_the_variant_as_a_row_that_says_so(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(job, "run_variant", lambda j, out, t: ran.append((j.variant, t)) or job.Outcome(j.variant))
+    assert job.main(["--variants", "superoffload", "--wall-budget", "10", "--out", str(tmp_path)]) == 0
+    assert ran == []
+    text = (tmp_path / "one_gpu_job.md").read_text()
+    assert "not run: --wall-budget spent" in text
+    assert job.main(["--variants", "superoffload", "--wall-budget", "100", "--timeout", "500",
+                     "--out", str(tmp_path)]) == 0
+    assert ran and ran[0][0] == "superoffload" and 90 < ran[0][1] <= 100

@@ -82,10 +82,16 @@ from one_gpu_job import (  # noqa: E402
     NVLINK_C2C_BPS,
     ROOT,
     UPDATE_BYTES_PER_PARAM,
+    WALL_MIN_S,
     Outcome,
     Shape,
     _host_used_bytes,
+    hf_decoder,
     param_count,
+    wall_left,
+)
+from one_gpu_job import (
+    SHAPES as ONE_GPU_SHAPES,
 )
 from trace_summary import StepTracer, compare_markdown  # noqa: E402
 
@@ -117,10 +123,10 @@ VARIANTS = {
     "fsdp_cpu_offload": Variant("fsdp", "bf16-mixed", clip=True, offload=True),
     "deepspeed_zero3_offload": Variant("deepspeed_stage_3_offload", "bf16-mixed", clip=True),
 }
-#: Model shapes: (architecture, hidden, FFN, layers, heads, KV heads, vocab). ``smoke`` is the CPU check's;
-#: ``llama70b`` is the forecast's.
+#: Model shapes: (architecture, hidden, FFN, layers, heads, KV heads, vocab): the one-GPU job's published shapes
+#: and larger ones. ``smoke`` is the CPU check's; ``llama70b`` is the forecast's.
 SHAPES = {
-    "mistral7b": ("llama", 4096, 14336, 32, 32, 8, 32000),
+    **ONE_GPU_SHAPES,
     "qwen14b": ("qwen2", 5120, 13824, 48, 40, 8, 152064),
     "qwen32b": ("qwen2", 5120, 27648, 64, 40, 8, 152064),
     "smoke": ("llama", 64, 128, 2, 4, 2, 256),
@@ -224,15 +230,9 @@ def build_model(job: MJob, lm: Any) -> Any:
     """The HF decoder of ``job``: on the meta device, sharded where the variant shards, materialized on this rank's
     device with :func:`fill_weights`. DeepSpeed builds it inside its own ``zero.Init`` instead."""
     import torch
-    import transformers
 
     spec = VARIANTS[job.variant]
-    cls = transformers.Qwen2ForCausalLM if job.arch == "qwen2" else transformers.LlamaForCausalLM
-    conf = transformers.Qwen2Config if job.arch == "qwen2" else transformers.LlamaConfig
-    cfg = conf(hidden_size=job.hidden, intermediate_size=job.ffn, num_hidden_layers=job.layers,
-               num_attention_heads=job.heads, num_key_value_heads=job.kv_heads, vocab_size=job.vocab,
-               max_position_embeddings=job.seq, tie_word_embeddings=False, use_cache=False,
-               attn_implementation="sdpa")
+    cls, cfg = hf_decoder(job)
     device = lm.trainer.strategy.root_device
     if spec.strategy.startswith("deepspeed"):
         model = cls(cfg)
@@ -788,9 +788,9 @@ def main(argv: list[str] | None = None) -> int:
                        weights_first=not v.endswith("_onepass"), cpu_threads=args.cpu_threads, trace=args.trace,
                        trace_ranks=tuple(args.trace_ranks),
                        act_budget=args.act_budget if VARIANTS[v].budget else None)
-        left = args.wall_budget - (time.perf_counter() - t_start) if args.wall_budget else args.timeout
+        left = wall_left(args.wall_budget, t_start, args.timeout)
         why = None if args.no_fit_check else fsdp_fit_reason(v, params_of(job), devices, gpu_bytes)
-        if why is None and left < 30:
+        if why is None and left < WALL_MIN_S:
             why = "not run: --wall-budget spent"
         if why is not None:
             r = Row(v, params=params_of(job), shape=shape, world=devices, error=why)

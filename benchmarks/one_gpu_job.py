@@ -151,6 +151,19 @@ def param_count(j: Job) -> int:
 # ------------------------------------------------------------------------------------------------ the child
 
 
+def hf_decoder(j: Shape) -> tuple[Any, Any]:
+    """The transformers class of ``j``'s decoder (``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` for ``arch="qwen2"``)
+    and its config: SDPA, no KV cache, untied embeddings and head, positions up to the step's sequence."""
+    import transformers
+
+    qwen = j.arch == "qwen2"
+    conf = transformers.Qwen2Config if qwen else transformers.LlamaConfig
+    cfg = conf(hidden_size=j.hidden, intermediate_size=j.ffn, num_hidden_layers=j.layers, num_attention_heads=j.heads,
+               num_key_value_heads=j.kv_heads, vocab_size=j.vocab, max_position_embeddings=j.seq,
+               tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+    return (transformers.Qwen2ForCausalLM if qwen else transformers.LlamaForCausalLM), cfg
+
+
 def _host_used_bytes() -> int | None:
     try:
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
@@ -164,7 +177,6 @@ def _child(job: Job, out_file: Path) -> None:
     import lightning as L
     import torch
     import torch.nn.functional as F
-    import transformers
     from lightning.pytorch.callbacks import Callback
 
     import lightning_gh as lgh
@@ -184,13 +196,8 @@ def _child(job: Job, out_file: Path) -> None:
         def configure_model(self) -> None:
             if self.model is not None:
                 return
-            qwen = job.arch == "qwen2"
-            conf = transformers.Qwen2Config if qwen else transformers.LlamaConfig
-            cfg = conf(hidden_size=job.hidden, intermediate_size=job.ffn, num_hidden_layers=job.layers,
-                       num_attention_heads=job.heads, num_key_value_heads=job.kv_heads, vocab_size=job.vocab,
-                       max_position_embeddings=job.seq, attn_implementation="sdpa", use_cache=False,
-                       tie_word_embeddings=False)
-            self.model = (transformers.Qwen2ForCausalLM if qwen else transformers.LlamaForCausalLM)(cfg)
+            cls, cfg = hf_decoder(job)
+            self.model = cls(cfg)
             if job.checkpointing and job.variant not in BUDGET_VARIANTS:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -415,16 +422,18 @@ def apply_knob(job: Job, knob: str) -> Job | None:
     return None
 
 
+#: A variant with fewer seconds than this left of ``--wall-budget`` is not started (a row says so).
+WALL_MIN_S = 30.0
+
+
 def wall_left(wall_budget: float | None, t_start: float, timeout: float) -> float:
-    """Seconds the next variant may take: ``timeout``, or less where ``wall_budget`` (seconds for the whole run,
-    counted from ``t_start``) has less left.
+    """Seconds left of ``wall_budget`` (seconds for the whole run, counted from ``t_start``), or ``timeout`` without
+    one. A variant runs for at most ``min(timeout, wall_left(...))`` and is not started below :data:`WALL_MIN_S`.
 
     >>> wall_left(None, 0.0, 200.0)
     200.0
     """
-    if wall_budget is None:
-        return timeout
-    return min(timeout, wall_budget - (time.perf_counter() - t_start))
+    return timeout if wall_budget is None else wall_budget - (time.perf_counter() - t_start)
 
 
 def loss_gaps(rows: list[Outcome], anchor: str) -> dict[str, tuple[int, float]]:
@@ -529,10 +538,10 @@ def main(argv: list[str] | None = None) -> int:
                       clip=args.rare_clip if v.endswith("_rareclip") else 1.0, profile_step=args.profile_step,
                       out=str(out))
             left = wall_left(args.wall_budget, t_start, args.timeout)
-            if left < 30:
+            if left < WALL_MIN_S:
                 r = Outcome(v, params=param_count(job), error="not run: --wall-budget spent")
             else:
-                r = run_variant(job, out, left)
+                r = run_variant(job, out, min(args.timeout, left))
             r.notes["layers"] = layers
             r.notes["shape"] = args.shape
             rows.append(r)
@@ -540,8 +549,9 @@ def main(argv: list[str] | None = None) -> int:
             ran_out = args.oom_knob and r.error and "OutOfMemoryError" in r.error
             knobs = (r.notes.get("oom_knobs") or []) if ran_out else []
             again = next((j for j in (apply_knob(job, k) for k in knobs) if j is not None), None)
-            if again is not None and wall_left(args.wall_budget, t_start, args.timeout) >= 30:
-                r2 = run_variant(again, out, wall_left(args.wall_budget, t_start, args.timeout))
+            left = wall_left(args.wall_budget, t_start, args.timeout)
+            if again is not None and left >= WALL_MIN_S:
+                r2 = run_variant(again, out, min(args.timeout, left))
                 r2.variant = f"{v} + {again.knob}"
                 r2.notes["layers"] = layers
                 rows.append(r2)

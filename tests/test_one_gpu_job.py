@@ -34,6 +34,9 @@ def test_param_count_equals_transformers_own_count(arch, conf, cls):
                                       tie_word_embeddings=False)
     model = getattr(transformers, cls)(cfg)
     assert job.param_count(j) == sum(p.numel() for p in model.parameters())
+    built_cls, built_cfg = job.hf_decoder(j)  # what the job builds
+    assert built_cls.__name__ == cls
+    assert job.param_count(j) == sum(p.numel() for p in built_cls(built_cfg).parameters())
 
 
 def test_table_reports_ratios_against_the_anchor_and_errors_verbatim():

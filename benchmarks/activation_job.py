@@ -21,7 +21,11 @@ sac               torch's selective activation checkpointing per decoder layer: 
 auto              ``ActivationOffload()`` with default options
 lean              ``ActivationOffload(policy=0, lean_loss=True)``: the lean loss alone (nothing offloaded or
                   recomputed)
+lean_norm_act     ``ActivationOffload(policy=0, recompute="norm-act", lean_loss=True)``: the lean loss, and every
+                  block recomputes its norms and gated activations (nothing offloaded)
 budget_0.7 ...    ``ActivationOffload(budget=0.7)``, ``0.5``, ``0.3``
+budget_0.7_last   ``ActivationOffload(budget=0.7, budget_offload="last")``: the plan offloads only what recomputing
+                  cannot fit
 budget_at_ckpt    ``ActivationOffload(budget=<bytes>)`` at hf_ckpt's measured activation memory (skipped, with a
                   note, when hf_ckpt did not run)
 ================  ==================================================================================================
@@ -92,9 +96,10 @@ GIB = 2**30
 MIB = 2**20
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "mistral": ("MistralConfig", "MistralForCausalLM")}
-VARIANTS = ("plain", "hf_ckpt", "sac", "auto", "lean", "budget_0.7", "budget_0.5", "budget_0.3", "budget_at_ckpt")
+VARIANTS = ("plain", "hf_ckpt", "sac", "auto", "lean", "lean_norm_act", "budget_0.7", "budget_0.7_last", "budget_0.5",
+            "budget_0.3", "budget_at_ckpt")
 #: The ActivationOffload variants: the rows the goals are judged on (the others are the anchors).
-OURS = ("auto", "lean", "budget_0.7", "budget_0.5", "budget_0.3", "budget_at_ckpt")
+OURS = ("auto", "lean", "lean_norm_act", "budget_0.7", "budget_0.7_last", "budget_0.5", "budget_0.3", "budget_at_ckpt")
 #: The smoke run's model: the offload suite's CPU shape with two decoder layers.
 SMOKE_CFG = {**HF_CFG_CPU, "num_hidden_layers": 2}
 #: Memory left allocated after a variant's cleanup above which the run warns of a leak.
@@ -301,8 +306,12 @@ def offload_callback(variant: str, ckpt_act_bytes: int | None) -> ActivationOffl
         return ActivationOffload()
     if variant == "lean":
         return ActivationOffload(policy=0, lean_loss=True)
+    if variant == "lean_norm_act":
+        return ActivationOffload(policy=0, recompute="norm-act", lean_loss=True)
     if variant == "budget_at_ckpt":
         return ActivationOffload(budget=int(ckpt_act_bytes))
+    if variant == "budget_0.7_last":
+        return ActivationOffload(budget=0.7, budget_offload="last")
     if variant.startswith("budget_"):
         return ActivationOffload(budget=float(variant.split("_", 1)[1]))
     return None

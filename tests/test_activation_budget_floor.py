@@ -12,6 +12,7 @@ from lightning_gh.activation_offload import engine as engine_mod
 from lightning_gh.activation_offload import offload_activations
 from lightning_gh.activation_offload.controller import BudgetState, Kind
 from lightning_gh.activation_offload.measure import MAX_OVERSHOOTS
+from lightning_gh.activation_offload.trial import TRIAL_STEPS
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,9 +85,9 @@ def test_size_budget_never_runs_the_plain_step_and_relaxes_up_to_the_budget(monk
     # a fresh engine whose budget sits between the floor plus one block and a plain step
     probe = TrackedProbe()
     model, off, plans = _engine(monkeypatch, int(one_block * 1.35), probe)
-    _train(model, off, 16)
+    _train(model, off, 16 + 2 * TRIAL_STEPS)  # the relaxation, then the plan timed against recomputing alone
     b = off.budget
-    assert b.state is BudgetState.DONE and off.plan.policy == "budget"
+    assert b.state is BudgetState.DONE and off.plan.policy == "budget", b.state
     assert not any(_is_plain(p) for p in plans), [p.policy for p in plans]  # no plain step, not even to warm up
     # only a relaxing step may measure above the budget (then it is undone), at most MAX_OVERSHOOTS of them
     assert all(v <= b.budget_bytes for m, v in probe.readings if m.kind is not Kind.RELAX), probe.readings
@@ -96,8 +97,14 @@ def test_size_budget_never_runs_the_plain_step_and_relaxes_up_to_the_budget(monk
     assert b.achieved_bytes <= b.budget_bytes and b.forecast is not None
     assert b.plain_activation_bytes > b.budget_bytes  # predicted, never measured
     assert not _is_plain(off.plan)  # the relaxation stopped at the budget, short of keeping everything
-    assert "planned from the floor, the plain step never run" in off.plan.describe()
-    assert "block 0 measured: plain " in off.plan.describe() and "; full " in off.plan.describe()
+    relaxed = [p for p in plans if "planned from the floor, the plain step never run" in p.describe()]
+    assert relaxed and "block 0 measured: plain " in relaxed[-1].describe() and "; full " in relaxed[-1].describe()
+    # Where the plan that only recomputes is predicted to fit too (it depends on the blocks' timings on this CPU),
+    # the two ran against each other, four steps each, and either may be the faster here.
+    trial = kinds.count(Kind.TRIAL)
+    assert trial in (0, 2 * TRIAL_STEPS), kinds
+    assert off.plan is relaxed[-1] or (trial and not off.plan.offloaded_blocks
+                                       and "only recomputes" in off.plan.describe())
 
 
 def test_size_budget_above_need_relaxes_to_keeping_everything(monkeypatch):

@@ -18,6 +18,7 @@ from lightning_gh.activation_offload.controller import (
     measuring_schedule,
 )
 from lightning_gh.activation_offload.policy import BlockProfile, OffloadPlan, StepProfile
+from lightning_gh.activation_offload.trial import PlanTrial, choose, recompute_only
 
 MIB = 2**20
 N = 4
@@ -33,6 +34,9 @@ class NoMemory:
         return None
 
     def free_bytes(self):
+        return None
+
+    def activation_room(self):
         return None
 
 
@@ -119,7 +123,7 @@ def test_fraction_budget_plans_after_the_schedule_and_checks_the_planned_step():
 
 
 @pytest.mark.parametrize("achieved_share, state, rounds", [
-    (0.97, BudgetState.DONE, 0),  # within: keep
+    (0.97, BudgetState.TRIAL, 0),  # within: keep, after timing it against recomputing alone (it offloads)
     (1.20, BudgetState.CORRECT, 1),  # over: correct the overhead and check again
     (0.50, BudgetState.CORRECT, 1),  # far under: plan again with the memory to spare
 ])
@@ -132,6 +136,88 @@ def test_observed_planned_step_table(achieved_share, state, rounds):
     assert ctl.state is state and ctl.achieved_bytes == int(achieved_share * ctl.budget_bytes)
     assert len(plans) == n_plans + rounds
     assert ctl.log[-1 - rounds]["activation_budget/measured_ms"] == 4.0
+
+
+def _settled(**opts):
+    """A fraction budget whose plan offloads, checked within the budget: the trial starts."""
+    ctl, plans = _controller(0.5, **opts)
+    _run_schedule(ctl)
+    plan, m = ctl.next_forward()
+    ctl.observe(_obs(m, plan, act_peak=int(0.97 * ctl.budget_bytes), ms=4.0))
+    return ctl, plans
+
+
+@pytest.mark.parametrize("inc, alt, inc_fits, alt_fits, kept", [
+    ([5.0, 5.1, 5.0], [4.0, 4.1, 4.0], True, True, "recompute only"),  # faster: taken
+    ([5.0, 5.1, 5.0], [4.98, 5.0, 4.97], True, True, "the plan"),  # within the margin: the plan stays
+    ([5.0, 5.1, 5.0], [4.0, 4.1, 4.0], True, False, "the plan"),  # faster but measured over the budget
+    ([5.0, 5.1, 5.0], [6.0, 6.1, 6.0], False, True, "recompute only"),  # the plan over the budget
+])
+def test_trial_times_the_plan_against_recomputing_alone_and_keeps_the_faster(inc, alt, inc_fits, alt_fits, kept):
+    ctl, plans = _settled()
+    assert ctl.state is BudgetState.TRIAL and ctl.plan.offloaded_blocks
+    incumbent, n_plans, times = ctl.plan, len(plans), {True: [9.0] + inc, False: [9.0] + alt}
+    steps = []
+    while ctl.state is BudgetState.TRIAL:
+        plan, m = ctl.next_forward()
+        steps.append((plan is incumbent, m.kind))
+        mine = plan is incumbent
+        fits = inc_fits if mine else alt_fits
+        ms = times[mine].pop(0)  # the first step of each is not counted: 9.0 ms never decides
+        ctl.observe(_obs(m, plan, act_peak=int((0.9 if fits else 1.2) * ctl.budget_bytes), ms=ms))
+    assert [k for _, k in steps] == [Kind.TRIAL] * 8 and [i for i, _ in steps] == [True, False] * 4  # interleaved
+    assert ctl.state is BudgetState.DONE and ctl.next_forward()[1] is None
+    if kept == "the plan":
+        assert ctl.plan is incumbent and len(plans) == n_plans
+    else:
+        assert not ctl.plan.offloaded_blocks and plans[-1] is ctl.plan and len(plans) == n_plans + 1
+        assert "the plan that only recomputes" in ctl.plan.describe() and ctl.plan.lean_loss == incumbent.lean_loss
+    assert ctl.log[-1]["activation_budget/trial_kept_recompute_only"] == float(kept == "recompute only")
+
+
+@pytest.mark.parametrize("budget_offload", [False, "last"])
+def test_no_trial_where_the_options_decide_offload(budget_offload):
+    ctl, _ = _settled(budget_offload=budget_offload)
+    assert ctl.state is BudgetState.DONE and ctl.next_forward()[1] is None
+
+
+def test_no_trial_where_recomputing_alone_cannot_reach_the_budget_or_the_device():
+    ctl, _ = _controller(0.5)
+    _run_schedule(ctl)
+    args = (ctl.profile, ctl.plan, ctl.forecast, None)
+    assert ctl.plan.offloaded_blocks and recompute_only(*args, ctl.budget_bytes, (50.0, 50.0, 0.25), None, False)
+    assert recompute_only(*args, 1, (50.0, 50.0, 0.25), None, False) is None  # one byte: nothing fits
+    assert recompute_only(*args, ctl.budget_bytes, (50.0, 50.0, 0.25), 1, False) is None  # the device is full
+    over = ctl.budget_bytes  # the plan in force measured a whole budget above its forecast: so would the other
+    assert recompute_only(ctl.profile, ctl.plan, ctl.forecast, ctl.forecast.activation_bytes + over,
+                          ctl.budget_bytes, (50.0, 50.0, 0.25), None, False) is None
+
+
+@pytest.mark.parametrize("inc, inc_fits, alt, alt_fits, expected", [
+    ([80.0, 81.0, 80.5], True, [78.0, 77.5, 78.2], True, "alternative"),
+    ([80.0, 81.0, 80.5], True, [80.0, 79.9, 80.1], True, "incumbent"),  # within the margin
+    ([80.0, 81.0, 80.5], True, [], True, "incumbent"),  # not timed
+    ([], True, [70.0], True, "incumbent"),
+    ([80.0], False, [90.0], True, "alternative"),  # only one within the budget
+    ([80.0], True, [70.0], False, "incumbent"),
+    ([80.0], False, [70.0], False, "incumbent"),
+])
+def test_choose_is_a_table(inc, inc_fits, alt, alt_fits, expected):
+    assert choose(inc, inc_fits, alt, alt_fits) == expected
+
+
+def test_a_plan_trial_needs_two_steps_a_plan():
+    with pytest.raises(ValueError, match=r"steps=1 must be an int >= 2"):
+        PlanTrial(None, None, 1, steps=1)
+
+
+def test_a_trial_step_of_neither_plan_is_ignored():
+    ctl, _ = _settled()
+    stale, m = ctl.next_forward()
+    ctl.observe(_obs(Measure(Kind.TRIAL, round=1), _controller(0.5)[0].next_forward()[0], act_peak=1, ms=1.0))
+    assert ctl.state is BudgetState.TRIAL and all(c.runs == 0 for c in ctl._trial.candidates)
+    ctl.observe(_obs(m, stale, act_peak=1, ms=1.0))
+    assert ctl._trial.incumbent.runs == 1
 
 
 def test_correction_rounds_end():

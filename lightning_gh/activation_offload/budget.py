@@ -461,6 +461,30 @@ def _climb_from_floor(
     return plan, fc
 
 
+def lean_profile(bp: BudgetProfile, lean_step: StepProfile, other_bytes: int, act_peak: int | None,
+                 alone_ms: float | None, d2h_gbps: float, h2d_gbps: float, margin: float, skip_last_blocks: int,
+                 ) -> tuple[BudgetProfile, dict[str, float]]:
+    """``bp`` with the lean loss's head, from the lean loss's measuring step (``lean_step``, what it saved outside
+    the blocks, its measured peak): the head's time, and the overhead the peak shows above the timeline model; with
+    what was measured, for the log.
+
+    Only the head differs from the plain step. Its extra time is signed (the fused kernels are faster than Hugging
+    Face's loss, the row chunks slower) and charged to the tail; ``alone_ms``, the head timed alone on the logits'
+    shape (CUDA), replaces the single step's reading, which is too noisy for it.
+    """
+    step = bp.step
+    step_extra = max(0.0, lean_step.tail_forward_ms + lean_step.tail_backward_ms - step.tail_forward_ms
+                     - step.tail_backward_ms)
+    extra = step_extra if alone_ms is None else alone_ms
+    lstep = replace(step, tail_backward_ms=max(0.0, step.tail_backward_ms + extra), other_bytes=other_bytes)
+    lbp = BudgetProfile(lstep, bp.costs, 0)
+    model = plan_budget(lbp, 2**62, d2h_gbps, h2d_gbps, margin, skip_last_blocks)[1].activation_bytes
+    act = act_peak if act_peak is not None else model
+    measured = {"activation_gib": act / 2**30, "head_extra_ms": extra, "head_extra_in_step_ms": step_extra,
+                "other_gib": other_bytes / 2**30}
+    return lbp.with_overhead(act - model), measured
+
+
 # ------------------------------------------------------------------------------------------ compiled models
 
 

@@ -12,7 +12,8 @@ steps, the lean loss's step where it is weighed, one step per recompute mode wit
 then picks the plan; ``RELAX`` walks a size budget from the floor to it block by block, more blocks a step while
 steps add nothing (:func:`~.measure.widen`; planning again from the measurement where it ends well under the
 budget: :func:`~.measure.retarget`); ``CORRECT`` measures planned steps and
-corrects the overhead estimate (at most two rounds); ``DONE`` keeps the plan. On a ``torch.compile``'d model
+corrects the overhead estimate (at most two rounds); ``TRIAL`` times a plan that offloads against one that only
+recomputes, where both fit, and keeps the faster (:mod:`~.trial`); ``DONE`` keeps the plan. On a ``torch.compile``'d model
 ``COMPILED_MEASURE`` measures one compiled step, ``COMPILED`` has handed the budget to the compiler's own knob.
 
 Example::
@@ -36,6 +37,7 @@ from lightning_gh.activation_offload import budget as _budget
 from lightning_gh.activation_offload.measure import (
     MAX_CORRECTIONS,
     MAX_OVERSHOOTS,
+    SIZE_FORM,
     WITHIN,
     CompilerKnob,
     Correction,
@@ -50,26 +52,28 @@ from lightning_gh.activation_offload.measure import (
     fill_step,
     floor_costs,
     floor_mode,
-    floor_name,
+    floor_refusal,
     floor_schedule,
+    lower_bound_refusal,
     measuring_schedule,
     next_width,
+    plain_fits_refusal,
     relax_end,
     relax_guard,
     retarget,
     sample_copy_points,
+    tracked_activation,
     widen,
 )
 from lightning_gh.activation_offload.options import ActivationOffloadOptions
 from lightning_gh.activation_offload.policy import (
-    BlockProfile,
     OffloadPlan,
     StepProfile,
     median_profile,
     plan_all,
     plan_none,
-    simulate,
 )
+from lightning_gh.activation_offload.trial import Candidate, PlanTrial, recompute_only
 
 __all__ = ["MAX_CORRECTIONS", "WITHIN", "BudgetController", "BudgetState", "Correction", "Kind", "Measure",
            "MemoryProbe", "Observation", "correction", "floor_schedule", "measuring_schedule"]
@@ -82,6 +86,7 @@ class BudgetState(enum.Enum):
     MEASURE = "measure"  # walking the measuring schedule
     RELAX = "relax"  # a size budget: from the floor towards the plan, a few blocks per measured step
     CORRECT = "correct"  # a plan is adopted; its measured steps correct the overhead estimate
+    TRIAL = "trial"  # the plan and the one that only recomputes, timed against each other
     DONE = "done"  # the plan stays
     COMPILED_MEASURE = "compiled-measure"  # a compiled model: measuring one compiled step
     COMPILED = "compiled"  # a compiled model: the budget is the compiler's
@@ -127,9 +132,9 @@ class BudgetController:
         self.schedule: tuple[Measure, ...] = ()
         self._issued = 0
         self._seen: dict[Measure, list[Observation]] = {}
-        self.outside_bytes: int | None = None  # what the warm-up saved outside the blocks: a lower bound of the floor
         self._round = 0
         self._relax: Relaxation | None = None
+        self._trial: PlanTrial | None = None
         self.knob = CompilerKnob()
         self.plan: OffloadPlan | None = None
         self.profile: _budget.BudgetProfile | None = None
@@ -172,6 +177,8 @@ class BudgetController:
             pending = self._relax_next()
             if pending is not None:
                 return pending[1], Measure(Kind.RELAX, round=self._relax.steps)
+        if self.state is BudgetState.TRIAL:
+            return self._trial.next().plan, Measure(Kind.TRIAL, round=self._trial.issued)
         assert self.plan is not None
         if self.state is BudgetState.CORRECT:
             return self.plan, Measure(Kind.CHECK, round=self._round)
@@ -184,6 +191,8 @@ class BudgetController:
         if self.state is BudgetState.RELAX:
             r = self._relax
             return measure.kind is Kind.RELAX and r.pending is not None and plan is r.pending[1]
+        if self.state is BudgetState.TRIAL:
+            return measure.kind is Kind.TRIAL and self._trial.owner(plan) is not None
         return self.state is BudgetState.CORRECT and measure.kind is Kind.CHECK and plan is self.plan
 
     def observe(self, obs: Observation) -> None:
@@ -192,7 +201,6 @@ class BudgetController:
             return
         kind = obs.measure.kind
         if kind is Kind.WARMUP:
-            self.outside_bytes = obs.other
             self._seen.setdefault(obs.measure, []).append(obs)
             self._check_lower_bound()
             if obs.measure.from_floor:
@@ -206,6 +214,8 @@ class BudgetController:
             self._correct(obs)
         elif kind is Kind.RELAX:
             self._relaxed(obs)
+        elif kind is Kind.TRIAL:
+            self._tried(obs)
         elif obs.profile is not None:
             self._seen.setdefault(obs.measure, []).append(obs)
             if kind is Kind.SAMPLE and self.budget.fraction is not None:
@@ -218,6 +228,12 @@ class BudgetController:
                 self._plan_from_floor()
             else:
                 self._make_plan()
+
+    @property
+    def outside_bytes(self) -> int | None:
+        """What the latest warm-up step saved outside the blocks, a lower bound of the floor (``None`` before one)."""
+        warm = [o for m, v in self._seen.items() if m.kind is Kind.WARMUP for o in v]
+        return warm[-1].other if warm else None
 
     @property
     def round(self) -> int:
@@ -318,7 +334,7 @@ class BudgetController:
         # The reference of a fraction: the raw step, measured on CUDA, or on a CPU its tracked saved bytes under the
         # same timeline model as the planner's (so both sides of the comparison count alike).
         raw_obs = self._seen[Measure(Kind.RAW)][0]
-        raw = raw_obs.act_peak if raw_obs.act_peak is not None else self._tracked_activation(raw_obs)
+        raw = self._achieved(raw_obs)
         self.plain_activation_bytes = raw
         self.budget_bytes = budget = self.budget.resolve(raw)
         if budget >= act:
@@ -352,25 +368,9 @@ class BudgetController:
         self._adopt_plan(plan, fc)
 
     def _lean_profile(self, bp: _budget.BudgetProfile, obs: Observation) -> _budget.BudgetProfile:
-        """``bp`` with the lean loss's head: what its measuring step saved outside the blocks, its head time, and
-        the overhead its measured peak shows above the timeline model."""
-        prof, step = obs.profile, bp.step
-        # Only the head differs from the plain step; its extra time (signed: the fused kernels are faster than HF's
-        # loss, the row chunks slower) is charged to the tail, the rest of the single measurement's noise is not.
-        step_extra = max(0.0, prof.tail_forward_ms + prof.tail_backward_ms - step.tail_forward_ms
-                         - step.tail_backward_ms)
-        # On CUDA the head's extra time is timed alone on the logits' shape: one whole step is too noisy for it.
-        alone = self.lean_overhead_ms()
-        extra = step_extra if alone is None else alone
-        # Negative where the lean loss is the faster one (its fused kernels read the logits once each way).
-        lstep = replace(step, tail_backward_ms=max(0.0, step.tail_backward_ms + extra), other_bytes=obs.other)
-        lbp = _budget.BudgetProfile(lstep, bp.costs, 0)
-        d2h, h2d, margin, skip = self._link()
-        model = _budget.plan_budget(lbp, 2**62, d2h, h2d, margin, skip)[1].activation_bytes
-        act = obs.act_peak if obs.act_peak is not None else model
-        self.lean_loss_measured = {"activation_gib": act / 2**30, "head_extra_ms": extra,
-                                   "head_extra_in_step_ms": step_extra, "other_gib": obs.other / 2**30}
-        return lbp.with_overhead(act - model)
+        lbp, self.lean_loss_measured = _budget.lean_profile(bp, obs.profile, obs.other, obs.act_peak,
+                                                            self.lean_overhead_ms(), *self._link())
+        return lbp
 
     def _check_lower_bound(self) -> None:
         """Refuse a budget that no plan can reach as soon as that is certain, before the measuring steps end.
@@ -394,12 +394,7 @@ class BudgetController:
         self.state = BudgetState.FAILED
         of = "" if self.budget.bytes is not None else \
             f" ({self.budget.describe()}; the plain step measured {fmt_bytes(self.plain_activation_bytes)})"
-        raise ValueError(
-            f"ActivationOffload budget={self.options.budget!r}: {fmt_bytes(budget)}{of} of activation memory is below "
-            f"the floor of {floor_name(self.options)}, which is at least {fmt_bytes(other)} on this model and batch: "
-            "what the step saves outside the transformer blocks (embedding, final norm, head and logits) stays "
-            f"on the device under every plan. Raise the budget above {fmt_bytes(other)} (the exact floor is measured "
-            f"in the next steps), or shrink the batch or sequence. Checked after {self._issued} step(s).")
+        raise lower_bound_refusal(self.options, budget, other, of, self._issued)
 
     # ------------------------------------------------------------------------------------ from the floor
 
@@ -409,11 +404,7 @@ class BudgetController:
         if floor is None or self.budget.bytes is None or self.budget.bytes >= floor:
             return
         self.state = BudgetState.FAILED
-        raise ValueError(
-            f"ActivationOffload budget={self.options.budget!r}: {fmt_bytes(self.budget.bytes)} of activation memory "
-            f"is below the floor of {floor_name(self.options)}, {fmt_bytes(floor)} measured on this model and batch "
-            f"(the warm-up step ran the floor). Raise the budget to at least {fmt_bytes(floor)}, or shrink the batch "
-            f"or sequence. Checked after {self._issued} step(s), before any step above the floor.")
+        raise floor_refusal(self.options, self.budget.bytes, floor, self._issued)
 
     def _check_plain_fits(self, sample: Observation) -> None:
         """A fraction needs the plain step: refuse it, naming the size form, when one measured block x the blocks
@@ -422,17 +413,11 @@ class BudgetController:
         warm = next((o for m, v in self._seen.items() if m.kind is Kind.WARMUP and m.from_floor for o in v), None)
         if free is None or warm is None or warm.act_peak is None:
             return
-        block = sample.profile.blocks[0].saved_bytes
-        predicted = warm.act_peak - sum(warm.resident) + self.n * block
-        if predicted <= free:
-            return
-        self.state = BudgetState.FAILED
-        size = f"{max(self.budget.fraction * min(predicted, free), 2**30) / 2**30:.0f}GiB"
-        raise ValueError(
-            f"ActivationOffload budget={self.options.budget!r} is a fraction of the plain step's activation memory, "
-            f"and the plain step would not fit: one measured block x {self.n} blocks predicts {fmt_bytes(predicted)}, "
-            f"the device has {fmt_bytes(free)} free. Give the budget as a size instead (e.g. budget=\"{size}\"): a "
-            "size budget plans from the floor and never runs the plain step.")
+        err = plain_fits_refusal(self.options.budget, self.budget.fraction, self.n, free, warm.act_peak,
+                                 sum(warm.resident), sample.profile.blocks[0].saved_bytes)
+        if err is not None:
+            self.state = BudgetState.FAILED
+            raise err
 
     def explain_out_of_memory(self, measure: Measure) -> ValueError | None:
         """The error to raise instead of an out-of-memory error in the measuring step ``measure`` (``None``: none)."""
@@ -440,10 +425,8 @@ class BudgetController:
                                                                                       Kind.LEAN, Kind.MODE):
             return None
         self.state = BudgetState.FAILED
-        return ValueError(
-            f"ActivationOffload budget={self.options.budget!r} is a fraction of the plain step's activation memory, "
-            f"and the step that measures it ran out of device memory. Give the budget as a size instead (e.g. "
-            "budget=\"24GiB\"): a size budget plans from the floor and never runs the plain step.")
+        return ValueError(f"ActivationOffload budget={self.options.budget!r} is a fraction of the plain step's "
+                          f"activation memory, and the step that measures it ran out of device memory. {SIZE_FORM}")
 
     def _plan_from_floor(self) -> None:
         """A size budget's plan from the floor and sample steps; then relax towards it."""
@@ -518,7 +501,7 @@ class BudgetController:
         r = self._relax
         mix, _, fc = r.pending
         r.pending, r.steps = None, r.steps + 1
-        measured = obs.act_peak if obs.act_peak is not None else self._tracked_activation(obs)
+        measured = self._achieved(obs)
         self.log.append({"activation_budget/relax_step": float(r.steps),
                          "activation_budget/achieved_gib": measured / 2**30,
                          "activation_budget/predicted_gib": (fc.activation_bytes + r.correction) / 2**30,
@@ -563,13 +546,13 @@ class BudgetController:
         self.plan = replace(plan, notes=(note,), lean_loss=self.lean)
         self.forecast = replace(fc, activation_bytes=fc.activation_bytes + r.correction)
         self.achieved_bytes = r.measured
-        self.state = BudgetState.DONE
         self.log.append({"activation_budget/target_gib": self.budget_bytes / 2**30,
                          "activation_budget/predicted_gib": self.forecast.activation_bytes / 2**30,
                          "activation_budget/achieved_gib": r.measured / 2**30,
                          "activation_budget/predicted_ms": fc.step_ms,
                          "activation_budget/lean_loss": float(self.lean)})
         self.on_plan(self.plan)
+        self._settled()
 
     # ------------------------------------------------------------------------------------ planned steps
 
@@ -597,24 +580,13 @@ class BudgetController:
                          "activation_budget/lean_loss": float(self.lean)})
         self.on_plan(self.plan)
 
-    def _tracked_activation(self, obs: Observation) -> int:
-        """Activation memory of a step from the bytes the engine tracked (no CUDA memory statistics)."""
-        bp = self.profile
-        blocks, budgets, transient = [], [], []
-        for i, b in enumerate(bp.step.blocks):
-            kept = obs.resident[i] + obs.rc_cached.get(i, 0)
-            blocks.append(BlockProfile(b.forward_ms, b.backward_ms, obs.used[i], kept))
-            budgets.append(None if obs.used[i] else 0)
-            transient.append(max(b.saved_bytes - kept - obs.used[i], 0) if obs.plan.mode_of(i) else 0)
-        prof = replace(bp.step, blocks=tuple(blocks), other_bytes=obs.other or bp.step.other_bytes)
-        d2h, h2d, margin, _ = self._link()
-        pred = simulate(prof, tuple(budgets), obs.plan.release_at, obs.plan.prefetch_at, d2h, h2d, margin,
-                        tuple(transient))
-        return pred.peak_bytes + bp.overhead_bytes
+    def _achieved(self, obs: Observation) -> int:
+        """A step's activation memory: measured on CUDA, else from the bytes the engine tracked."""
+        return obs.act_peak if obs.act_peak is not None else tracked_activation(self.profile, obs, *self._link()[:3])
 
     def _correct(self, obs: Observation) -> None:
         """Compare the planned step's measured activation memory with the budget; plan again if it is off."""
-        achieved = obs.act_peak if obs.act_peak is not None else self._tracked_activation(obs)
+        achieved = self._achieved(obs)
         budget, fc, ms = self.budget_bytes, self.forecast, obs.step_ms
         entry = {"activation_budget/achieved_gib": achieved / 2**30, "activation_budget/round": float(self._round),
                  "activation_budget/target_gib": budget / 2**30,
@@ -628,9 +600,9 @@ class BudgetController:
                f"{fmt_bytes(budget)} (predicted {fmt_bytes(fc.activation_bytes)})"
                + (f", fwd+bwd {ms:.1f} ms (predicted {fc.step_ms:.1f} ms)" if ms is not None else ""))
         if decision is not Correction.REPLAN:
-            self.state = BudgetState.DONE
             log.info("%s: %s", msg, "within the budget" if decision is Correction.WITHIN
                      else "kept (no more correction rounds)")
+            self._settled()
             return
         bp = self.profile.with_overhead(self.profile.overhead_bytes + achieved - fc.activation_bytes)
         d2h, h2d, margin, skip = self._link()
@@ -644,6 +616,34 @@ class BudgetController:
         self.profile = bp
         self._round += 1
         self._adopt_plan(plan, new_fc)
+
+    # ------------------------------------------------------------------------------------ the trial
+
+    def _settled(self) -> None:
+        """The plan in force is settled: keep it, or first time it against the plan that offloads nothing, where the
+        options leave offload to the planner (``budget_offload`` ``True`` or left to the run) and that plan fits."""
+        self.state = BudgetState.DONE
+        alt = None if self.options.budget_offload not in (None, True) or self.profile is None else recompute_only(
+            self.profile, self.plan, self.forecast, self.achieved_bytes, self.budget_bytes, self._link()[:3],
+            self.probe.activation_room(), self.lean)
+        if alt is not None:
+            self._trial = PlanTrial(Candidate("the plan", self.plan, self.forecast),
+                                    Candidate("recompute only", *alt), self.budget_bytes)
+            self.state = BudgetState.TRIAL
+
+    def _tried(self, obs: Observation) -> None:
+        t = self._trial
+        achieved = self._achieved(obs)
+        t.record(obs.plan, obs.step_ms, achieved)
+        if not t.done:
+            return
+        kept, line = t.verdict()
+        log.info(line)
+        self.log.append(t.log_entry(kept))
+        self.state, self._trial = BudgetState.DONE, None
+        if kept is not t.incumbent:
+            self.plan, self.forecast, self.achieved_bytes = kept.plan, kept.forecast, max(kept.achieved)
+            self.on_plan(self.plan)
 
     # ------------------------------------------------------------------------------------ compiled models
 

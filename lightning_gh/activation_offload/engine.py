@@ -244,7 +244,7 @@ class ActivationOffloader(SavedTensorHooks):
         measure = None
         if self.budget is not None:
             plan, measure = self.budget.next_forward()
-            profiling = measure is not None and measure.kind not in (Kind.CHECK, Kind.RELAX)
+            profiling = measure is not None and measure.kind not in (Kind.CHECK, Kind.RELAX, Kind.TRIAL)
         else:
             profiling = self.auto is not None and self.plan is None
             plan = plan_none(len(self.blocks), "profiling") if profiling else self.plan
@@ -581,7 +581,7 @@ class ActivationOffloader(SavedTensorHooks):
         """Hand the measured forwards whose backward has ended to the controller or the ``"auto"`` planner."""
         ctl = self.budget
         if ctl is not None:
-            sizing = (BudgetState.MEASURE, BudgetState.RELAX, BudgetState.CORRECT)
+            sizing = (BudgetState.MEASURE, BudgetState.RELAX, BudgetState.CORRECT, BudgetState.TRIAL)
             if ctl.state in sizing:
                 for fwd in list(self._measured):
                     if fwd.measure is None or not ("bwd_end" in fwd.marks or fwd.bwd_point <= 0):

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from lightning_gh import hardware
-from lightning_gh._util import local_tensor
+from lightning_gh._util import fmt_bytes, local_tensor
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile, ModeCost
-from lightning_gh.activation_offload.policy import OffloadPlan, StepProfile
+from lightning_gh.activation_offload.policy import BlockProfile, OffloadPlan, StepProfile, simulate
 
 __all__ = ["FILL_FRACTIONS", "MAX_CORRECTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "MAX_WIDTH", "WITHIN", "CompilerKnob",
            "Correction", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "correction",
@@ -72,6 +72,7 @@ class Kind(enum.Enum):
     FLOOR = "floor"  # the floor plan: every block at its least memory (a size budget's measured steps start here)
     SAMPLE = "sample"  # the floor plan, but block 0 in one mode with all it saves offloaded: that mode's costs
     RELAX = "relax"  # a mix between the floor and the plan, measured against the budget
+    TRIAL = "trial"  # one of two fitting plans, timed against the other (see lightning_gh.activation_offload.trial)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ class Measure:
         kind: see :class:`Kind`.
         mode: the recompute mode of every block (``Kind.MODE``).
         lean_loss: the forward runs the lean causal-LM loss.
-        round: the correction round (``Kind.CHECK``) or relaxation step (``Kind.RELAX``).
+        round: the correction round (``Kind.CHECK``), relaxation step (``Kind.RELAX``) or trial step
+            (``Kind.TRIAL``).
         floor_mode: for steps from the floor (``Kind.FLOOR``, ``Kind.SAMPLE``, a size budget's warm-up): the
             recompute mode of the blocks at their least memory (``None``: offload alone); ``""``: not such a step.
     """
@@ -599,3 +601,66 @@ def block0_ms(obs: Observation) -> float:
     """Block 0's forward and backward time in a sample step (see :func:`floor_schedule`: the faster sample counts)."""
     b = obs.profile.blocks[0] if obs.profile is not None else None
     return float("inf") if b is None else b.forward_ms + b.backward_ms
+
+
+def lower_bound_refusal(options: Any, budget_bytes: int, outside_bytes: int, of: str, issued: int) -> ValueError:
+    """The error for a budget below what the step saves outside the blocks (a lower bound of every plan's memory:
+    the embedding output, final norm, the head's input and logits stay on the device under every plan); ``of``
+    says what a fraction budget is a fraction of (``""`` for a size)."""
+    return ValueError(
+        f"ActivationOffload budget={options.budget!r}: {fmt_bytes(budget_bytes)}{of} of activation memory is below "
+        f"the floor of {floor_name(options)}, which is at least {fmt_bytes(outside_bytes)} on this model and batch: "
+        "what the step saves outside the transformer blocks (embedding, final norm, head and logits) stays "
+        f"on the device under every plan. Raise the budget above {fmt_bytes(outside_bytes)} (the exact floor is "
+        f"measured in the next steps), or shrink the batch or sequence. Checked after {issued} step(s).")
+
+
+def plain_fits_refusal(budget: Any, fraction: float, n_blocks: int, free_bytes: int, floor_warmup_bytes: int,
+                       floor_resident_bytes: int, block_bytes: int) -> ValueError | None:
+    """The error for a fraction budget whose plain step would not fit (``None``: it would): the floor's warm-up less
+    what its blocks kept, plus one measured block's saved bytes for each block, against the device's free memory.
+
+    Example::
+
+        >>> plain_fits_refusal(0.5, 0.5, 4, free_bytes=100, floor_warmup_bytes=30, floor_resident_bytes=10,
+        ...                    block_bytes=20) is None
+        True
+    """
+    predicted = floor_warmup_bytes - floor_resident_bytes + n_blocks * block_bytes
+    if predicted <= free_bytes:
+        return None
+    size = f"{max(fraction * min(predicted, free_bytes), 2**30) / 2**30:.0f}GiB"
+    return ValueError(
+        f"ActivationOffload budget={budget!r} is a fraction of the plain step's activation memory, and the plain "
+        f"step would not fit: one measured block x {n_blocks} blocks predicts {fmt_bytes(predicted)}, the device "
+        f"has {fmt_bytes(free_bytes)} free. Give the budget as a size instead (e.g. budget=\"{size}\"): a size "
+        "budget plans from the floor and never runs the plain step.")
+
+
+#: How a fraction budget that cannot measure the plain step is told to give a size.
+SIZE_FORM = ("Give the budget as a size instead (e.g. budget=\"24GiB\"): a size budget plans from the floor and never "
+             "runs the plain step.")
+
+
+def floor_refusal(options: Any, budget_bytes: int, floor_bytes: int, issued: int) -> ValueError:
+    """The error for a size budget below the floor's measured activation memory (its warm-up step ran the floor)."""
+    return ValueError(
+        f"ActivationOffload budget={options.budget!r}: {fmt_bytes(budget_bytes)} of activation memory "
+        f"is below the floor of {floor_name(options)}, {fmt_bytes(floor_bytes)} measured on this model and batch "
+        f"(the warm-up step ran the floor). Raise the budget to at least {fmt_bytes(floor_bytes)}, or shrink the "
+        f"batch or sequence. Checked after {issued} step(s), before any step above the floor.")
+
+
+def tracked_activation(bp: BudgetProfile, obs: Observation, d2h: float, h2d: float, margin: float) -> int:
+    """A step's activation memory from the bytes the engine tracked (no CUDA memory statistics): the timeline model
+    of ``bp`` with what each block of the step kept and offloaded, plus the profile's overhead."""
+    blocks, budgets, transient = [], [], []
+    for i, b in enumerate(bp.step.blocks):
+        kept = obs.resident[i] + obs.rc_cached.get(i, 0)
+        blocks.append(BlockProfile(b.forward_ms, b.backward_ms, obs.used[i], kept))
+        budgets.append(None if obs.used[i] else 0)
+        transient.append(max(b.saved_bytes - kept - obs.used[i], 0) if obs.plan.mode_of(i) else 0)
+    prof = replace(bp.step, blocks=tuple(blocks), other_bytes=obs.other or bp.step.other_bytes)
+    pred = simulate(prof, tuple(budgets), obs.plan.release_at, obs.plan.prefetch_at, d2h, h2d, margin,
+                    tuple(transient))
+    return pred.peak_bytes + bp.overhead_bytes

@@ -188,6 +188,13 @@ def test_no_trial_where_recomputing_alone_cannot_reach_the_budget_or_the_device(
     assert ctl.plan.offloaded_blocks and recompute_only(*args, ctl.budget_bytes, (50.0, 50.0, 0.25), None, False)
     assert recompute_only(*args, 1, (50.0, 50.0, 0.25), None, False) is None  # one byte: nothing fits
     assert recompute_only(*args, ctl.budget_bytes, (50.0, 50.0, 0.25), 1, False) is None  # the device is full
+    # The plan in force measured some bytes above its forecast: the other plan is planned for the budget less them.
+    exact = recompute_only(*args, ctl.budget_bytes, (50.0, 50.0, 0.25), None, False)[1].activation_bytes
+    err = ctl.budget_bytes - exact + MIB  # the other plan, as planned for the whole budget, would then not fit
+    alt = recompute_only(ctl.profile, ctl.plan, ctl.forecast, ctl.forecast.activation_bytes + err, ctl.budget_bytes,
+                         (50.0, 50.0, 0.25), None, False)
+    assert alt[1].activation_bytes + err <= ctl.budget_bytes < exact + err  # a tighter plan: one more block
+    assert alt[1].describe_choices() == "0-3 full"
     over = ctl.budget_bytes  # the plan in force measured a whole budget above its forecast: so would the other
     assert recompute_only(ctl.profile, ctl.plan, ctl.forecast, ctl.forecast.activation_bytes + over,
                           ctl.budget_bytes, (50.0, 50.0, 0.25), None, False) is None

@@ -65,9 +65,10 @@ def recompute_only(bp: BudgetProfile, plan: OffloadPlan, forecast: BudgetForecas
                    ) -> tuple[OffloadPlan, BudgetForecast] | None:
     """The trial's other plan: the planner's plan that offloads nothing (``None`` where there is none to try).
 
-    There is one where the plan in force (``plan``, planned as ``forecast``) offloads, and recomputing alone is
-    predicted to fit the budget and what the device could still hold (``room_bytes``; ``None``: not known), the
-    prediction raised by what the plan in force measured above its own (``achieved_bytes``).
+    There is one where the plan in force (``plan``, planned as ``forecast``) offloads, and recomputing alone fits.
+    The planner's model erred on the plan in force by what that plan measured above its forecast
+    (``achieved_bytes``), and would err alike on the other plan: so the other is planned for the budget less that
+    error, and must also fit what the device could still hold (``room_bytes``; ``None``: not known).
 
     Args:
         bp: the measurements both plans come from.
@@ -77,12 +78,13 @@ def recompute_only(bp: BudgetProfile, plan: OffloadPlan, forecast: BudgetForecas
     if not plan.offloaded_blocks:
         return None
     d2h, h2d, margin = link
+    in_force = evaluate(bp, list(forecast.choices), d2h, h2d, margin)[1].activation_bytes
+    error = max(0, (achieved_bytes or 0) - in_force)
     try:
-        alt, fc = plan_budget(bp, budget_bytes, d2h, h2d, margin, bp.step.n_blocks)
+        alt, fc = plan_budget(bp, budget_bytes - error, d2h, h2d, margin, bp.step.n_blocks)
     except ValueError:  # recomputing alone cannot reach the budget
         return None
-    in_force = evaluate(bp, list(forecast.choices), d2h, h2d, margin)[1].activation_bytes
-    predicted = fc.activation_bytes + max(0, (achieved_bytes or 0) - in_force)
+    predicted = fc.activation_bytes + error
     if alt.offloaded_blocks or predicted > budget_bytes or (room_bytes is not None and predicted > room_bytes):
         return None
     note = (f"budget {fmt_bytes(budget_bytes)}: the plan that only recomputes, timed against the plan in force: "

@@ -481,6 +481,17 @@ def goal_line(family: str, rows: list[dict[str, Any]]) -> str:
 # -------------------------------------------------------------------------------------------------- report
 
 
+def trial_line(row: dict[str, Any]) -> str:
+    """The budget's trial of two plans in a row's budget log, as an indented line (``""`` where none ran)."""
+    t = next((e for e in row.get("budget_log") or () if "activation_budget/trial_kept_recompute_only" in e), None)
+    if t is None:
+        return ""
+    ms = lambda k: t.get(f"activation_budget/trial_{k}_ms")  # noqa: E731
+    kept = "recompute only" if t["activation_budget/trial_kept_recompute_only"] else "the plan"
+    return (f"\n    trial: the plan {ms('the_plan') or float('nan'):.1f} ms, recompute only "
+            f"{ms('recompute_only') or float('nan'):.1f} ms fwd+bwd (medians); kept {kept}")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of every row (ratios against the family's plain row)."""
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
@@ -700,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = [r for fam in by_family.values() for r in fam]
     plans = [f"[activation_job] {r['family']}/{r['variant']} plan: " + str(r["plan"]).replace("\n", "\n    ")
-             for r in rows if r.get("plan")]
+             + trial_line(r) for r in rows if r.get("plan")]
     text = "\n".join([table(rows), "", *plans, *([""] if plans else []), *summary])
     print("\n" + text, flush=True)
     (out_dir / "activation_job.md").write_text(f"`{command}`\n\n{text}\n")

@@ -106,6 +106,7 @@ def test_selective_checkpointing_saves_matmuls_recomputes_the_rest_and_keeps_the
         (True, None, 3, 2, True),  # the plan outlived its check
         (True, "measure", 5, 2, False),  # budget mode still measuring
         (True, "correct", 5, 2, False),
+        (True, "trial", 5, 2, False),  # two plans still being timed against each other
         (True, "done", 0, 2, False),  # done, but no step ran with the plan yet
         (True, "done", 1, 2, True),
         (True, "failed", 1, 2, True),
@@ -113,6 +114,19 @@ def test_selective_checkpointing_saves_matmuls_recomputes_the_rest_and_keeps_the
 )
 def test_settled_table(enabled, budget_state, plan_age, profile_steps, expected):
     assert job.settled(enabled, budget_state, plan_age, profile_steps) is expected
+
+
+@pytest.mark.parametrize("log, expected", [
+    ([], ""),
+    ([{"activation_budget/round": 0.0}], ""),
+    ([{"activation_budget/trial_the_plan_ms": 75.44, "activation_budget/trial_recompute_only_ms": 76.69,
+       "activation_budget/trial_kept_recompute_only": 0.0}],
+     "\n    trial: the plan 75.4 ms, recompute only 76.7 ms fwd+bwd (medians); kept the plan"),
+    ([{"activation_budget/trial_recompute_only_ms": 80.3, "activation_budget/trial_kept_recompute_only": 1.0}],
+     "\n    trial: the plan nan ms, recompute only 80.3 ms fwd+bwd (medians); kept recompute only"),
+])
+def test_trial_line_table(log, expected):
+    assert job.trial_line({"budget_log": log}) == expected
 
 
 def test_an_auto_plan_whose_verdict_is_still_to_come_is_not_settled():

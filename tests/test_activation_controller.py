@@ -193,7 +193,8 @@ def test_no_trial_where_recomputing_alone_cannot_reach_the_budget_or_the_device(
     err = ctl.budget_bytes - exact + MIB  # the other plan, as planned for the whole budget, would then not fit
     alt = recompute_only(ctl.profile, ctl.plan, ctl.forecast, ctl.forecast.activation_bytes + err, ctl.budget_bytes,
                          (50.0, 50.0, 0.25), None, False)
-    assert alt[1].activation_bytes + err <= ctl.budget_bytes < exact + err  # a tighter plan: one more block
+    assert alt[1].activation_bytes <= ctl.budget_bytes < exact + err  # a tighter plan (one more block), forecast
+    # with the error included, as the plan in force's forecast is
     assert alt[1].describe_choices() == "0-3 full"
     over = ctl.budget_bytes  # the plan in force measured a whole budget above its forecast: so would the other
     assert recompute_only(ctl.profile, ctl.plan, ctl.forecast, ctl.forecast.activation_bytes + over,
@@ -218,13 +219,29 @@ def test_a_plan_trial_needs_two_steps_a_plan():
         PlanTrial(None, None, 1, steps=1)
 
 
-def test_a_trial_step_of_neither_plan_is_ignored():
+def test_a_trial_ignores_steps_of_neither_plan_late_steps_and_checks_and_a_restore_ends_it():
     ctl, _ = _settled()
-    stale, m = ctl.next_forward()
-    ctl.observe(_obs(Measure(Kind.TRIAL, round=1), _controller(0.5)[0].next_forward()[0], act_peak=1, ms=1.0))
+    incumbent, m = ctl.next_forward()
+    other_plan = _controller(0.5)[0].next_forward()[0]
+    ctl.observe(_obs(Measure(Kind.TRIAL, round=1), other_plan, act_peak=1, ms=1.0))  # neither candidate's
+    ctl.observe(_obs(Measure(Kind.CHECK, round=0), incumbent, act_peak=1, ms=1.0))  # a check finishing late
     assert ctl.state is BudgetState.TRIAL and all(c.runs == 0 for c in ctl._trial.candidates)
-    ctl.observe(_obs(m, stale, act_peak=1, ms=1.0))
+    ctl.observe(_obs(m, incumbent, act_peak=1, ms=1.0))
     assert ctl._trial.incumbent.runs == 1
+    ctl.adopt(incumbent)  # a checkpoint's plan restored mid-trial: kept, nothing more measured
+    assert ctl.state is BudgetState.DONE and ctl._trial is None and ctl.next_forward()[1] is None
+    ctl.observe(_obs(m, incumbent, act_peak=1, ms=1.0))  # a trial step finishing after the end
+    assert ctl.state is BudgetState.DONE and ctl.plan is incumbent
+
+
+def test_the_kept_recompute_only_plan_carries_its_corrected_forecast():
+    ctl, plans = _settled()
+    alt = ctl._trial.alternative
+    assert alt.forecast.activation_bytes <= ctl.budget_bytes and not alt.plan.offloaded_blocks
+    while ctl.state is BudgetState.TRIAL:
+        plan, m = ctl.next_forward()
+        ctl.observe(_obs(m, plan, act_peak=int(0.9 * ctl.budget_bytes), ms=5.0 if plan is alt.plan else 9.0))
+    assert ctl.plan is alt.plan and ctl.forecast is alt.forecast and ctl.achieved_bytes == int(0.9 * ctl.budget_bytes)
 
 
 def test_correction_rounds_end():

@@ -13,7 +13,7 @@ then picks the plan; ``RELAX`` walks a size budget from the floor to it block by
 steps add nothing (:func:`~.measure.widen`; planning again from the measurement where it ends well under the
 budget: :func:`~.measure.retarget`); ``CORRECT`` measures planned steps and
 corrects the overhead estimate (at most two rounds); ``TRIAL`` times a plan that offloads against one that only
-recomputes, where both fit, and keeps the faster (:mod:`~.trial`); ``DONE`` keeps the plan. On a ``torch.compile``'d model
+recomputes, where both fit, and keeps the faster (:mod:`~.trial`); ``DONE`` keeps the plan. On a compiled model
 ``COMPILED_MEASURE`` measures one compiled step, ``COMPILED`` has handed the budget to the compiler's own knob.
 
 Example::
@@ -113,9 +113,9 @@ class BudgetController:
         plain_activation_bytes: the plain step's activation memory (no engine effect at all).
         engine_plain_bytes: the engine's own measuring step's (cast dedupe, weight re-cast).
         forecast: what the adopted plan is expected to do.
-        achieved_bytes: the activation memory of the latest planned step measured.
+        achieved_bytes: the activation memory the plan in force measured (a trial's winner: its median).
         lean_loss_measured: the lean loss's measuring step, when weighed.
-        log: one entry per plan or correction round (the callback logs them).
+        log: one entry per plan, correction round, relaxing step or trial (the callback logs them).
     """
 
     def __init__(self, options: ActivationOffloadOptions, n_blocks: int, link: Callable[[], tuple[float, float]],
@@ -187,7 +187,7 @@ class BudgetController:
     def wants(self, measure: Measure, plan: OffloadPlan) -> bool:
         """Whether an observation of this step still matters (older steps finishing late are dropped)."""
         if self.state is BudgetState.MEASURE:
-            return measure.kind not in (Kind.CHECK, Kind.RELAX)
+            return measure.kind not in (Kind.CHECK, Kind.RELAX, Kind.TRIAL)
         if self.state is BudgetState.RELAX:
             r = self._relax
             return measure.kind is Kind.RELAX and r.pending is not None and plan is r.pending[1]
@@ -246,7 +246,7 @@ class BudgetController:
 
     def adopt(self, plan: OffloadPlan) -> None:
         """Keep ``plan`` (restored from a checkpoint): no measuring."""
-        self.plan = plan
+        self.plan, self._trial = plan, None
         self.state = BudgetState.DONE
 
     # ------------------------------------------------------------------------------------ measuring
@@ -642,7 +642,7 @@ class BudgetController:
         self.log.append(t.log_entry(kept))
         self.state, self._trial = BudgetState.DONE, None
         if kept is not t.incumbent:
-            self.plan, self.forecast, self.achieved_bytes = kept.plan, kept.forecast, max(kept.achieved)
+            self.plan, self.forecast, self.achieved_bytes = kept.plan, kept.forecast, statistics.median(kept.achieved)
             self.on_plan(self.plan)
 
     # ------------------------------------------------------------------------------------ compiled models

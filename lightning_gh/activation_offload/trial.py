@@ -3,15 +3,16 @@
 The budget planner (:mod:`lightning_gh.activation_offload.budget`) prices recompute by measurement and offload by a
 timeline model of the link. The model charges a copy only where the link cannot hide it; what the plan's waits cost
 the compute stream (a release point, a reload) and what its copies cost the host around them are not in it. Where a
-step is already bound by the host's launches, a plan that offloads a few hundred MiB can lose more time than
+step is already bound by the host's launches, a plan that offloads part of a few blocks can lose more time than
 recomputing the same bytes would, while the forecast says both are free; where the step is bound by the GPU, the
 offload plan is the faster one by a wide margin. Neither forecast settles it, so both plans run.
 
 When the plan in force offloads something and the planner's plan that offloads nothing also fits the budget (as
 ``budget_offload="last"`` would plan it), the controller runs the two in turn, :data:`TRIAL_STEPS` steps each,
 interleaved, and keeps the faster by the median of the steps each ran (:func:`choose`), saying so in one line. The
-first step of each is not counted: it grows the pinned pool or compiles a recompute path once. The plan in force
-stays unless the other is faster by more than :data:`TRIAL_MARGIN` and measured within the budget.
+first step of each is not counted: it grows the pinned pool or compiles a recompute path once. A plan whose median
+counted step measured above the budget loses to one within it; between two within it, the plan in force stays
+unless the other's median step is shorter by more than :data:`TRIAL_MARGIN`.
 
 Example::
 
@@ -35,7 +36,7 @@ __all__ = ["TRIAL_MARGIN", "TRIAL_STEPS", "Candidate", "PlanTrial", "choose", "r
 
 #: Steps each of the two plans runs in the trial; the first of each is not counted.
 TRIAL_STEPS = 4
-#: The plan that only recomputes replaces the plan in force only if its median step is at least this much shorter.
+#: The plan that only recomputes replaces the plan in force only if its median step is shorter by more than this.
 TRIAL_MARGIN = 0.01
 
 
@@ -46,7 +47,7 @@ def choose(incumbent_ms: Sequence[float], incumbent_fits: bool, alternative_ms: 
     Args:
         incumbent_ms / alternative_ms: the counted steps' forward+backward times of each plan (ms).
         incumbent_fits / alternative_fits: whether each plan's measured activation memory was within the budget.
-        margin: the alternative must be this much faster (a share of the incumbent's median).
+        margin: the alternative must be faster by more than this (a share of the incumbent's median).
 
     A plan measured above the budget loses to one within it; with no time measured for either, the incumbent stays.
     """
@@ -87,6 +88,7 @@ def recompute_only(bp: BudgetProfile, plan: OffloadPlan, forecast: BudgetForecas
     predicted = fc.activation_bytes + error
     if alt.offloaded_blocks or predicted > budget_bytes or (room_bytes is not None and predicted > room_bytes):
         return None
+    fc = replace(fc, activation_bytes=predicted)  # forecast as the plan in force's is: its measured error included
     note = (f"budget {fmt_bytes(budget_bytes)}: the plan that only recomputes, timed against the plan in force: "
             f"{fc.describe_choices()}; predicted {fmt_bytes(predicted)} at {fc.step_ms:.1f} ms fwd+bwd")
     return replace(alt, notes=(note,), lean_loss=lean_loss), fc
@@ -162,7 +164,8 @@ class PlanTrial:
         return all(c.runs >= self.steps for c in self.candidates)
 
     def fits(self, c: Candidate) -> bool:
-        return bool(c.achieved) and max(c.achieved) <= self.budget_bytes
+        """Whether ``c``'s counted steps measured within the budget (their median: one step's blip does not count)."""
+        return bool(c.achieved) and statistics.median(c.achieved) <= self.budget_bytes
 
     def verdict(self) -> tuple[Candidate, str]:
         """The candidate kept, and the line that says why."""
@@ -172,7 +175,7 @@ class PlanTrial:
 
         def said(c: Candidate) -> str:
             ms = f"{statistics.median(c.times):.1f} ms" if c.times else "not timed"
-            mem = fmt_bytes(max(c.achieved)) if c.achieved else "not measured"
+            mem = fmt_bytes(statistics.median(c.achieved)) if c.achieved else "not measured"
             return f"{c.label} ({c.forecast.describe_choices()}): {ms}, {mem}"
 
         line = (f"ActivationOffload budget: timed two plans, {len(inc.times)} + {len(alt.times)} steps: "

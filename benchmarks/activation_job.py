@@ -14,6 +14,7 @@ variant           what runs
 ================  ==================================================================================================
 plain             nothing: the ratio base (always runs first)
 hf_ckpt           ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``
+hf_ckpt_reentrant the same with ``{"use_reentrant": True}`` (torch's reentrant checkpoint)
 sac               torch's selective activation checkpointing per decoder layer: each layer's forward under
                   ``torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=...)`` with
                   ``create_selective_checkpoint_contexts`` and a policy that saves matmul and SDPA outputs and
@@ -96,8 +97,9 @@ GIB = 2**30
 MIB = 2**20
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "mistral": ("MistralConfig", "MistralForCausalLM")}
-VARIANTS = ("plain", "hf_ckpt", "sac", "auto", "lean", "lean_norm_act", "budget_0.7", "budget_0.7_last", "budget_0.5",
-            "budget_0.3", "budget_at_ckpt")
+VARIANTS = ("plain", "hf_ckpt", "hf_ckpt_reentrant", "sac", "auto", "lean", "lean_norm_act", "budget_0.7",
+            "budget_0.7_last", "budget_0.5", "budget_0.3", "budget_at_ckpt")
+ANCHORS = ("hf_ckpt", "hf_ckpt_reentrant", "sac")
 #: The ActivationOffload variants: the rows the goals are judged on (the others are the anchors).
 OURS = ("auto", "lean", "lean_norm_act", "budget_0.7", "budget_0.7_last", "budget_0.5", "budget_0.3", "budget_at_ckpt")
 #: The smoke run's model: the offload suite's CPU shape with two decoder layers.
@@ -335,8 +337,9 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
         row["params"] = sum(p.numel() for p in model.parameters())
         row["qkv_bias"] = model.model.layers[0].self_attn.q_proj.bias is not None
         row["sliding_window"] = getattr(model.config, "sliding_window", None)
-        if variant == "hf_ckpt":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if variant in ("hf_ckpt", "hf_ckpt_reentrant"):
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": variant == "hf_ckpt_reentrant"})
         elif variant == "sac":
             row["sac_layers"] = apply_sac(model.model.layers)
         offload = offload_callback(variant, ckpt_act_bytes)
@@ -474,7 +477,7 @@ def goal_line(family: str, rows: list[dict[str, Any]]) -> str:
         verdict = "not judged" if met is None else ("met" if met else "not met")
         parts.append(f"{GOAL_TEXT[key]}: {verdict} ({why})")
     anchors = [f"{r['variant']} {r['x_plain']:.2f}x" for r in rows
-               if r["variant"] in ("hf_ckpt", "sac") and r.get("x_plain") is not None]
+               if r["variant"] in ANCHORS and r.get("x_plain") is not None]
     return f"[goals] {family}: " + "; ".join(parts) + (f"; anchors: {', '.join(anchors)}" if anchors else "")
 
 

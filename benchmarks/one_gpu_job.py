@@ -30,6 +30,8 @@ deepspeed_offload   Lightning ``strategy="deepspeed_stage_2_offload"`` + ``DeepS
 torchao_offload     torchao's ``CPUOffloadOptimizer`` (fused AdamW on the CPU), ``bf16-mixed``, HF checkpointing
                     (Lightning refuses it: it is not a ``torch.optim.Optimizer``; the row says so)
 gpu_bf16_budget     as gpu_bf16_ckpt with ``ActivationOffload(budget=--budget)`` instead of HF checkpointing
+gpu_bf16_budget_margin  as gpu_bf16_budget with ``margin=--act-margin`` (the link model's allowance for slower
+                    transfers; the option's default beside it in the same run)
 superoffload_budget as superoffload with ``ActivationOffload(budget=--budget)`` instead of HF checkpointing
 gpu_fp32master      GPU-only ``bf16-mixed`` (fp32 weights and state on the GPU), ``AdamW(foreach=True)``: the
                     reference of ``--check-loss`` on a model that fits
@@ -71,7 +73,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("gpu_bf16_ckpt", "superoffload", "superoffload_fp8", "deepspeed_offload", "torchao_offload",
             "gpu_fp32master", "gpu_bf16_budget", "superoffload_budget", "superoffload_assist",
             "superoffload_fp8_assist", "superoffload_rareclip", "superoffload_fp8_rareclip", "superoffload_onepass",
-            "superoffload_plainloss")
+            "superoffload_plainloss", "gpu_bf16_budget_margin")
 #: Published decoder shapes for ``--shape``: architecture, hidden, FFN, layers, heads, KV heads, vocabulary.
 SHAPES = {
     "mistral7b": ("llama", 4096, 14336, 32, 32, 8, 32000),
@@ -79,7 +81,7 @@ SHAPES = {
     "qwen2.5-7b": ("qwen2", 3584, 18944, 28, 28, 4, 152064),
 }
 #: Variants that replace HF gradient checkpointing by ``ActivationOffload(budget=...)``.
-BUDGET_VARIANTS = ("gpu_bf16_budget", "superoffload_budget")
+BUDGET_VARIANTS = ("gpu_bf16_budget", "superoffload_budget", "gpu_bf16_budget_margin")
 
 @dataclass(kw_only=True)
 class Shape:
@@ -110,6 +112,7 @@ class Job(Shape):
     clip: float = 1.0
     record_losses: bool = False
     budget: str = "8GiB"
+    act_margin: float = 0.1  # ActivationOffload(margin=...) of gpu_bf16_budget_margin
     profile_step: int | None = None  # optimizer step the SuperOffload variants profile (SelectiveProfiler)
     out: str = ""  # the run's output folder (the profile goes there)
     knob: str | None = None  # the out-of-memory report's knob this run applies (--oom-knob), as the report wrote it
@@ -240,7 +243,7 @@ def _child(job: Job, out_file: Path) -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=job.batch)
 
     kw: dict[str, Any] = {}
-    if job.variant in ("gpu_bf16_ckpt", "gpu_bf16_budget"):
+    if job.variant in ("gpu_bf16_ckpt", "gpu_bf16_budget", "gpu_bf16_budget_margin"):
         kw = {"precision": "bf16-true"}
     elif job.variant == "gpu_fp32master":
         kw = {"precision": "bf16-mixed"}
@@ -264,7 +267,8 @@ def _child(job: Job, out_file: Path) -> None:
     else:
         raise SystemExit(f"unknown variant {job.variant!r}; expected one of {VARIANTS}")
     clock = Clock()
-    extra: list[Any] = [lgh.ActivationOffload(budget=job.budget)] if job.variant in BUDGET_VARIANTS else []
+    margin = {"margin": job.act_margin} if job.variant == "gpu_bf16_budget_margin" else {}
+    extra: list[Any] = [lgh.ActivationOffload(budget=job.budget, **margin)] if job.variant in BUDGET_VARIANTS else []
     if job.knob_budget is not None:
         extra.append(lgh.ActivationOffload(budget=job.knob_budget))
     if job.profile_step is not None and job.variant.startswith("superoffload"):
@@ -489,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="record every variant's loss per step and print each one's largest relative difference "
                          "from the anchor's (the same initial weights and data)")
     ap.add_argument("--budget", default="8GiB", help="ActivationOffload's budget in the *_budget variants")
+    ap.add_argument("--act-margin", type=float, default=0.1, help="ActivationOffload's margin in gpu_bf16_budget_margin")
     ap.add_argument("--profile-step", type=int, help="profile this optimizer step of the superoffload* variants "
                     "(SelectiveProfiler: trace, summary and verdict under --out)")
     ap.add_argument("--rare-clip", type=float, default=100.0,
@@ -534,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                       seq=args.seq, steps=args.offload_steps if ours else args.steps,
                       warmup=args.offload_warmup if ours else args.warmup,
                       checkpointing=not args.no_checkpointing, record_losses=args.check_loss or args.losses,
-                      budget=args.budget,
+                      budget=args.budget, act_margin=args.act_margin,
                       clip=args.rare_clip if v.endswith("_rareclip") else 1.0, profile_step=args.profile_step,
                       out=str(out))
             left = wall_left(args.wall_budget, t_start, args.timeout)

@@ -24,11 +24,15 @@ lean              ``ActivationOffload(policy=0, lean_loss=True)``: the lean loss
                   recomputed)
 lean_norm_act     ``ActivationOffload(policy=0, recompute="norm-act", lean_loss=True)``: the lean loss, and every
                   block recomputes its norms and gated activations (nothing offloaded)
+lean_norm_mlp     as lean_norm_act with each layer's ``mlp`` marked ``lgh_recompute = True``: every block recomputes
+                  its norms and its whole MLP (gate and up projections included)
 budget_0.7 ...    ``ActivationOffload(budget=0.7)``, ``0.5``, ``0.3``
 budget_0.7_last   ``ActivationOffload(budget=0.7, budget_offload="last")``: the plan offloads only what recomputing
                   cannot fit
 budget_at_ckpt    ``ActivationOffload(budget=<bytes>)`` at hf_ckpt's measured activation memory (skipped, with a
                   note, when hf_ckpt did not run)
+budget_at_ckpt_\  as budget_at_ckpt with the MLPs marked as in lean_norm_mlp: the budget's norm-act mode recomputes
+mlp               norms and MLPs
 ================  ==================================================================================================
 
 Each step is timed between ``torch.cuda.synchronize()`` calls (the median of ``--iters`` timed steps). The timed steps
@@ -97,11 +101,15 @@ GIB = 2**30
 MIB = 2**20
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "mistral": ("MistralConfig", "MistralForCausalLM")}
-VARIANTS = ("plain", "hf_ckpt", "hf_ckpt_reentrant", "sac", "auto", "lean", "lean_norm_act", "budget_0.7",
-            "budget_0.7_last", "budget_0.5", "budget_0.3", "budget_at_ckpt")
+VARIANTS = ("plain", "hf_ckpt", "hf_ckpt_reentrant", "sac", "auto", "lean", "lean_norm_act", "lean_norm_mlp",
+            "budget_0.7", "budget_0.7_last", "budget_0.5", "budget_0.3", "budget_at_ckpt", "budget_at_ckpt_mlp")
+#: Variants whose decoder layers' MLP modules are marked ``lgh_recompute = True``: ``"norm-act"`` (and the budget's
+#: norm-act mode) then recomputes each whole MLP (its gate and up projections too), not only the norms.
+MLP_MARKED = ("lean_norm_mlp", "budget_at_ckpt_mlp")
 ANCHORS = ("hf_ckpt", "hf_ckpt_reentrant", "sac")
 #: The ActivationOffload variants: the rows the goals are judged on (the others are the anchors).
-OURS = ("auto", "lean", "lean_norm_act", "budget_0.7", "budget_0.7_last", "budget_0.5", "budget_0.3", "budget_at_ckpt")
+OURS = ("auto", "lean", "lean_norm_act", "budget_0.7", "budget_0.7_last", "budget_0.5", "budget_0.3", "budget_at_ckpt",
+        "lean_norm_mlp", "budget_at_ckpt_mlp")
 #: The smoke run's model: the offload suite's CPU shape with two decoder layers.
 SMOKE_CFG = {**HF_CFG_CPU, "num_hidden_layers": 2}
 #: Memory left allocated after a variant's cleanup above which the run warns of a leak.
@@ -308,9 +316,9 @@ def offload_callback(variant: str, ckpt_act_bytes: int | None) -> ActivationOffl
         return ActivationOffload()
     if variant == "lean":
         return ActivationOffload(policy=0, lean_loss=True)
-    if variant == "lean_norm_act":
+    if variant in ("lean_norm_act", "lean_norm_mlp"):
         return ActivationOffload(policy=0, recompute="norm-act", lean_loss=True)
-    if variant == "budget_at_ckpt":
+    if variant in ("budget_at_ckpt", "budget_at_ckpt_mlp"):
         return ActivationOffload(budget=int(ckpt_act_bytes))
     if variant == "budget_0.7_last":
         return ActivationOffload(budget=0.7, budget_offload="last")
@@ -325,7 +333,7 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
     cuda = device.type == "cuda"
     row: dict[str, Any] = {"kind": "row", "family": family, "variant": variant, "device": str(device),
                            "tokens_per_step": batch * seq, "error": None}
-    if variant == "budget_at_ckpt":
+    if variant in ("budget_at_ckpt", "budget_at_ckpt_mlp"):
         row["budget_bytes"] = ckpt_act_bytes
     reset_memory(device)
     before = torch.cuda.memory_allocated(device) if cuda else 0
@@ -342,6 +350,9 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
                 gradient_checkpointing_kwargs={"use_reentrant": variant == "hf_ckpt_reentrant"})
         elif variant == "sac":
             row["sac_layers"] = apply_sac(model.model.layers)
+        elif variant in MLP_MARKED:
+            for layer in model.model.layers:
+                layer.mlp.lgh_recompute = True
         offload = offload_callback(variant, ckpt_act_bytes)
         module = OwnLossLM(model)
         model = None
@@ -545,7 +556,7 @@ def family_rows(family: str, args: argparse.Namespace, device: torch.device, out
     rows: list[dict[str, Any]] = []
     for variant in chosen:
         ckpt_bytes = None
-        if variant == "budget_at_ckpt":
+        if variant in ("budget_at_ckpt", "budget_at_ckpt_mlp"):
             ckpt = next((r for r in rows if r["variant"] == "hf_ckpt"), None)
             if ckpt is None or ckpt.get("error"):
                 why = "hf_ckpt is not in --variants" if ckpt is None else "hf_ckpt failed"

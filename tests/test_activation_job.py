@@ -156,6 +156,9 @@ def _rows(**act_and_ms):
          {"at_ckpt_memory": False, "less_act": False, "auto": None}),
         # the anchors meet nothing: sac alone does not make a goal met
         (dict(plain=(10, 100.0), sac=(4, 101.0)), {"at_ckpt_memory": None, "less_act": None, "auto": None}),
+        # rows that mark the model (the MLP-marked diagnostics) and the reentrant anchor meet nothing either
+        (dict(plain=(10, 100.0), hf_ckpt=(4, 121.0), hf_ckpt_reentrant=(4, 101.0), budget_at_ckpt_mlp=(4, 101.0),
+              lean_norm_mlp=(6, 101.0)), {"at_ckpt_memory": False, "less_act": None, "auto": None}),
     ],
 )
 def test_goals_table(rows, expected):

@@ -14,7 +14,8 @@ steps add nothing (:func:`~.measure.widen`; planning again from the measurement 
 budget: :func:`~.measure.retarget`); ``CORRECT`` measures planned steps and
 corrects the overhead estimate (at most two rounds); ``TRIAL`` times a plan that offloads against one that only
 recomputes, where both fit, and keeps the faster (:mod:`~.trial`); ``DONE`` keeps the plan. On a compiled model
-``COMPILED_MEASURE`` measures one compiled step, ``COMPILED`` has handed the budget to the compiler's own knob.
+``COMPILED_MEASURE`` measures one compiled step, ``COMPILED`` has handed the budget to the compiler's own knob (those
+steps are in :mod:`~.compiled_budget`, which the controller inherits).
 
 Example::
 
@@ -26,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import statistics
 from dataclasses import replace
@@ -34,11 +34,13 @@ from typing import Any, Callable
 
 from lightning_gh._util import fmt_bytes
 from lightning_gh.activation_offload import budget as _budget
+from lightning_gh.activation_offload.compiled_budget import CompiledBudget
 from lightning_gh.activation_offload.measure import (
     MAX_CORRECTIONS,
     MAX_OVERSHOOTS,
     SIZE_FORM,
     WITHIN,
+    BudgetState,
     CompilerKnob,
     Correction,
     Kind,
@@ -80,20 +82,7 @@ __all__ = ["MAX_CORRECTIONS", "WITHIN", "BudgetController", "BudgetState", "Corr
 
 log = logging.getLogger(__name__)
 
-class BudgetState(enum.Enum):
-    """Where the controller stands."""
-
-    MEASURE = "measure"  # walking the measuring schedule
-    RELAX = "relax"  # a size budget: from the floor towards the plan, a few blocks per measured step
-    CORRECT = "correct"  # a plan is adopted; its measured steps correct the overhead estimate
-    TRIAL = "trial"  # the plan and the one that only recomputes, timed against each other
-    DONE = "done"  # the plan stays
-    COMPILED_MEASURE = "compiled-measure"  # a compiled model: measuring one compiled step
-    COMPILED = "compiled"  # a compiled model: the budget is the compiler's
-    FAILED = "failed"  # the budget was refused
-
-
-class BudgetController:
+class BudgetController(CompiledBudget):
     """Budget mode's decisions, from the measuring schedule to the corrected plan (see the module docstring).
 
     Args:
@@ -644,57 +633,3 @@ class BudgetController:
         if kept is not t.incumbent:
             self.plan, self.forecast, self.achieved_bytes = kept.plan, kept.forecast, statistics.median(kept.achieved)
             self.on_plan(self.plan)
-
-    # ------------------------------------------------------------------------------------ compiled models
-
-    def start_compiled(self, owner: str, on_cuda: bool) -> None:
-        """Budget mode on a ``torch.compile``'d model: a fraction goes to the compiler now; a size needs one measured
-        compiled step (CUDA)."""
-        if self.budget.fraction is not None:
-            self.state = BudgetState.COMPILED
-            self._set_knob(_budget.compiler_budget(self.budget.fraction), owner,
-                           f"a fraction budget of {self.budget.fraction:.0%}")
-        elif not on_cuda:
-            self.state = BudgetState.FAILED
-            raise ValueError(f"budget={self.options.budget!r} on the compiled module '{owner}': a size budget is "
-                             "turned into the compiler's activation_memory_budget from a measured CUDA step; "
-                             "on this device pass a fraction instead (e.g. budget=0.5).")
-        else:
-            self.state = BudgetState.COMPILED_MEASURE
-
-    def compiled_forward(self, owner: str) -> None:
-        """Called before each forward of a compiled model: the first compiles, the second is measured."""
-        if self.state is not BudgetState.COMPILED_MEASURE:
-            return
-        self.knob.calls += 1
-        if self.knob.calls <= 2:  # the first call compiles (not a step to measure); the second is measured
-            if self.knob.calls == 2:
-                self.knob.base = self.probe.start()
-            return
-        act = self.probe.peak(self.knob.base)
-        self.plain_activation_bytes = act
-        self.budget_bytes = self.budget.resolve(act)
-        self.state = BudgetState.COMPILED
-        frac = min(1.0, self.budget_bytes / max(act, 1))
-        if frac >= 1.0:  # said as a plan, as for an eager model (the budget's measuring is over)
-            self.plan = replace(plan_none(self.n, "budget-compiled"), notes=(
-                f"budget {self.budget.describe()} >= the compiled step's measured {fmt_bytes(act)}: nothing to do",))
-            self.on_plan(self.plan)
-            return
-        self._set_knob(_budget.compiler_budget(frac), owner,
-                       f"{fmt_bytes(self.budget_bytes)} of the compiled step's measured {fmt_bytes(act)} "
-                       "(torch._dynamo.reset(): the model recompiles once)")
-
-    def _set_knob(self, value: float, owner: str, why: str) -> None:
-        self.knob.set(value)
-        msg = (f"ActivationOffload budget: '{owner}' is torch.compile'd, so its blocks' boundaries are traced, not "
-               f"run; set torch._functorch.config.activation_memory_budget = {value:.3f} for {why} (the compiler "
-               "recomputes what it must; restored when training ends)")
-        log.info(msg)
-        self.log.append({"activation_budget/compiler_budget": value})
-        self.plan = replace(plan_none(self.n, "budget-compiled"), notes=(msg,))
-        self.on_plan(self.plan)
-
-    def close(self) -> None:
-        """Restore the compiler's budget if this controller set it."""
-        self.knob.restore()

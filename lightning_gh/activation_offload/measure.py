@@ -1,10 +1,11 @@
 """What budget mode measures: the records of its measuring steps, their schedules, and how memory is read.
 
-:class:`Measure` says what one measured step is for (:class:`Kind`); :func:`measuring_schedule` (a fraction budget:
-the plain step is its reference) and :func:`floor_schedule` (a size budget: every step from the floor) list them in
-order; :class:`Observation` is what the engine saw in one of them; :class:`MemoryProbe` reads a step's activation
-memory on CUDA; :class:`CompilerKnob` holds the compiler's ``activation_memory_budget`` for a compiled model. The
-decisions are the :class:`~lightning_gh.activation_offload.controller.BudgetController`'s.
+:class:`BudgetState` says where the controller stands, :class:`Measure` what one measured step is for (:class:`Kind`);
+:func:`measuring_schedule` (a fraction budget: the plain step is its reference) and :func:`floor_schedule` (a size
+budget: every step from the floor) list them in order; :class:`Observation` is what the engine saw in one of them;
+:class:`MemoryProbe` reads a step's activation memory on CUDA; :class:`CompilerKnob` holds the compiler's
+``activation_memory_budget`` for a compiled model. The decisions are the
+:class:`~lightning_gh.activation_offload.controller.BudgetController`'s.
 
 Example::
 
@@ -27,8 +28,8 @@ from lightning_gh._util import fmt_bytes, local_tensor
 from lightning_gh.activation_offload.budget import BudgetForecast, BudgetProfile, ModeCost
 from lightning_gh.activation_offload.policy import BlockProfile, OffloadPlan, StepProfile, simulate
 
-__all__ = ["FILL_FRACTIONS", "MAX_CORRECTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "MAX_WIDTH", "WITHIN", "CompilerKnob",
-           "Correction", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "correction",
+__all__ = ["FILL_FRACTIONS", "MAX_CORRECTIONS", "MAX_FILLS", "MAX_OVERSHOOTS", "MAX_WIDTH", "WITHIN", "BudgetState",
+           "CompilerKnob", "Correction", "Kind", "Measure", "MemoryProbe", "Observation", "Relaxation", "block0_ms", "correction",
            "device_allows", "fill_step", "floor_costs", "floor_mode", "floor_name", "floor_schedule", "measuring_schedule",
            "next_width", "relax_end", "relax_guard", "sample_copy_points", "sample_guard", "widen"]
 
@@ -58,6 +59,19 @@ def correction(achieved_bytes: int, budget_bytes: int, round: int) -> Correction
     if WITHIN * budget_bytes <= achieved_bytes <= budget_bytes:
         return Correction.WITHIN
     return Correction.LAST_ROUND if round >= MAX_CORRECTIONS else Correction.REPLAN
+
+
+class BudgetState(enum.Enum):
+    """Where the controller stands."""
+
+    MEASURE = "measure"  # walking the measuring schedule
+    RELAX = "relax"  # a size budget: from the floor towards the plan, a few blocks per measured step
+    CORRECT = "correct"  # a plan is adopted; its measured steps correct the overhead estimate
+    TRIAL = "trial"  # the plan and the one that only recomputes, timed against each other
+    DONE = "done"  # the plan stays
+    COMPILED_MEASURE = "compiled-measure"  # a compiled model: measuring one compiled step
+    COMPILED = "compiled"  # a compiled model: the budget is the compiler's
+    FAILED = "failed"  # the budget was refused
 
 
 class Kind(enum.Enum):

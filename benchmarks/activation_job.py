@@ -108,6 +108,8 @@ VARIANTS = ("plain", "hf_ckpt", "hf_ckpt_reentrant", "sac", "auto", "lean", "lea
 #: norm-act mode) then recomputes each whole MLP (its gate and up projections too), not only the norms.
 MLP_MARKED = ("lean_norm_mlp", "budget_at_ckpt_mlp")  # diagnostic rows: a mark on the model, so no goal is judged on them
 ANCHORS = ("hf_ckpt", "hf_ckpt_reentrant", "sac")
+#: Variants whose budget is hf_ckpt's measured activation memory (run after hf_ckpt, skipped without it).
+AT_CKPT = ("budget_at_ckpt", "budget_at_ckpt_mlp")
 #: The ActivationOffload variants: the rows the goals are judged on (the others are the anchors).
 OURS = ("auto", "lean", "lean_norm_act", "budget_0.7", "budget_0.7_last", "budget_0.5", "budget_0.3", "budget_at_ckpt")
 #: The smoke run's model: the offload suite's CPU shape with two decoder layers.
@@ -318,7 +320,7 @@ def offload_callback(variant: str, ckpt_act_bytes: int | None) -> ActivationOffl
         return ActivationOffload(policy=0, lean_loss=True)
     if variant in ("lean_norm_act", "lean_norm_mlp"):
         return ActivationOffload(policy=0, recompute="norm-act", lean_loss=True)
-    if variant in ("budget_at_ckpt", "budget_at_ckpt_mlp"):
+    if variant in AT_CKPT:
         return ActivationOffload(budget=int(ckpt_act_bytes))
     if variant == "budget_0.7_last":
         return ActivationOffload(budget=0.7, budget_offload="last")
@@ -333,7 +335,7 @@ def run_variant(family: str, variant: str, args: argparse.Namespace, device: tor
     cuda = device.type == "cuda"
     row: dict[str, Any] = {"kind": "row", "family": family, "variant": variant, "device": str(device),
                            "tokens_per_step": batch * seq, "error": None}
-    if variant in ("budget_at_ckpt", "budget_at_ckpt_mlp"):
+    if variant in AT_CKPT:
         row["budget_bytes"] = ckpt_act_bytes
     reset_memory(device)
     before = torch.cuda.memory_allocated(device) if cuda else 0
@@ -556,7 +558,7 @@ def family_rows(family: str, args: argparse.Namespace, device: torch.device, out
     rows: list[dict[str, Any]] = []
     for variant in chosen:
         ckpt_bytes = None
-        if variant in ("budget_at_ckpt", "budget_at_ckpt_mlp"):
+        if variant in AT_CKPT:
             ckpt = next((r for r in rows if r["variant"] == "hf_ckpt"), None)
             if ckpt is None or ckpt.get("error"):
                 why = "hf_ckpt is not in --variants" if ckpt is None else "hf_ckpt failed"
